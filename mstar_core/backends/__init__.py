@@ -1,0 +1,1 @@
+"""Backends shipped with the core (the plain-PyTorch reference)."""

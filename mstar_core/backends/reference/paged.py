@@ -1,0 +1,136 @@
+"""Reference paged wrappers: seed 001's constructor, ``plan`` and ``run`` signatures, in plain
+PyTorch on any device. ``plan`` does every index computation once; ``run`` (per layer) gathers
+the keys and computes."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .math import Padding, attend_padded, build_padding, gather_paged_slots
+
+
+def _kv_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
+    n_pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
+    return torch.where(n_pages > 0, (n_pages - 1) * page_size + last_page_len.to(torch.int64), 0)
+
+
+class ReferencePrefillWrapper:
+    """Batched prefill over a ``[max_pages, 2, page_size, H_kv, D]`` layer view."""
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_total_tokens: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device | str = "cpu",
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self._pad: Padding | None = None
+        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._sm_scale: float | None = None
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        qo_indptr = qo_indptr.cpu().to(torch.int64)
+        indptr = paged_kv_indptr.cpu().to(torch.int64)
+        lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)
+        q_lens = qo_indptr[1:] - qo_indptr[:-1]
+        self._pad = build_padding(q_lens, lens, causal, window_left, self.device)
+        self._slots = gather_paged_slots(indptr, paged_kv_indices, lens, self.page_size, self._pad.max_k, self.device)
+        self._sm_scale = kwargs.get("sm_scale")
+        self._total = int(qo_indptr[-1])
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        if self._pad is None or self._slots is None:
+            raise RuntimeError(f"{type(self).__name__}.run before plan")
+        want = (self._total, self.num_qo_heads, self.head_dim)
+        if tuple(q.shape) != want:
+            raise ValueError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+        pages, offs = self._slots
+        k = kv_cache_layer[pages, 0, offs]  # [rows, max_k, Hkv, D]
+        v = kv_cache_layer[pages, 1, offs]
+        return attend_padded(q, k, v, self._pad, self._sm_scale)
+
+
+class ReferenceDecodeWrapper(ReferencePrefillWrapper):
+    """One query token per row: a prefill whose ``qo_indptr`` is ``0 .. rows``."""
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device | str = "cpu",
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
+                         None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+
+    def plan(  # type: ignore[override]
+        self,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        rows = paged_kv_indptr.numel() - 1
+        qo_indptr = torch.arange(rows + 1, dtype=torch.int64)
+        super().plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                     causal=True, dtype=dtype, kv_lens=kv_lens, window_left=window_left, **kwargs)
+
+
+class ReferenceMixedWrapper(ReferencePrefillWrapper):
+    """Decode rows and prompt rows in one step. One padded pass computes both exactly; the
+    two-plan split of seed 001 is a FlashInfer planning-cost optimisation."""
+
+    def __init__(
+        self,
+        decode_workspace: torch.Tensor | None,
+        prefill_workspace: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int,
+        max_total_tokens: int,
+        max_num_pages: int,
+        max_prefill_rows: int,
+        device: torch.device | str,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
+                         max_total_tokens, max_num_pages, device)
+        self.max_prefill_rows = max_prefill_rows

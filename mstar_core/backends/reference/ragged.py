@@ -1,0 +1,61 @@
+"""Reference prefixed ragged prefill: queries are each segment's fresh tokens, keys are
+[frozen prefix | fresh], packed by ``cu_k``."""
+
+from __future__ import annotations
+
+import torch
+
+from .math import Padding, attend_padded, build_padding
+
+
+class ReferencePrefixedPrefillWrapper:
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str = "cpu",
+        workspace_buffer: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.device = torch.device(device)
+        self._pad: Padding | None = None
+
+    def plan(
+        self,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+    ) -> None:
+        cu_q = torch.as_tensor(cu_q).cpu().to(torch.int64)
+        cu_k = torch.as_tensor(cu_k).cpu().to(torch.int64)
+        q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+        self._pad = build_padding(q_lens, k_lens, causal, window_left, self.device)
+        krow = torch.repeat_interleave(torch.arange(len(k_lens)), k_lens)
+        self._k_at = (krow.to(self.device), (torch.arange(int(cu_k[-1])) - cu_k[krow]).to(self.device))
+        self._sm_scale = sm_scale
+        self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self._pad is None:
+            raise RuntimeError("ReferencePrefixedPrefillWrapper.run before plan")
+        tq, tk = self._tokens
+        if q.shape[0] != tq or k.shape[0] != tk or v.shape[0] != tk:
+            raise ValueError(
+                f"run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has {tq} queries and {tk} keys"
+            )
+        pad = self._pad
+        row, col = self._k_at
+        k_pad = k.new_zeros((pad.rows, pad.max_k, *k.shape[1:]))
+        v_pad = v.new_zeros((pad.rows, pad.max_k, *v.shape[1:]))
+        k_pad[row, col] = k
+        v_pad[row, col] = v
+        return attend_padded(q, k_pad, v_pad, pad, self._sm_scale)

@@ -1,0 +1,102 @@
+"""``Resource``: the lifecycle every KV manager and attention manager shares (DESIGN.md).
+
+Per request: ``ingest_request`` (idempotent), ``reset_request``, ``remove_request``. Per step,
+over a node's resources in ``depends_on()`` order: ``admit`` -> ``plan`` -> forward -> ``commit``,
+with ``rollback_admit`` undoing exactly what this step's admit took when another resource
+refused. The defaults here are right for a resource that needs no such hook.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .step import AdmitOutcome, Step, StepContext
+
+
+@dataclass(frozen=True)
+class BuildInfo:
+    """What a node knows when it builds its resources: device, dtype, the model's shape, and
+    the resources already built (by name), for those this one ``depends_on``."""
+
+    device: torch.device
+    dtype: torch.dtype = torch.float32
+    num_layers: int = 1
+    num_qo_heads: int = 1
+    num_kv_heads: int = 1
+    head_dim: int = 64
+    built: Mapping[str, Resource] = field(default_factory=dict)
+
+
+class Resource:
+    """Base of every step resource. Subclasses override what they need."""
+
+    name: str = "resource"  # key in ctx.plan_results; instances may override
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> Resource:
+        """Construct from a config ``spec`` and the node's ``info``."""
+        raise NotImplementedError(f"{cls.__name__} does not support build(spec, info)")
+
+    # -- per request -------------------------------------------------------------------------
+    def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
+        """Must be idempotent: a request may be ingested once per partition it spans."""
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        """Forget what ``rid`` computed so far (e.g. dummy ids after graph capture)."""
+
+    def remove_request(self, rid: str) -> None:
+        """Release everything ``rid`` holds. Removing an unknown request is a no-op."""
+
+    # -- per step ----------------------------------------------------------------------------
+    def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """Reserve what ``step`` needs; refuse (as a value) when something is short."""
+        return AdmitOutcome.ok()
+
+    def rollback_admit(self, step: Step, ctx: StepContext) -> None:
+        """Undo exactly what this step's ``admit`` took."""
+
+    def plan(self, step: Step, ctx: StepContext) -> Any:
+        """An immutable plan, opaque to the runner; stored in ``ctx.plan_results[self.name]``."""
+        return None
+
+    def commit(self, step: Step, ctx: StepContext) -> None:
+        """Record the step's consumption after the forward ran."""
+
+    # -- identity and ordering ---------------------------------------------------------------
+    def fingerprint(self) -> bytes | None:
+        """What this resource adds to the prefix cache's root hash; None where it cannot change
+        what a page holds."""
+        return None
+
+    def depends_on(self) -> tuple[str, ...]:
+        """Names of resources that must be admitted and planned before this one."""
+        return ()
+
+    # -- capture -----------------------------------------------------------------------------
+    def can_capture(self) -> bool:
+        """Whether a step using this resource can be captured in a CUDA graph."""
+        return False
+
+    @property
+    def supports_preplan(self) -> bool:
+        """Whether ``plan`` for step N+1 may run while step N is in flight."""
+        return False
+
+    @property
+    def force_double_buffer(self) -> bool:
+        """Whether this resource needs double-buffered staging even off the pre-plan path
+        (it stages a layout into a reused host buffer and copies it asynchronously)."""
+        return False
+
+    def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
+        """Size what captured replays read. Grow-only: may be called many times."""
+
+    def post_warmup_validate(self) -> None:
+        """Check invariants after warm-up / capture; raise loudly when violated."""
+
+    def cleanup(self) -> None:
+        """Release device memory and host state."""

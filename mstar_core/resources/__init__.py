@@ -1,0 +1,1 @@
+"""Step resources: KV managers and attention managers."""

@@ -1,0 +1,57 @@
+"""``AttentionManager``: a resource that plans attention once per step and runs it per layer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ...resource import Resource
+
+
+class AttentionManager(Resource):
+    """Base of the paged and dense attention managers.
+
+    ``build(spec, info)`` receives the wrapper class(es) the backend selection chose. A layer
+    is written once for every backend::
+
+        if attn.requires_kv_write:
+            kv.write_kv(k, v, layer_idx=i, label=label)
+        out = attn.run(q, label, kv.layer_view(i), k=k, v=v, layer_idx=i)
+    """
+
+    name = "attn"
+
+    @property
+    def requires_kv_write(self) -> bool:
+        """Whether a layer must write this step's K/V through the KV resource before ``run``."""
+        return True
+
+    def depends_on(self) -> tuple[str, ...]:
+        return ("kv",)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        label: str | None = None,
+        kv_cache_layer: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        layer_idx: int | None = None,
+    ) -> torch.Tensor:
+        """One layer's attention for ``label``'s packed queries ``[tokens, Hq, D]``."""
+        raise NotImplementedError
+
+
+def check_q(q: torch.Tensor, tokens: int, num_qo_heads: int, head_dim: int, dtype: torch.dtype, who: str) -> None:
+    """Clear errors for the commonest misuse of ``run``: wrong shape or dtype of ``q``."""
+    want = (tokens, num_qo_heads, head_dim)
+    if tuple(q.shape) != want:
+        raise ValueError(f"{who}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+    if q.dtype != dtype:
+        raise TypeError(f"{who}.run: q has dtype {q.dtype}, expected {dtype} (the cache's dtype)")
+
+
+def plan_kwargs(**kw: Any) -> dict[str, Any]:
+    """Drop None values: wrappers take their own defaults for what the step leaves unset."""
+    return {k: v for k, v in kw.items() if v is not None}

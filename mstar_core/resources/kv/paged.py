@@ -1,0 +1,273 @@
+"""The paged ``KVManager``: one ``[num_layers, max_pages, 2, page_size, H_kv, D]`` tensor and
+a free-page pool, streams per ``(request_id, label)``.
+
+``admit`` reserves the pages a step's spans need (all or nothing), ``plan`` lays the spans out
+(pages, ``length``, ``to_compute``, packing order, FlashInfer-style index arrays, write
+locations), ``commit`` advances the committed length of ``commit=True`` spans and releases the
+pages held only for ``commit=False`` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ...resource import BuildInfo, Resource
+from ...step import AdmitOutcome, Shortage, Step, StepContext
+from .config import KVConfig
+from .plan import KVPlan, LabelLayout, SpanLayout
+from .pool import PagePool
+from .streams import CacheStream
+
+log = logging.getLogger(__name__)
+
+
+def _pages_for(tokens: int, page_size: int) -> int:
+    return -(-tokens // page_size)
+
+
+class KVManager(Resource):
+    """Paged KV storage with per-step reservation. See the module docstring."""
+
+    name = "kv"
+
+    def __init__(
+        self,
+        config: KVConfig,
+        device: torch.device | str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        name: str = "kv",
+    ) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.name = name
+        self.storage = torch.zeros(config.shape, dtype=dtype, device=self.device)
+        self.pool = PagePool(config.max_pages)
+        self.streams: dict[tuple[str, str], CacheStream] = {}
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._current: KVPlan | None = None
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
+        cfg = KVConfig(
+            num_layers=info.num_layers,
+            num_kv_heads=info.num_kv_heads,
+            head_dim=info.head_dim,
+            page_size=int(spec.get("page_size", 16)),
+            max_pages=int(spec["max_pages"]),
+            num_qo_heads=info.num_qo_heads,
+        )
+        return cls(cfg, info.device, spec.get("dtype", info.dtype), name=spec.get("name", "kv"))
+
+    # -- requests ----------------------------------------------------------------------------
+    @property
+    def requests(self) -> tuple[str, ...]:
+        return tuple(self._requests)
+
+    def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
+        # Idempotent: a second ingest (another partition of the same request) changes nothing.
+        self._requests.setdefault(rid, dict(overrides or {}))
+
+    def stream(self, rid: str, label: str) -> CacheStream:
+        try:
+            return self.streams[(rid, label)]
+        except KeyError:
+            raise KeyError(f"no stream ({rid!r}, {label!r}); known streams: {sorted(self.streams)}") from None
+
+    def _free_streams(self, rid: str) -> None:
+        for key in [k for k in self.streams if k[0] == rid]:
+            s = self.streams[key]
+            self.pool.give_back(s.pages)
+            s.pages = []
+            s.length = 0
+            s.bump()
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        """Return the request's pages to the pool, set its streams' length to 0 and bump their
+        ``generation``. ``free=True`` also forgets the request (it must be ingested again)."""
+        self._free_streams(rid)
+        if free:
+            self._forget(rid)
+
+    def remove_request(self, rid: str) -> None:
+        """Free the request's pages and forget it. An unknown ``rid`` is a no-op (removal is
+        idempotent, like ingest)."""
+        if rid not in self._requests:
+            log.debug("remove_request(%r): unknown request, nothing to do", rid)
+            return
+        self._free_streams(rid)
+        self._forget(rid)
+
+    def _forget(self, rid: str) -> None:
+        for key in [k for k in self.streams if k[0] == rid]:
+            del self.streams[key]
+        self._requests.pop(rid, None)
+
+    # -- step --------------------------------------------------------------------------------
+    def _check_spans(self, step: Step) -> None:
+        for s in step.kv.spans:
+            if s.request_id not in self._requests:
+                raise KeyError(
+                    f"span for request {s.request_id!r}, which was never ingested; "
+                    f"ingested: {sorted(self._requests)}"
+                )
+
+    def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """Reserve the pages every span needs, all or nothing."""
+        self._check_spans(step)
+        ps = self.config.page_size
+        need: dict[tuple[str, str], int] = {}
+        for s in step.kv.spans:
+            stream = self.streams.get((s.request_id, s.label))
+            have = len(stream.pages) if stream else 0
+            length = (stream.length if stream else 0) + s.num_tokens
+            need[(s.request_id, s.label)] = max(0, _pages_for(length, ps) - have)
+        total = sum(need.values())
+        if total > self.pool.num_free:
+            short = [
+                Shortage(self.name, "pages", n, self.pool.num_free, rid)
+                for (rid, _), n in need.items()
+                if n
+            ]
+            return AdmitOutcome.refuse(
+                Shortage(self.name, "pages", total, self.pool.num_free), *short
+            )
+        taken: dict[tuple[str, str], list[int]] = {}
+        created: list[tuple[str, str]] = []
+        for key, n in need.items():
+            if key not in self.streams:
+                self.streams[key] = CacheStream(*key)
+                created.append(key)
+            if n:
+                pages = self.pool.take(n)
+                self.streams[key].pages.extend(pages)
+                taken[key] = pages
+        ctx.admitted[self.name] = (taken, created)
+        return AdmitOutcome.ok()
+
+    def rollback_admit(self, step: Step, ctx: StepContext) -> None:
+        """Return exactly the pages this step's admit took, and drop streams it created."""
+        taken, created = ctx.admitted.pop(self.name, ({}, []))
+        for key, pages in taken.items():
+            stream = self.streams[key]
+            # The step's pages are the tail of the stream's list: admit appended them.
+            assert stream.pages[-len(pages):] == pages, "pages changed between admit and rollback"
+            del stream.pages[-len(pages):]
+            self.pool.give_back(pages)
+        for key in created:
+            if not self.streams[key].pages:
+                del self.streams[key]
+
+    def plan(self, step: Step, ctx: StepContext) -> KVPlan:
+        self._check_spans(step)
+        ps = self.config.page_size
+        by_label: dict[str, list[SpanLayout]] = {}
+        for s in step.kv.spans:
+            stream = self.stream(s.request_id, s.label)
+            length = stream.length + s.num_tokens
+            npages = _pages_for(length, ps)
+            if npages > len(stream.pages):
+                raise RuntimeError(
+                    f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
+                    f"holds {len(stream.pages)}"
+                )
+            rows = by_label.setdefault(s.label, [])
+            q_start = sum(r.to_compute for r in rows)
+            rows.append(
+                SpanLayout(s.request_id, s.label, tuple(stream.pages[:npages]), length,
+                           s.num_tokens, s.commit, q_start, stream.generation)
+            )
+        plan = KVPlan(tuple((lab, self._layout(rows)) for lab, rows in by_label.items()), ps)
+        self._current = plan
+        return plan
+
+    def _layout(self, rows: list[SpanLayout]) -> LabelLayout:
+        ps = self.config.page_size
+        i32 = torch.int32
+        q_lens = torch.tensor([r.to_compute for r in rows], dtype=torch.int64)
+        kv_lens = torch.tensor([r.length for r in rows], dtype=torch.int64)
+        n_pages = torch.tensor([len(r.pages) for r in rows], dtype=torch.int64)
+        qo_indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        qo_indptr[1:] = torch.cumsum(q_lens, 0)
+        kv_indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
+        kv_indptr[1:] = torch.cumsum(n_pages, 0)
+        kv_indices = torch.tensor([p for r in rows for p in r.pages], dtype=torch.int64)
+        last = torch.where(n_pages > 0, kv_lens - (n_pages - 1) * ps, torch.zeros_like(kv_lens))
+        # Per-token bookkeeping, vectorised: row of each packed token, its position, its page.
+        row_of = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
+        within = torch.arange(int(qo_indptr[-1])) - qo_indptr[row_of]
+        pos = (kv_lens - q_lens)[row_of] + within
+        pages = kv_indices[kv_indptr[row_of] + pos // ps] if len(kv_indices) else pos.new_zeros(0)
+        dev = self.device
+        return LabelLayout(
+            spans=tuple(rows),
+            qo_indptr=qo_indptr.to(i32),
+            kv_indptr=kv_indptr.to(i32),
+            kv_indices=kv_indices.to(i32),
+            kv_last_page_len=last.to(i32),
+            kv_lens=kv_lens.to(i32),
+            write_pages=pages.to(dev, non_blocking=True),
+            write_offsets=(pos % ps).to(dev, non_blocking=True),
+            positions=pos.to(dev, non_blocking=True),
+        )
+
+    @property
+    def current(self) -> KVPlan:
+        """The latest plan (what ``write_kv`` writes through)."""
+        if self._current is None:
+            raise RuntimeError("KVManager has no plan yet: call plan(step, ctx) first")
+        return self._current
+
+    def commit(self, step: Step, ctx: StepContext) -> None:
+        ps = self.config.page_size
+        for s in step.kv.spans:
+            stream = self.stream(s.request_id, s.label)
+            if s.commit:
+                stream.length += s.num_tokens
+            keep = _pages_for(stream.length, ps)
+            if len(stream.pages) > keep:
+                # Pages held only for commit=False tokens: nothing will read them again.
+                self.pool.give_back(stream.pages[keep:])
+                del stream.pages[keep:]
+        ctx.admitted.pop(self.name, None)
+
+    # -- data --------------------------------------------------------------------------------
+    def layer_view(self, layer_idx: int) -> torch.Tensor:
+        """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
+        return self.storage[layer_idx]
+
+    def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
+        """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
+        ``label`` at the locations the current plan computed."""
+        lay = self.current.layout(label)
+        want = (lay.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        for name, t in (("k", k), ("v", v)):
+            if tuple(t.shape) != want:
+                raise ValueError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
+        layer = self.storage[layer_idx]
+        layer[lay.write_pages, 0, lay.write_offsets] = k.to(self.dtype)
+        layer[lay.write_pages, 1, lay.write_offsets] = v.to(self.dtype)
+
+    # -- accounting --------------------------------------------------------------------------
+    @property
+    def num_free_pages(self) -> int:
+        return self.pool.num_free
+
+    def post_warmup_validate(self) -> None:
+        owned = [p for s in self.streams.values() for p in s.pages]
+        if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
+            raise RuntimeError(
+                f"KVManager page accounting broken: {len(owned)} owned by streams "
+                f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
+            )
+
+    def cleanup(self) -> None:
+        self.streams.clear()
+        self._requests.clear()
+        self.pool = PagePool(self.config.max_pages)
+        self.storage = self.storage.new_empty(0)
+        self._current = None

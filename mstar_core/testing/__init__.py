@@ -1,0 +1,1 @@
+"""Test support shipped with the core so that plugin distributions run the same suite."""

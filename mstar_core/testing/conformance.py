@@ -1,0 +1,270 @@
+"""The backend conformance suite: random paged and ragged cases, each wrapper's output against
+the float64 oracle. Every backend runs it — the reference here, plugins through stand-in
+modules on CPU and through the real libraries on the GPU.
+
+Use from a test module::
+
+    from mstar_core.testing import conformance as C
+
+    @pytest.mark.parametrize("case", C.prefill_cases(), ids=str)
+    def test_prefill(case):
+        C.check_prefill(MY_BACKEND, case)
+
+Wrappers are built with seed 001's positional constructor arguments, so a backend needs no
+adapter to be tested.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from .oracle import attention_oracle, rel_error
+
+# Largest relative error (vs float64) a wrapper may show, by the dtype it computes in.
+TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
+
+
+@dataclass(frozen=True)
+class WrapperSet:
+    """A backend under test: its wrapper classes (None where it has none), device and dtype."""
+
+    name: str
+    prefill: Any = None
+    decode: Any = None
+    mixed: Any = None
+    ragged: Any = None
+    device: str = "cpu"
+    dtype: torch.dtype = torch.float32
+    workspace_bytes: int = 1 << 20
+    extra_plan_kwargs: dict[str, Any] = field(default_factory=dict)
+
+    def workspace(self) -> torch.Tensor:
+        return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+
+@dataclass(frozen=True)
+class PagedCase:
+    page_size: int
+    head_dim: int
+    gqa: int
+    q_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]  # keys already cached before this step's queries
+    causal: bool = True
+    window_left: int = -1
+    num_kv_heads: int = 2
+    sm_scale: float | None = None
+    seed: int = 0
+
+    def __str__(self) -> str:
+        c = "causal" if self.causal else "full"
+        w = f"-win{self.window_left}" if self.window_left >= 0 else ""
+        s = "-scale" if self.sm_scale is not None else ""
+        return f"ps{self.page_size}-d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}-q{'_'.join(map(str, self.q_lens))}"
+
+    @property
+    def kv_lens(self) -> tuple[int, ...]:
+        return tuple(p + q for p, q in zip(self.prefix_lens, self.q_lens))
+
+
+@dataclass(frozen=True)
+class RaggedCase:
+    head_dim: int
+    gqa: int
+    q_lens: tuple[int, ...]
+    prefix_lens: tuple[int, ...]
+    causal: bool = True
+    num_kv_heads: int = 2
+    seed: int = 0
+
+    def __str__(self) -> str:
+        c = "causal" if self.causal else "full"
+        return f"d{self.head_dim}-gqa{self.gqa}-{c}-q{'_'.join(map(str, self.q_lens))}-p{'_'.join(map(str, self.prefix_lens))}"
+
+
+def _lens_for(page_size: int, decode: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Ragged rows including a length of 1 and one ending exactly on a page boundary."""
+    if decode:
+        return (1, 1, 1, 1), (0, page_size - 1, page_size, 2 * page_size + 3)
+    return (1, 7, page_size, 2 * page_size + 1), (0, 5, page_size, 3)
+
+
+def prefill_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list[PagedCase]:
+    cases = []
+    for i, (ps, d, g, causal) in enumerate(itertools.product(page_sizes, head_dims, gqas, (True, False))):
+        q, p = _lens_for(ps, decode=False)
+        cases.append(PagedCase(ps, d, g, q, p, causal=causal, seed=i))
+    # window_left and an explicit sm_scale, on a smaller grid
+    for i, (ps, g) in enumerate(itertools.product(page_sizes, (1, 4))):
+        q, p = _lens_for(ps, decode=False)
+        cases.append(PagedCase(ps, 64, g, q, p, causal=True, window_left=5, seed=100 + i))
+    cases.append(PagedCase(16, 64, 4, (3, 20), (40, 0), causal=True, sm_scale=0.07, seed=200))
+    return cases
+
+
+def decode_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list[PagedCase]:
+    cases = []
+    for i, (ps, d, g) in enumerate(itertools.product(page_sizes, head_dims, gqas)):
+        q, p = _lens_for(ps, decode=True)
+        cases.append(PagedCase(ps, d, g, q, p, seed=300 + i))
+    for i, ps in enumerate(page_sizes):
+        q, p = _lens_for(ps, decode=True)
+        cases.append(PagedCase(ps, 64, 4, q, p, window_left=7, seed=400 + i))
+    return cases
+
+
+def mixed_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list[PagedCase]:
+    cases = []
+    for i, (ps, d, g) in enumerate(itertools.product(page_sizes, head_dims, gqas)):
+        # decode rows and prompt rows interleaved, as a continuous-batching step sees them
+        cases.append(PagedCase(ps, d, g, (1, 9, 1, ps + 1, 1), (12, 0, ps, 2, 1), seed=500 + i))
+    cases.append(PagedCase(16, 64, 4, (1, 9, 1, 17), (12, 0, 16, 2), window_left=4, seed=600))
+    return cases
+
+
+def ragged_cases(head_dims=(64, 128), gqas=(1, 4, 8)) -> list[RaggedCase]:
+    cases = []
+    for i, (d, g, causal) in enumerate(itertools.product(head_dims, gqas, (True, False))):
+        cases.append(RaggedCase(d, g, (1, 9, 16, 33), (0, 7, 16, 1), causal=causal, seed=700 + i))
+    return cases
+
+
+# -- building a case -----------------------------------------------------------------------------
+
+
+@dataclass
+class PagedData:
+    q: torch.Tensor  # [tokens, Hq, D]
+    layer: torch.Tensor  # [max_pages, 2, page_size, Hkv, D]
+    qo_indptr: torch.Tensor
+    kv_indptr: torch.Tensor
+    kv_indices: torch.Tensor
+    last_page_len: torch.Tensor
+    kv_lens: torch.Tensor
+    keys: list[tuple[torch.Tensor, torch.Tensor]]  # per row, [kv_len, Hkv, D] each
+
+
+def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
+    """Random data in a paged layer whose pages are scattered (a random permutation), plus a
+    spare page nobody owns filled with large values, so a kernel that reads outside its pages
+    shows."""
+    gen = torch.Generator().manual_seed(case.seed)
+    ps, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
+    hq = hkv * case.gqa
+    kv_lens = case.kv_lens
+    n_pages = [-(-n // ps) for n in kv_lens]
+    total_pages = sum(n_pages) + 1
+    perm = torch.randperm(total_pages, generator=gen)
+    layer = torch.randn((total_pages, 2, ps, hkv, d), generator=gen) * 0.5
+    layer[perm[-1]] = 1e4  # the poison page
+    indices, indptr, last, keys = [], [0], [], []
+    cursor = 0
+    for n, pages in zip(kv_lens, n_pages):
+        own = perm[cursor:cursor + pages]
+        cursor += pages
+        indices.extend(own.tolist())
+        indptr.append(len(indices))
+        last.append(n - (pages - 1) * ps if pages else 0)
+        flat = layer[own].permute(1, 0, 2, 3, 4).reshape(2, pages * ps, hkv, d)[:, :n]
+        keys.append((flat[0], flat[1]))
+    tokens = sum(case.q_lens)
+    q = torch.randn((tokens, hq, d), generator=gen)
+    qo = [0]
+    for n in case.q_lens:
+        qo.append(qo[-1] + n)
+    i32 = torch.int32
+    return PagedData(
+        q=q.to(device, dtype), layer=layer.to(device, dtype),
+        qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
+        kv_indices=torch.tensor(indices, dtype=i32), last_page_len=torch.tensor(last, dtype=i32),
+        kv_lens=torch.tensor(kv_lens, dtype=i32),
+        keys=[(k.to(dtype).double(), v.to(dtype).double()) for k, v in keys],
+    )
+
+
+def paged_oracle(case: PagedCase, data: PagedData, causal: bool) -> torch.Tensor:
+    q = data.q.double().cpu()
+    outs = []
+    for i, (k, v) in enumerate(data.keys):
+        a, b = int(data.qo_indptr[i]), int(data.qo_indptr[i + 1])
+        outs.append(attention_oracle(q[a:b], k, v, causal, case.window_left, case.sm_scale))
+    return torch.cat(outs)
+
+
+def _assert_close(backend: WrapperSet, what: str, case: object, out: torch.Tensor, ref: torch.Tensor) -> float:
+    if tuple(out.shape) != tuple(ref.shape):
+        raise AssertionError(f"{backend.name} {what} [{case}]: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+    err = rel_error(out, ref)
+    tol = TOLERANCE[backend.dtype]
+    if not err <= tol:
+        raise AssertionError(f"{backend.name} {what} [{case}]: relative error {err:.3g} > {tol:.3g}")
+    return err
+
+
+def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
+    kw = dict(backend.extra_plan_kwargs)
+    if case.sm_scale is not None:
+        kw["sm_scale"] = case.sm_scale
+    return kw
+
+
+def check_prefill(backend: WrapperSet, case: PagedCase) -> float:
+    data = make_paged(case, backend.device, backend.dtype)
+    hq = case.num_kv_heads * case.gqa
+    w = backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
+                        device=torch.device(backend.device))
+    w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
+           dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
+    out = w.run(data.q, data.layer)
+    return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal))
+
+
+def check_decode(backend: WrapperSet, case: PagedCase) -> float:
+    assert all(n == 1 for n in case.q_lens), "decode cases have one query per row"
+    data = make_paged(case, backend.device, backend.dtype)
+    hq = case.num_kv_heads * case.gqa
+    w = backend.decode(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
+                       device=torch.device(backend.device))
+    w.plan(data.kv_indptr, data.kv_indices, data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
+           window_left=case.window_left, **_scale_kwargs(backend, case))
+    out = w.run(data.q, data.layer)
+    return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True))
+
+
+def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None) -> float:
+    data = make_paged(case, backend.device, backend.dtype)
+    hq = case.num_kv_heads * case.gqa
+    rows = len(case.q_lens)
+    prompts = sum(1 for n in case.q_lens if n > 1)
+    w = backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
+                      case.page_size, rows, sum(case.q_lens), int(data.kv_indices.numel()) + 1,
+                      max_prefill_rows or max(prompts, 1), torch.device(backend.device))
+    w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
+           dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
+    out = w.run(data.q, data.layer)
+    return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal))
+
+
+def check_ragged(backend: WrapperSet, case: RaggedCase) -> float:
+    gen = torch.Generator().manual_seed(case.seed)
+    hkv, d = case.num_kv_heads, case.head_dim
+    hq = hkv * case.gqa
+    k_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
+    q = torch.randn((sum(case.q_lens), hq, d), generator=gen)
+    k = torch.randn((sum(k_lens), hkv, d), generator=gen)
+    v = torch.randn((sum(k_lens), hkv, d), generator=gen)
+    cu_q = torch.tensor([0, *itertools.accumulate(case.q_lens)], dtype=torch.int32)
+    cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
+    dev, dt = backend.device, backend.dtype
+    w = backend.ragged(hq, hkv, d, torch.device(dev), workspace_buffer=backend.workspace())
+    w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt)
+    out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt))
+    qd, kd, vd = (t.to(dt).double() for t in (q, k, v))
+    ref = torch.cat([
+        attention_oracle(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], case.causal)
+        for i in range(len(case.q_lens))
+    ])
+    return _assert_close(backend, "ragged", case, out, ref)

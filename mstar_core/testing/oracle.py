@@ -1,0 +1,45 @@
+"""The float64 oracle: one request at a time, written for clarity, not speed."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+
+def attention_oracle(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window_left: int = -1,
+    sm_scale: float | None = None,
+) -> torch.Tensor:
+    """One request: ``q [q_len, Hq, D]`` over ``k``/``v [kv_len, Hkv, D]``, in float64.
+
+    Query i sits at position ``kv_len - q_len + i`` (bottom-right alignment); it sees key j when
+    ``j <= pos`` (if causal) and ``j >= pos - window_left`` (if ``window_left >= 0``). A query that
+    sees no key returns zeros."""
+    q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
+    q_len, hq, d = q.shape
+    kv_len, hkv, _ = k.shape
+    g = hq // hkv
+    scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    k = k.repeat_interleave(g, dim=1)  # query head h reads kv head h // g
+    v = v.repeat_interleave(g, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    pos = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    j = torch.arange(kv_len)[None, :]
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        allowed &= j <= pos
+    if window_left >= 0:
+        allowed &= j >= pos - window_left
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    return torch.einsum("hqk,khd->qhd", probs, v)
+
+
+def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
+    """``||out - ref|| / ||ref||`` in float64; inf if ``out`` holds a NaN or an Inf."""
+    out64 = out.detach().to("cpu", torch.float64)
+    if not torch.isfinite(out64).all():
+        return float("inf")
+    denom = ref.norm().item() or 1.0
+    return (out64 - ref).norm().item() / denom
