@@ -1,0 +1,33 @@
+"""The ``mstar`` command: ``demo``, ``backends``; each sub-command lives in its own module
+exposing ``register(subparsers)``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from . import backends, demo
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="mstar", description="Attention backends for an inference engine.")
+    p.add_argument("-v", "--verbose", action="count", default=0, help="log selection and steps (-vv: debug)")
+    sub = p.add_subparsers(dest="command", required=True)
+    demo.register(sub)
+    backends.register(sub)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
+    logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    try:
+        return int(args.func(args) or 0)
+    except (ValueError, KeyError, RuntimeError) as e:
+        # Configuration mistakes (an unknown backend, a bad shape) are the user's to fix:
+        # one clear line, not a traceback.
+        print(f"mstar {args.command}: error: {e}", file=sys.stderr)
+        return 2

@@ -1,0 +1,199 @@
+"""``PagedAttentionManager``: attention over the paged KV, planned once per step, run per layer.
+
+Per label the step is one of three kinds, each its own wrapper: every row one token (decode),
+no one-token row (prefill), or both (mixed). Wrappers are built once per (label, kind, slot)
+and reused; ``slots`` alternate between consecutive plans so the plan for step N+1 never
+overwrites the state a wrapper still holds for step N (seed 000's double-buffer note).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...resource import BuildInfo
+from ...step import Step, StepContext
+from ..kv.config import KVConfig
+from ..kv.paged import KVManager
+from ..kv.plan import LabelLayout
+from .base import AttentionManager, check_q, plan_kwargs
+
+log = logging.getLogger(__name__)
+
+PAGED_CAPABILITIES = ("paged_prefill", "paged_decode", "mixed")
+
+
+@dataclass(frozen=True)
+class PagedAttnEntry:
+    label: str
+    kind: str  # "paged_decode" | "paged_prefill" | "mixed"
+    wrapper: Any
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PagedAttnPlan:
+    """One step's planned wrappers, per label."""
+
+    entries: tuple[PagedAttnEntry, ...]
+
+    def entry(self, label: str | None) -> PagedAttnEntry:
+        if label is None:
+            if len(self.entries) != 1:
+                raise ValueError(f"label=None is ambiguous: this step has labels {[e.label for e in self.entries]}")
+            return self.entries[0]
+        for e in self.entries:
+            if e.label == label:
+                return e
+        raise KeyError(f"label {label!r} is not in this step; its labels are {[e.label for e in self.entries]}")
+
+
+def step_kind(q_lens: tuple[int, ...]) -> str:
+    """Which wrapper a label's rows need."""
+    if q_lens and all(n == 1 for n in q_lens):
+        return "paged_decode"
+    if any(n == 1 for n in q_lens) and any(n > 1 for n in q_lens):
+        return "mixed"
+    return "paged_prefill"
+
+
+class PagedAttentionManager(AttentionManager):
+    """Attention through a backend's paged prefill / decode / mixed wrappers."""
+
+    def __init__(
+        self,
+        kv_cache: KVManager,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        kv_config: KVConfig,
+        wrappers: Mapping[str, type],
+        flashinfer_backend: str = "auto",
+        max_batch_size: int = 256,
+        max_total_tokens: int = 16384,
+        max_prefill_rows: int = 8,
+        slots: int = 2,
+        workspace_bytes: int | None = None,
+    ) -> None:
+        missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
+        if missing:
+            raise ValueError(f"PagedAttentionManager needs wrappers for {list(PAGED_CAPABILITIES)}; missing {missing}")
+        self.kv = kv_cache
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_config = kv_config
+        self.wrapper_classes = dict(wrappers)
+        self.flashinfer_backend = flashinfer_backend
+        self.max_batch_size = max_batch_size
+        self.max_total_tokens = max_total_tokens
+        self.max_prefill_rows = max_prefill_rows
+        self.slots = slots
+        # FlashInfer recommends 128 MiB of workspace per wrapper; the reference needs none.
+        self.workspace_bytes = workspace_bytes or ((128 << 20) if self.device.type == "cuda" else 1024)
+        self._wrappers: dict[tuple[str, str, int], Any] = {}
+        self._plans = 0
+        self._current: PagedAttnPlan | None = None
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
+        """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
+        build over ``info.built["kv"]``."""
+        from ...registry import select_backend  # the registry imports plugins: keep it lazy
+
+        kv = info.built[spec.get("kv", "kv")]
+        assert isinstance(kv, KVManager)
+        sel = select_backend(
+            capabilities=PAGED_CAPABILITIES, requested=spec.get("backend"), device=info.device,
+            dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"),
+        )
+        extra = {k: spec[k] for k in ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots") if k in spec}
+        return cls(kv, info.device, info.dtype, kv.config, sel.classes, **extra)
+
+    # -- wrappers ------------------------------------------------------------------------------
+    def _ws(self) -> torch.Tensor:
+        return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+    def _wrapper(self, label: str, kind: str, slot: int) -> Any:
+        key = (label, kind, slot)
+        w = self._wrappers.get(key)
+        if w is None:
+            c = self.kv_config
+            cls = self.wrapper_classes[kind]
+            common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
+            if kind == "mixed":
+                w = cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
+                        c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
+            else:
+                w = cls(self._ws(), *common, device=self.device, backend=self.flashinfer_backend)
+            self._wrappers[key] = w
+        return w
+
+    # -- step ----------------------------------------------------------------------------------
+    def plan(self, step: Step, ctx: StepContext) -> PagedAttnPlan:
+        kv_plan = ctx.plan_results[self.kv.name]
+        slot = self._plans % self.slots
+        self._plans += 1
+        a = step.attn
+        entries = []
+        for label, lay in kv_plan.labels:
+            kind = step_kind(lay.q_lens)
+            if kind == "mixed" and sum(1 for n in lay.q_lens if n > 1) > self.max_prefill_rows:
+                kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
+            w = self._wrapper(label, kind, slot)
+            self._plan_wrapper(w, kind, lay, a.causal, a.window_left, a.sm_scale)
+            log.debug("label %r: %s over %d rows, %d tokens (slot %d)", label, kind, len(lay.spans), lay.num_tokens, slot)
+            entries.append(PagedAttnEntry(label, kind, w, lay.num_tokens))
+        self._current = PagedAttnPlan(tuple(entries))
+        return self._current
+
+    def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
+                      sm_scale: float | None) -> None:
+        kw = plan_kwargs(sm_scale=sm_scale)
+        if kind == "paged_decode":
+            w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
+                   window_left=window_left, **kw)
+        else:
+            w.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, causal=causal,
+                   dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
+
+    def run(
+        self,
+        q: torch.Tensor,
+        label: str | None = None,
+        kv_cache_layer: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        layer_idx: int | None = None,
+    ) -> torch.Tensor:
+        if self._current is None:
+            raise RuntimeError("PagedAttentionManager.run before plan")
+        e = self._current.entry(label)
+        c = self.kv_config
+        check_q(q, e.num_tokens, c.qo_heads, c.head_dim, self.dtype, type(self).__name__)
+        if kv_cache_layer is None:
+            if layer_idx is None:
+                raise ValueError("run needs kv_cache_layer or layer_idx")
+            kv_cache_layer = self.kv.layer_view(layer_idx)
+        return e.wrapper.run(q, kv_cache_layer)
+
+    @property
+    def current(self) -> PagedAttnPlan:
+        if self._current is None:
+            raise RuntimeError("PagedAttentionManager has no plan yet")
+        return self._current
+
+    def fingerprint(self) -> bytes | None:
+        return None  # attention reads pages; it never changes what a page holds
+
+    @property
+    def force_double_buffer(self) -> bool:
+        # Wrappers stage host arrays and copy them asynchronously: a replay must never read
+        # a buffer the next plan is overwriting.
+        return True
+
+    def cleanup(self) -> None:
+        self._wrappers.clear()
+        self._current = None

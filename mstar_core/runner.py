@@ -1,0 +1,110 @@
+"""A small step runner: a node's resources in ``depends_on()`` order, driven through
+admit -> plan -> forward -> commit. It exists so the resources run end to end; it is not a
+serving front end."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+from .resource import Resource
+from .step import AdmitOutcome, Step, StepContext
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+
+def order_resources(resources: Sequence[Resource]) -> list[Resource]:
+    """Topological order over ``depends_on()``; a cycle or a missing dependency is an error
+    that names it."""
+    by_name: dict[str, Resource] = {}
+    for r in resources:
+        if r.name in by_name:
+            raise ValueError(f"two resources are named {r.name!r}")
+        by_name[r.name] = r
+    for r in resources:
+        for dep in r.depends_on():
+            if dep not in by_name:
+                raise ValueError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold (it holds {sorted(by_name)})")
+    ordered: list[Resource] = []
+    state: dict[str, int] = {}  # 1 visiting, 2 done
+
+    def visit(r: Resource, path: tuple[str, ...]) -> None:
+        if state.get(r.name) == 2:
+            return
+        if state.get(r.name) == 1:
+            raise ValueError(f"dependency cycle: {' -> '.join((*path, r.name))}")
+        state[r.name] = 1
+        for dep in r.depends_on():
+            visit(by_name[dep], (*path, r.name))
+        state[r.name] = 2
+        ordered.append(r)
+
+    for r in resources:
+        visit(r, ())
+    return ordered
+
+
+@dataclass(frozen=True)
+class StepResult(Generic[T]):
+    outcome: AdmitOutcome
+    ctx: StepContext
+    output: T | None
+
+
+class Node:
+    """Resources of one model node, and the per-step lifecycle over them."""
+
+    def __init__(self, resources: Sequence[Resource]) -> None:
+        self.resources = order_resources(resources)
+        self._steps = 0
+
+    def __getitem__(self, name: str) -> Resource:
+        for r in self.resources:
+            if r.name == name:
+                return r
+        raise KeyError(f"no resource {name!r}; this node holds {[r.name for r in self.resources]}")
+
+    def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
+        for r in self.resources:
+            r.ingest_request(rid, overrides)
+
+    def remove_request(self, rid: str) -> None:
+        for r in reversed(self.resources):
+            r.remove_request(rid)
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        for r in reversed(self.resources):
+            r.reset_request(rid, free)
+
+    def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """Admit every resource; on a refusal roll back what this step took and return it."""
+        done: list[Resource] = []
+        for r in self.resources:
+            outcome = r.admit(step, ctx)
+            if not outcome:
+                for prev in reversed(done):
+                    prev.rollback_admit(step, ctx)
+                log.info("step refused by %s: %s", r.name, outcome.reason())
+                return outcome
+            done.append(r)
+        return AdmitOutcome.ok()
+
+    def step(self, step: Step, forward: Callable[[StepContext], T]) -> StepResult[T]:
+        ctx = StepContext(step_index=self._steps)
+        outcome = self.admit(step, ctx)
+        if not outcome:
+            return StepResult(outcome, ctx, None)
+        for r in self.resources:
+            ctx.plan_results[r.name] = r.plan(step, ctx)
+        output = forward(ctx)
+        for r in self.resources:
+            r.commit(step, ctx)
+        self._steps += 1
+        return StepResult(outcome, ctx, output)
+
+    def cleanup(self) -> None:
+        for r in reversed(self.resources):
+            r.cleanup()

@@ -1,0 +1,1 @@
+"""End-to-end workloads: what ``mstar demo`` runs."""
