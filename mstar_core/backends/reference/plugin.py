@@ -1,0 +1,31 @@
+"""The built-in reference backend, registered through the same hook as every plugin
+(entry point ``reference`` in mstar-core's pyproject). Plain PyTorch: every capability, on CPU
+and GPU, in every float dtype and head dim, and the fallback ``auto`` ends with."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_core.registry.hookspecs import hookimpl
+from mstar_core.registry.spec import BackendSpec
+
+REFERENCE = BackendSpec(
+    name="reference",
+    provides={
+        "paged_prefill": "mstar_core.backends.reference:ReferencePrefillWrapper",
+        "paged_decode": "mstar_core.backends.reference:ReferenceDecodeWrapper",
+        "mixed": "mstar_core.backends.reference:ReferenceMixedWrapper",
+        "prefixed_ragged": "mstar_core.backends.reference:ReferencePrefixedPrefillWrapper",
+        "bounded": "mstar_core.kernels.bounded_attention:bounded_attention",
+    },
+    devices=("cpu", "cuda", "rocm"),
+    dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
+    # Eager only: plan() rebuilds its index tensors, so a captured graph would read stale ones.
+    capturable=(),
+    description="plain PyTorch; the oracle every backend is tested against",
+)
+
+
+@hookimpl
+def mstar_register_backends(register):
+    register(REFERENCE)

@@ -1,0 +1,226 @@
+"""Choosing a backend: by name (from the argument, ``MSTAR_ATTENTION_BACKEND``, or config) or
+``"auto"`` (a priority list per capability). A name either gives a working backend or raises
+one error that says why not and which backends can run here."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the same parser as a package
+    import tomli as tomllib  # type: ignore[no-redef]
+
+from .device import as_device, describe
+from .registry import Registry, get_registry
+from .spec import CAPABILITIES, BackendSpec, dtype_name
+
+log = logging.getLogger("mstar.registry")
+
+ENV_BACKEND = "MSTAR_ATTENTION_BACKEND"
+AUTO = "auto"
+
+# Who auto tries first, per capability. A backend no list names (a third-party plugin) is tried
+# after the listed kernel backends and before the reference, ordered by its declared priority.
+AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
+    "paged_prefill": ("flashinfer", "reference"),
+    "paged_decode": ("flashinfer", "reference"),
+    "mixed": ("flashinfer", "reference"),
+    # seed 000's dense rule (dense_or_flashinfer): FA3 where it has a kernel, AITER on ROCm,
+    # FlashInfer's ragged prefill elsewhere on CUDA, the reference otherwise.
+    "prefixed_ragged": ("fa3", "rocm", "flashinfer", "reference"),
+    "bounded": ("reference",),
+}
+FALLBACK = "reference"
+
+
+class BackendUnavailable(ValueError):
+    """The requested backend does not exist or cannot run this request here."""
+
+    def __init__(self, message: str, *, requested: str, reasons: Mapping[str, Sequence[str]] | None = None,
+                 available: Sequence[str] = (), known: Sequence[str] = ()) -> None:
+        super().__init__(message)
+        self.requested = requested
+        self.reasons = {k: list(v) for k, v in (reasons or {}).items()}
+        self.available = list(available)
+        self.known = list(known)
+
+
+@dataclass(frozen=True)
+class Selection:
+    """The outcome of a selection: the backend, its loaded wrapper per requested capability,
+    and why every other candidate auto looked at was passed over."""
+
+    name: str
+    backend: BackendSpec
+    classes: Mapping[str, Any]
+    rejected: Mapping[str, list[str]] = field(default_factory=dict)
+    requested: str = AUTO
+    source: str = "default"  # "argument", "env MSTAR_ATTENTION_BACKEND", "config", "default"
+
+    @property
+    def capturable(self) -> tuple[str, ...]:
+        return tuple(c for c in self.classes if c in self.backend.capturable)
+
+
+def config_backend(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> str | None:
+    """``attention.backend`` from a mapping or a TOML file holding the same table."""
+    if config is None:
+        return None
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        with path.open("rb") as f:
+            config = tomllib.load(f)
+    attention = config.get("attention") if isinstance(config, Mapping) else None
+    if attention is None:
+        return None
+    if not isinstance(attention, Mapping):
+        raise TypeError(f"config 'attention' must be a table, got {type(attention).__name__}")
+    value = attention.get("backend")
+    if value is not None and not isinstance(value, str):
+        raise TypeError(f"config attention.backend must be a string, got {value!r}")
+    return value
+
+
+def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None) -> tuple[str, str]:
+    """(name, where it came from). The argument wins, then the environment, then config."""
+    if requested is not None:
+        return requested.strip(), "argument"
+    from_config = config_backend(config)
+    env = os.environ.get(ENV_BACKEND, "").strip()
+    if env:
+        if from_config is not None and from_config != env:
+            log.warning("%s=%s overrides the config's attention.backend=%r", ENV_BACKEND, env, from_config)
+        else:
+            log.info("%s=%s overrides the config (which names %s)", ENV_BACKEND, env,
+                     repr(from_config) if from_config else "no backend")
+        return env, f"env {ENV_BACKEND}"
+    if from_config is not None:
+        return from_config.strip(), "config"
+    return AUTO, "default"
+
+
+def auto_order(capabilities: Sequence[str], registry: Registry) -> list[str]:
+    """Candidates in the order auto tries them: the first capability's list, then any other
+    listed name, then unlisted plugins by priority, then the reference."""
+    order: list[str] = []
+    for cap in capabilities:
+        for name in AUTO_PRIORITY.get(cap, ()):
+            if name != FALLBACK and name not in order:
+                order.append(name)
+    listed = set(order) | {FALLBACK}
+    extra = [s for s in registry.backends.values() if s.name not in listed]
+    order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
+    order.append(FALLBACK)
+    return [n for n in order if registry.get(n) is not None]
+
+
+def _load_classes(spec: BackendSpec, capabilities: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    classes, reasons = {}, []
+    for cap in capabilities:
+        try:
+            classes[cap] = spec.load(cap)
+        except Exception as e:  # a wrapper module that fails to import: the backend cannot run
+            reasons.append(f"its {cap} wrapper {spec.provides[cap]} failed to load ({type(e).__name__}: {e})")
+    return classes, reasons
+
+
+def _request_text(capabilities: Sequence[str], device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
+    parts = [f"device {describe(device)}"]
+    if dtype is not None:
+        parts.append(f"dtype {dtype_name(dtype)}")
+    if head_dim is not None:
+        parts.append(f"head_dim {head_dim}")
+    parts.append(f"capabilities {', '.join(capabilities)}")
+    return ", ".join(parts)
+
+
+def runnable(registry: Registry, capabilities: Sequence[str], device: torch.device,
+             dtype: torch.dtype | None, head_dim: int | None) -> list[str]:
+    """Names of the backends that could serve this request (declared data and probes)."""
+    return [n for n in registry.names() if not registry.reasons(n, capabilities, device, dtype, head_dim)]
+
+
+def select_backend(
+    capabilities: Sequence[str] = ("paged_prefill", "paged_decode", "mixed"),
+    requested: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = torch.float32,
+    head_dim: int | None = 64,
+    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    registry: Registry | None = None,
+) -> Selection:
+    """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
+    those checks. ``requested`` None reads ``MSTAR_ATTENTION_BACKEND``, then ``config``'s
+    ``attention.backend``, then falls back to "auto". Raises ``BackendUnavailable``."""
+    capabilities = tuple(capabilities)
+    unknown = [c for c in capabilities if c not in CAPABILITIES]
+    if unknown or not capabilities:
+        raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(capabilities)}")
+    registry = registry or get_registry()
+    device = as_device(device)
+    name, source = resolve_requested(requested, config)
+    if name == AUTO:
+        return _select_auto(registry, capabilities, device, dtype, head_dim, source)
+    return _select_named(registry, name, source, capabilities, device, dtype, head_dim)
+
+
+def _select_named(registry: Registry, name: str, source: str, capabilities: tuple[str, ...], device: torch.device,
+                  dtype: torch.dtype | None, head_dim: int | None) -> Selection:
+    known = registry.names()
+    where = _request_text(capabilities, device, dtype, head_dim)
+    spec = registry.get(name)
+    if spec is None:
+        ok = runnable(registry, capabilities, device, dtype, head_dim)
+        failed = registry.failure_for(name)
+        why = f"its plugin failed to load: {failed}" if failed else "no installed plugin registers it"
+        raise BackendUnavailable(
+            f"attention backend {name!r} (from {source}) is unknown: {why}. "
+            f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "
+            f"(or use 'auto').",
+            requested=name, reasons={name: [why]}, available=ok, known=known)
+    reasons = registry.reasons(name, capabilities, device, dtype, head_dim)
+    classes: dict[str, Any] = {}
+    if not reasons:
+        classes, reasons = _load_classes(spec, capabilities)
+    if reasons:
+        ok = [n for n in runnable(registry, capabilities, device, dtype, head_dim) if n != name]
+        raise BackendUnavailable(
+            f"attention backend {name!r} ({spec.label}, from {source}) cannot run here ({where}): "
+            f"{'; '.join(reasons)}. Backends that can: {', '.join(ok) or 'none'}; known backends: {', '.join(known)}.",
+            requested=name, reasons={name: reasons}, available=ok, known=known)
+    log.info("attention backend %r (%s, from %s) for %s", name, spec.label, source, where)
+    return Selection(name, spec, classes, {}, name, source)
+
+
+def _select_auto(registry: Registry, capabilities: tuple[str, ...], device: torch.device, dtype: torch.dtype | None,
+                 head_dim: int | None, source: str) -> Selection:
+    where = _request_text(capabilities, device, dtype, head_dim)
+    rejected: dict[str, list[str]] = {}
+    for name in auto_order(capabilities, registry):
+        spec = registry.backends[name]
+        reasons = registry.reasons(name, capabilities, device, dtype, head_dim)
+        classes: dict[str, Any] = {}
+        if not reasons:
+            classes, reasons = _load_classes(spec, capabilities)
+        if reasons:
+            rejected[name] = reasons
+            continue
+        passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none"
+        log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
+        return Selection(name, spec, classes, rejected, AUTO, source)
+    for n in registry.names():
+        if n not in rejected:
+            rejected[n] = registry.reasons(n, capabilities, device, dtype, head_dim) or ["not in the auto order"]
+    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    raise BackendUnavailable(
+        f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "
+        f"Known backends: {', '.join(registry.names()) or 'none'}.",
+        requested=AUTO, reasons=rejected, available=[], known=registry.names())
