@@ -1,0 +1,450 @@
+"""``DenseAttentionManager``: attention as one dense varlen pass over a contiguous
+[frozen prefix | fresh tokens] sequence, through a prefixed ragged wrapper (seed 000).
+
+For a workload that recomputes every one of its K/V every step and reuses only a small frozen
+prefix (diffusion denoise: the prefix is the text conditioning), the paged path's per-step K/V
+write and paged plan are pure overhead. This manager gathers each stream's prefix from the
+pages once per (stream, layer), keeps it, concatenates it with the freshly projected K/V of
+every step, and runs one kernel.
+
+The gathered prefix is keyed on the stream's ``generation`` (and its prefix length and pages),
+so a fork, a reset or a page-table move invalidates it. Hazard: the key is only as good as the
+generation; a resource driving the KV manager must send this manager the same lifecycle hooks
+(``reset_request``/``remove_request``), which drop the request's gathered prefixes outright.
+
+Step declaration: fresh tokens are ordinary ``commit=False`` spans of the ``KVStep``, exactly
+as for the paged backend, so query lengths arrive as the KV plan's ``to_compute`` and the
+prefix as ``length - to_compute``. The same declaration runs under either backend. Spans with
+``commit=True`` (the step that commits the prefix) are written to the pages by ``run`` itself,
+so later steps — under this backend or the paged one — find them there; ``commit=False``
+tokens are never written (nothing would read them back), hence ``requires_kv_write`` False.
+
+Eager-only: the gather and the concatenation are shape-dependent and allocate; a node running
+this walk under a graph should name the paged backend for it.
+"""
+
+from __future__ import annotations
+
+import importlib
+import itertools
+import logging
+from collections import OrderedDict
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...resource import BuildInfo
+from ...step import Step, StepContext
+from ..kv.config import KVConfig
+from ..kv.paged import KVManager
+from ..kv.plan import KVPlan, LabelLayout
+from .base import AttentionManager, check_q
+from .protocols import PrefixedPrefillWrapper
+
+log = logging.getLogger(__name__)
+
+DENSE_CAPABILITY = "prefixed_ragged"
+
+
+@dataclass(frozen=True)
+class DenseSegment:
+    """(request, label) of a dense plan: ``prefix_len`` frozen tokens read from ``pages`` (the
+    pages that hold them, in order) and ``q_len`` fresh tokens computed this step."""
+
+    request_id: str
+    label: str
+    pages: tuple[int, ...]
+    prefix_len: int
+    q_len: int
+    generation: int
+
+    @property
+    def k_len(self) -> int:
+        return self.prefix_len + self.q_len
+
+
+@dataclass(frozen=True)
+class DensePlan:
+    """Dense plan layout, made once per step and read by each layer's ``run``.
+
+    Segment i's queries are ``q[cu_q[i]:cu_q[i+1]]``; its keys ``[prefix | fresh]`` are
+    ``cu_k[i]:cu_k[i+1]`` of the concatenation ``run`` builds. ``wrapper`` is the planned
+    wrapper; it is re-planned by the next step (eager-only), so an old plan must not be run.
+    A step with several labels gets one plan per label (``run`` is per label); the plan the
+    manager returns for such a step lists every segment and has ``wrapper`` None.
+    """
+
+    segments: tuple[DenseSegment, ...]
+    cu_q: tuple[int, ...]
+    cu_k: tuple[int, ...]
+    max_q: int
+    max_k: int
+    causal: bool
+    wrapper: PrefixedPrefillWrapper | None = None
+
+    @property
+    def num_q(self) -> int:
+        return self.cu_q[-1]
+
+    @property
+    def num_k(self) -> int:
+        return self.cu_k[-1]
+
+
+@dataclass
+class PrefixCacheStats:
+    """Counters of the gathered-prefix cache (per (stream, layer) entry)."""
+
+    hits: int = 0
+    gathers: int = 0  # misses: first use, or rebuilt after an invalidation
+    invalidations: int = 0  # entries dropped because the stream's generation/prefix/pages moved
+    evictions: int = 0  # entries dropped by the LRU bound
+    dropped: int = 0  # entries dropped by reset_request/remove_request/cleanup
+
+
+@dataclass(frozen=True)
+class _Gathered:
+    generation: int
+    prefix_len: int
+    pages: tuple[int, ...]
+    k: torch.Tensor  # [prefix_len, H_kv, D]
+    v: torch.Tensor
+
+
+@dataclass(frozen=True)
+class _LabelRun:
+    label: str
+    plan: DensePlan
+    q_starts: tuple[int, ...]  # packed offset of each segment's fresh tokens in q/k/v (= cu_q[:-1])
+    write: str  # "none" | "all" | "some": which fresh tokens run() writes to the pages
+    write_rows: torch.Tensor | None  # for "some": packed rows of commit=True spans, on device
+
+
+def resolve_class(spec: Any) -> type:
+    """A class, or ``"module:attr"`` imported lazily."""
+    if isinstance(spec, str):
+        mod, _, attr = spec.partition(":")
+        if not attr:
+            raise ValueError(f"wrapper class {spec!r}: expected 'module:attr'")
+        return getattr(importlib.import_module(mod), attr)
+    return spec
+
+
+class DenseAttentionManager(AttentionManager):
+    """Attention as one dense varlen pass over [frozen prefix | fresh tokens]. See the module
+    docstring.
+
+    ``wrapper_class`` implements :class:`PrefixedPrefillWrapper` (FA3's, AITER's, FlashInfer's
+    ragged prefill, or the reference); ``flashinfer_backend`` is passed to it as ``backend``.
+    ``max_cached_tokens`` bounds the gathered-prefix cache (prefix tokens summed over entries,
+    one entry per (stream, layer)); the least recently used entries go first. None: unbounded,
+    which holds ``num_layers x prefix tokens x 2 x H_kv x D`` elements per stream.
+    """
+
+    def __init__(
+        self,
+        kv_cache: KVManager,
+        device: torch.device | str,
+        dtype: torch.dtype,
+        kv_config: KVConfig,
+        wrapper_class: type | str,
+        flashinfer_backend: str = "auto",
+        max_cached_tokens: int | None = None,
+    ) -> None:
+        self.kv = kv_cache
+        self.device = torch.device(device)
+        self.dtype = dtype
+        self.kv_config = kv_config
+        self.wrapper_class = resolve_class(wrapper_class)
+        self.flashinfer_backend = flashinfer_backend
+        if max_cached_tokens is not None and max_cached_tokens < 0:
+            raise ValueError(f"max_cached_tokens must be >= 0 or None, got {max_cached_tokens}")
+        self.max_cached_tokens = max_cached_tokens
+        self.stats = PrefixCacheStats()
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._wrappers: dict[str, Any] = {}
+        self._runs: dict[str, _LabelRun] = {}
+        self._current: DensePlan | None = None
+        # (request_id, label, layer_idx) -> gathered prefix; order is recency (LRU last).
+        self._prefixes: OrderedDict[tuple[str, str, int], _Gathered] = OrderedDict()
+        self._cached_tokens = 0
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> DenseAttentionManager:
+        """Build over ``info.built[spec.get("kv", "kv")]``. ``spec["wrapper_class"]`` (a class or
+        ``"module:attr"``) wins; otherwise the registry picks the ``prefixed_ragged`` backend named
+        by ``spec["backend"]`` (a name or "auto")."""
+        kv = info.built[spec.get("kv", "kv")]
+        if not isinstance(kv, KVManager):
+            raise TypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
+        wrapper_class = spec.get("wrapper_class")
+        if wrapper_class is None:
+            from ...registry import select_backend  # the registry imports plugins: keep it lazy
+
+            sel = select_backend(
+                capabilities=(DENSE_CAPABILITY,), requested=spec.get("backend"), device=info.device,
+                dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"),
+            )
+            wrapper_class = sel.classes[DENSE_CAPABILITY]
+        return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
+                   flashinfer_backend=spec.get("flashinfer_backend", "auto"),
+                   max_cached_tokens=spec.get("max_cached_tokens"))
+
+    # -- resource identity -------------------------------------------------------------------
+    @property
+    def requires_kv_write(self) -> bool:
+        return False
+
+    def can_capture(self) -> bool:
+        return False  # gather + concatenation allocate and depend on shapes
+
+    @property
+    def force_double_buffer(self) -> bool:
+        # Every plan builds fresh index tensors (no reused host staging buffer) and nothing is
+        # replayed, so a plan for step N+1 cannot overwrite what step N still reads.
+        return False
+
+    def depends_on(self) -> tuple[str, ...]:
+        return (self.kv.name,)
+
+    def fingerprint(self) -> bytes:
+        # Deeper layers' K/V (committed by run) depend on earlier layers' attention numerics,
+        # so pages written through a different kernel or dtype are not interchangeable.
+        w = self.wrapper_class
+        return f"attn.dense:{w.__module__}:{w.__qualname__}:{self.dtype}".encode()
+
+    # -- requests ----------------------------------------------------------------------------
+    def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
+        # Idempotent: a request served by several partitions is ingested once per partition.
+        self._requests.setdefault(rid, dict(overrides or {}))
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        """Drop ``rid``'s gathered prefixes (its pages are being reset); ``free`` also forgets it."""
+        self._drop(lambda key: key[0] == rid)
+        if free:
+            self._requests.pop(rid, None)
+
+    def remove_request(self, rid: str) -> None:
+        """Drop ``rid``'s gathered prefixes and forget it; unknown ``rid`` is a no-op."""
+        self._drop(lambda key: key[0] == rid)
+        self._requests.pop(rid, None)
+
+    @property
+    def cached_prefix_tokens(self) -> int:
+        """Prefix tokens held by the gathered-prefix cache, summed over (stream, layer) entries."""
+        return self._cached_tokens
+
+    def cached_streams(self) -> set[tuple[str, str]]:
+        return {(r, lab) for r, lab, _ in self._prefixes}
+
+    def _drop(self, which: Any, counter: str = "dropped") -> None:
+        for key in [k for k in self._prefixes if which(k)]:
+            self._cached_tokens -= self._prefixes.pop(key).prefix_len
+            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+
+    # -- step --------------------------------------------------------------------------------
+    def plan(self, step: Step, ctx: StepContext) -> DensePlan:
+        kv_plan = ctx.plan_results.get(self.kv.name)
+        if not isinstance(kv_plan, KVPlan):
+            raise RuntimeError(
+                f"DenseAttentionManager.plan needs the KV plan in ctx.plan_results[{self.kv.name!r}] "
+                f"(plan the KV resource first), found {type(kv_plan).__name__}"
+            )
+        a = step.attn
+        commits = {(s.request_id, s.label): s.commit for s in step.kv.spans}
+        self._runs = {}
+        for label, lay in kv_plan.labels:
+            self._runs[label] = self._plan_label(label, lay, commits, a.causal, a.window_left, a.sm_scale)
+        plans = [r.plan for r in self._runs.values()]
+        if len(plans) == 1:
+            self._current = plans[0]
+        else:
+            self._current = _merge(plans, a.causal)
+        return self._current
+
+    def _plan_label(self, label: str, lay: LabelLayout, commits: dict[tuple[str, str], bool], causal: bool,
+                    window_left: int, sm_scale: float | None) -> _LabelRun:
+        ps = self.kv_config.page_size
+        segs, starts = [], []
+        for s in lay.spans:
+            if s.to_compute == 0:
+                continue  # no query: nothing to attend for this stream
+            prefix = s.prefix_len
+            pages = s.pages[: -(-prefix // ps)]
+            segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation))
+            starts.append(s.q_start)
+            self._invalidate_stale(s.request_id, label, s.generation, prefix, pages)
+        cu_q = (0, *itertools.accumulate(g.q_len for g in segs))
+        cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
+        max_q = max((g.q_len for g in segs), default=0)
+        max_k = max((g.k_len for g in segs), default=0)
+        w = self._wrappers.get(label)
+        if w is None:
+            c = self.kv_config
+            w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
+                                   backend=self.flashinfer_backend)
+            self._wrappers[label] = w
+        # Host tensors: the wrapper moves them to the device once per step, not per layer.
+        w.plan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max_q, max_k,
+               causal=causal, dtype=self.dtype, sm_scale=sm_scale, window_left=window_left)
+        flags = [commits.get((s.request_id, label), True) for s in lay.spans]
+        rows = None
+        if all(flags):
+            write = "all"
+        elif not any(flags):
+            write = "none"
+        else:
+            write = "some"
+            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool) for s, f in zip(lay.spans, flags)])
+            rows = keep.nonzero().flatten().to(self.device)
+        plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
+        log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
+        return _LabelRun(label, plan, tuple(starts), write, rows)
+
+    def _invalidate_stale(self, rid: str, label: str, generation: int, prefix: int, pages: tuple[int, ...]) -> None:
+        # Free a stream's stale entries at plan time rather than waiting for each layer to miss.
+        def stale(key: tuple[str, str, int]) -> bool:
+            if key[0] != rid or key[1] != label:
+                return False
+            g = self._prefixes[key]
+            return (g.generation, g.prefix_len, g.pages) != (generation, prefix, pages)
+
+        self._drop(stale, "invalidations")
+
+    @property
+    def current(self) -> DensePlan:
+        if self._current is None:
+            raise RuntimeError("DenseAttentionManager has no plan yet: call plan(step, ctx) first")
+        return self._current
+
+    def run(
+        self,
+        q: torch.Tensor,
+        label: str | None = None,
+        kv_cache_layer: torch.Tensor | None = None,
+        k: torch.Tensor | None = None,
+        v: torch.Tensor | None = None,
+        layer_idx: int | None = None,
+    ) -> torch.Tensor:
+        """One layer's dense attention. ``k``/``v`` are this step's freshly projected K/V
+        ``[tokens, H_kv, D]``, packed in the plan's segment order; ``commit=False`` tokens are
+        never written to the pages. ``layer_idx`` keys the gathered prefix and is required."""
+        lr = self._label_run(label)
+        who = type(self).__name__
+        c = self.kv_config
+        n = lr.plan.num_q
+        check_q(q, n, c.qo_heads, c.head_dim, self.dtype, who)
+        for name, t in (("k", k), ("v", v)):
+            if t is None:
+                raise ValueError(
+                    f"{who}.run: {name} is None; the dense path takes this step's fresh K/V in the call "
+                    "(requires_kv_write is False: pass k=, v= instead of writing them)"
+                )
+            if tuple(t.shape) != (n, c.num_kv_heads, c.head_dim):
+                raise ValueError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected "
+                                 f"{(n, c.num_kv_heads, c.head_dim)} [tokens, H_kv, D]")
+            if t.dtype != self.dtype:
+                raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
+        if layer_idx is None:
+            raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
+        if kv_cache_layer is None:
+            kv_cache_layer = self.kv.layer_view(layer_idx)
+        assert k is not None and v is not None
+        self._write_committed(lr, k, v, layer_idx)
+        keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
+        return lr.plan.wrapper.run(q, keys, values)  # type: ignore[union-attr]
+
+    def _label_run(self, label: str | None) -> _LabelRun:
+        if not self._runs:
+            raise RuntimeError(f"{type(self).__name__}.run before plan")
+        if label is None:
+            if len(self._runs) != 1:
+                raise ValueError(f"label=None is ambiguous: this step has labels {list(self._runs)}; name one")
+            return next(iter(self._runs.values()))
+        try:
+            return self._runs[label]
+        except KeyError:
+            raise KeyError(f"label {label!r} is not in this step; its labels are {list(self._runs)}") from None
+
+    def _write_committed(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
+        """Write the K/V of ``commit=True`` spans to the pages: a later step reads them as its
+        prefix, whichever backend it runs under."""
+        if lr.write == "none":
+            return
+        if lr.write == "all":
+            self.kv.write_kv(k, v, layer_idx=layer_idx, label=lr.label)
+            return
+        lay = self.kv.current.layout(lr.label)
+        rows = lr.write_rows
+        layer = self.kv.layer_view(layer_idx)
+        layer[lay.write_pages[rows], 0, lay.write_offsets[rows]] = k[rows].to(layer.dtype)
+        layer[lay.write_pages[rows], 1, lay.write_offsets[rows]] = v[rows].to(layer.dtype)
+
+    def _prefix(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> _Gathered:
+        key = (seg.request_id, seg.label, layer_idx)
+        g = self._prefixes.get(key)
+        if g is not None and (g.generation, g.prefix_len, g.pages) == (seg.generation, seg.prefix_len, seg.pages):
+            self._prefixes.move_to_end(key)
+            self.stats.hits += 1
+            return g
+        if g is not None:  # moved under us since plan (e.g. pages rewritten): rebuild
+            self._drop(lambda kk: kk == key, "invalidations")
+        pages = torch.tensor(seg.pages, dtype=torch.long, device=layer.device)
+        ps = layer.shape[2]
+        blk = layer[pages]  # [n_pages, 2, page_size, H_kv, D]: one gather for K and V
+        kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * ps, *layer.shape[3:])[:, : seg.prefix_len]
+        g = _Gathered(seg.generation, seg.prefix_len, seg.pages, kv[0].contiguous(), kv[1].contiguous())
+        self.stats.gathers += 1
+        self._prefixes[key] = g
+        self._cached_tokens += seg.prefix_len
+        self._evict(keep=key)
+        return g
+
+    def _evict(self, keep: tuple[str, str, int]) -> None:
+        if self.max_cached_tokens is None:
+            return
+        while self._cached_tokens > self.max_cached_tokens:
+            victim = next((kk for kk in self._prefixes if kk != keep), None)
+            if victim is None:
+                break  # the entry in use alone exceeds the bound: keep it for this layer
+            self._cached_tokens -= self._prefixes.pop(victim).prefix_len
+            self.stats.evictions += 1
+
+    def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
+                  layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[prefix_0 | fresh_0 | prefix_1 | fresh_1 ...]`` in one concatenation each."""
+        segs = lr.plan.segments
+        if all(s.prefix_len == 0 for s in segs):
+            return k, v  # no prefix anywhere: the fresh K/V already are the keys
+        ks: list[torch.Tensor] = []
+        vs: list[torch.Tensor] = []
+        for seg, start in zip(segs, lr.q_starts):
+            if seg.prefix_len:
+                g = self._prefix(seg, layer, layer_idx)
+                ks.append(g.k)
+                vs.append(g.v)
+            ks.append(k[start:start + seg.q_len])
+            vs.append(v[start:start + seg.q_len])
+        return torch.cat(ks), torch.cat(vs)
+
+    def cleanup(self) -> None:
+        self._drop(lambda key: True)
+        self._wrappers.clear()
+        self._runs = {}
+        self._current = None
+
+
+def _merge(plans: list[DensePlan], causal: bool) -> DensePlan:
+    """Every label's segments in one plan, for a multi-label step (each label runs its own)."""
+    segs = tuple(s for p in plans for s in p.segments)
+    return DensePlan(
+        segs,
+        (0, *itertools.accumulate(s.q_len for s in segs)),
+        (0, *itertools.accumulate(s.k_len for s in segs)),
+        max((p.max_q for p in plans), default=0),
+        max((p.max_k for p in plans), default=0),
+        causal,
+        None,
+    )
