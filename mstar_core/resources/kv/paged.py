@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource
 from ...step import AdmitOutcome, Shortage, Step, StepContext
 from .config import KVConfig
@@ -258,12 +259,15 @@ class KVManager(Resource):
         return self.pool.num_free
 
     def post_warmup_validate(self) -> None:
+        """Page accounting is consistent, and (under tensor parallelism) every rank has the same
+        number of free pages: ranks that disagree would admit different steps."""
         owned = [p for s in self.streams.values() for p in s.pages]
         if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
             raise RuntimeError(
                 f"KVManager page accounting broken: {len(owned)} owned by streams "
                 f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
             )
+        check_same_across_ranks(f"{self.name} free pages", self.pool.num_free)
 
     def cleanup(self) -> None:
         self.streams.clear()
