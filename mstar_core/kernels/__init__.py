@@ -1,0 +1,1 @@
+"""Kernels the core ships itself (not through a backend plugin): bounded attention."""

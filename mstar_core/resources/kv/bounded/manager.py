@@ -1,0 +1,339 @@
+"""A pool of fixed-size per-request KV slots with sink + window retention (seed 004).
+
+Unlike the paged ``KVManager`` there is nothing to reserve per step and nothing to release: a
+request takes a slot when it first runs and keeps it until removed, the window is a ring
+overwritten in place, and a step's layout is a small integer table computed on the host from
+the positions the step declares (:mod:`.positions`, the ``"bounded"`` step part).
+
+Storage per layer is ``[max_slots, rows, H, cap, 2D]``, ``cap = sink + window``, K and V side by
+side in the last dim. A request's first ``sink`` tokens stay at cache indices ``0 .. sink - 1``;
+every later position ``p`` goes to ``sink + (p - sink) % window``. Retained keys keep the
+stream positions they were written at.
+
+What a query at position ``p`` of a step starting at ``start`` sees (the full rule, with
+``rel_bias`` and prefixes, is in :mod:`mstar_core.kernels.bounded_attention`): its prefix source
+if any, the sinks, the ring (positions ``start - window .. start - 1``; within ``p -
+query_window .. p`` when the config sets a query window), and its own step's keys causally. A
+step longer than the window attends to all of its own keys, then writes only its sink positions
+and its last ``window`` positions: the others would be overwritten within the step anyway.
+
+Lifecycle: ``admit`` takes slots for requests new to the pool (refusing, as a value, when too
+few are free); ``rollback_admit`` frees exactly those; ``plan`` builds the table; ``attend``
+(every layer) computes attention then writes the step's keys; ``commit`` advances each stream.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
+from ....kernels.bounded_attention import table as tb
+from ....resource import BuildInfo, Resource
+from ....step import AdmitOutcome, Shortage, Step, StepContext
+from .config import BoundedKVConfig, RowLayout
+from .plan import BoundedPlan, host_table
+from .positions import BoundedStep, bounded_part
+
+log = logging.getLogger(__name__)
+
+__all__ = ["BoundedKVManager", "BoundedPlan"]
+
+
+class BoundedKVManager(Resource):
+    """Per-request sink + window slots. See the module docstring."""
+
+    name = "bounded"
+
+    def __init__(self, config: BoundedKVConfig, device: torch.device | str, kv_dtype: torch.dtype | None = None) -> None:
+        self.config = config
+        self.device = torch.device(device)
+        self.kv_dtype = kv_dtype if kv_dtype is not None else torch.get_default_dtype()
+        self.impl: Impl = "auto"  # "reference" / "triton" force a kernel
+        self.sm_scale: float | None = None  # None: 1/sqrt(head_dim)
+        # Zeroed once so a never-written entry is finite; reset_request never zeroes again.
+        self.storage = torch.zeros((config.num_layers, *config.layer_shape), dtype=self.kv_dtype, device=self.device)
+        self._free: list[int] = list(range(config.max_slots - 1, -1, -1))  # pop() gives the lowest
+        self._slot: dict[str, int] = {}
+        self._length: dict[str, int] = {}
+        self._requests: dict[str, dict[str, Any]] = {}
+        self._current: BoundedPlan | None = None
+        # Graph staging: one table buffer per staging slot; buffers replaced by a larger one
+        # stay alive and keep being written, since graphs captured earlier read them.
+        self._graph_tables: list[torch.Tensor] = []
+        self._retired: list[list[torch.Tensor]] = []
+
+    @classmethod
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
+        qw = spec.get("query_window")
+        cfg = BoundedKVConfig(
+            num_layers=int(spec.get("num_layers", info.num_layers)),
+            max_slots=int(spec["max_slots"]),
+            rows=int(spec.get("rows", 1)),
+            num_heads=int(spec.get("num_heads", info.num_kv_heads)),
+            head_dim=int(spec.get("head_dim", info.head_dim)),
+            sink=int(spec.get("sink", 0)),
+            window=int(spec["window"]),
+            query_window=None if qw is None else int(qw),
+        )
+        mgr = cls(cfg, info.device, spec.get("kv_dtype", info.dtype))
+        mgr.name = spec.get("name", cls.name)
+        mgr.impl = spec.get("impl", "auto")
+        mgr.sm_scale = spec.get("sm_scale")
+        return mgr
+
+    # -- requests ----------------------------------------------------------------------------
+    @property
+    def requests(self) -> tuple[str, ...]:
+        return tuple(self._requests)
+
+    @property
+    def num_free_slots(self) -> int:
+        return len(self._free)
+
+    def slot_of(self, rid: str) -> int | None:
+        return self._slot.get(rid)
+
+    def length(self, rid: str) -> int:
+        """Tokens committed to ``rid``'s stream."""
+        return self._length.get(rid, 0)
+
+    def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
+        """Must be idempotent: the conductor sends one NewRequest per partition, so a worker
+        serving several partitions of a request ingests it once for each, possibly after a node
+        has already run a step for it. A second ingest changes nothing (slot and length stay)."""
+        self._requests.setdefault(rid, dict(overrides or {}))
+
+    def _release(self, rid: str) -> None:
+        slot = self._slot.pop(rid, None)
+        if slot is not None:
+            self._free.append(slot)
+            self._free.sort(reverse=True)
+        self._length.pop(rid, None)
+
+    def reset_request(self, rid: str, free: bool = False) -> None:
+        """Nothing to zero: a slot's contents are only read where a later position says they
+        were written. The stream restarts at position 0 in the same slot; ``free=True`` also
+        gives the slot back and forgets the request (it must be ingested again)."""
+        if free:
+            self._release(rid)
+            self._requests.pop(rid, None)
+        elif rid in self._length:
+            self._length[rid] = 0
+
+    def remove_request(self, rid: str) -> None:
+        """Free the request's slot and forget it; an unknown ``rid`` is a no-op."""
+        if rid not in self._requests and rid not in self._slot:
+            log.debug("remove_request(%r): unknown request, nothing to do", rid)
+            return
+        self._release(rid)
+        self._requests.pop(rid, None)
+
+    # -- step --------------------------------------------------------------------------------
+    def _part(self, step: Step) -> BoundedStep:
+        part = bounded_part(step)
+        unknown = [r for r in part.request_ids if r not in self._requests]
+        if unknown:
+            raise KeyError(f"{self.name}: requests {unknown} were never ingested; ingested: {sorted(self._requests)}")
+        return part
+
+    def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """Take a slot for each request new to the pool, all or nothing; a refusal names the
+        shortage (total, then each request that would need a slot)."""
+        part = self._part(step)
+        fresh = [rid for rid in part.request_ids if rid not in self._slot]
+        free = len(self._free)
+        if len(fresh) > free:
+            return AdmitOutcome.refuse(
+                Shortage(self.name, "slots", len(fresh), free),
+                *(Shortage(self.name, "slots", 1, free, rid) for rid in fresh),
+            )
+        for rid in fresh:
+            self._slot[rid] = self._free.pop()
+            self._length[rid] = 0
+        ctx.admitted.setdefault(self.name, []).extend(fresh)
+        return AdmitOutcome.ok()
+
+    def rollback_admit(self, step: Step, ctx: StepContext) -> None:
+        """Free the slots this step's admit took fresh; a slot a request already held stays
+        with it."""
+        mine = set(bounded_part(step).request_ids)
+        taken = ctx.admitted.get(self.name, [])
+        for rid in [r for r in taken if r in mine]:
+            self._release(rid)
+        rest = [r for r in taken if r not in mine]
+        if rest:
+            ctx.admitted[self.name] = rest
+        else:
+            ctx.admitted.pop(self.name, None)
+
+    def plan(self, step: Step, ctx: StepContext) -> BoundedPlan:
+        """The step's table (ret is immutable and opaque to the runner; it only goes to
+        ``ctx.plan_results``)."""
+        part = self._part(step)
+        rows: list[tuple[int, RowLayout, int]] = []
+        for p in part.positions:
+            slot = self._slot.get(p.request_id)
+            if slot is None:
+                raise RuntimeError(f"{self.name}: plan before admit: request {p.request_id!r} holds no slot")
+            length = self._length[p.request_id]
+            if p.start is not None and p.start != length:
+                raise ValueError(
+                    f"{self.name}: request {p.request_id!r} declares start {p.start}, but its stream "
+                    f"holds {length} committed tokens"
+                )
+            slen = 0 if p.source is None else (tb.ALL_SOURCE if p.source_len is None else p.source_len)
+            rows.append((slot, self.config.row_layout(length, p.num_tokens, slen, p.commit), p.source_code))
+        frozen = tuple(rows)
+        plan = BoundedPlan(
+            table=self._stage(host_table(frozen), ctx),
+            rows=frozen,
+            max_retained=max((lay.retained for _, lay, _ in frozen), default=0),
+            max_span=max((lay.num_tokens for _, lay, _ in frozen), default=0),
+            reads_source=any(src >= 0 for _, _, src in frozen),
+            reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
+        )
+        self._current = plan
+        return plan
+
+    def _stage(self, host: torch.Tensor, ctx: StepContext) -> torch.Tensor:
+        """The table on the device: in the graph buffer of this step's staging slot when one
+        is big enough (padded with no-op rows, so a replay for a larger batch does nothing
+        more), else a fresh tensor."""
+        B = host.shape[0]
+        if not self._graph_tables or B > self._graph_tables[0].shape[0]:
+            return host.to(self.device)
+        i = ctx.step_index % len(self._graph_tables)
+        padded = torch.tensor(tb.NOOP_ROW, dtype=torch.int32).repeat(self._graph_tables[i].shape[0], 1)
+        padded[:B] = host
+        for buf in (*self._retired[i], self._graph_tables[i]):
+            buf.copy_(padded[: buf.shape[0]].to(self.device, non_blocking=False))
+        return self._graph_tables[i][:B]
+
+    @property
+    def current(self) -> BoundedPlan:
+        """The latest plan (what ``attend`` uses when given none)."""
+        if self._current is None:
+            raise RuntimeError(f"{self.name}: no plan yet: call plan(step, ctx) first")
+        return self._current
+
+    def commit(self, step: Step, ctx: StepContext) -> None:
+        """Record the step's consumption: committed streams advance by their tokens."""
+        for p in bounded_part(step).positions:
+            if p.commit and p.request_id in self._length:
+                self._length[p.request_id] += p.num_tokens
+        ctx.admitted.pop(self.name, None)
+
+    # -- data --------------------------------------------------------------------------------
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """One layer's slots, ``[max_slots, rows, H, cap, 2D]``."""
+        return self.storage[layer_idx]
+
+    def attend(
+        self,
+        layer_idx: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        source: torch.Tensor | None = None,
+        plan: BoundedPlan | None = None,
+        rel_bias: torch.Tensor | None = None,
+        ieee: bool = False,
+        row_source: tuple[torch.Tensor, torch.Tensor] | None = None,
+    ) -> torch.Tensor:
+        """Attention for ``q``, ``k``, ``v`` ``[B * rows, H, T, D]`` over each row's retained
+        keys (``source [sources, rows, H, L, 2D]`` is this layer's source prefixes, each row's
+        picked by its ``StreamPosition.source``) and this step's own, then this step's keys into
+        the slots. Returns ``[B * rows, T, H, D]``. ``plan`` defaults to the step's. ``rel_bias``
+        is a per-distance score term (``kernels.bounded_attention``); with a query window it is
+        ``[B * rows, H, T, query_window + 1]``. Rows whose source is -1 read theirs from
+        ``row_source = (storage [slots, rows, H, L, 2D], slots [>= B])``. ``q`` may have a
+        multiple of the cache's heads (GQA)."""
+        plan = self.current if plan is None else plan
+        cfg = self.config
+        B = plan.batch
+        if q.dim() != 4 or q.shape[0] != B * cfg.rows:
+            raise ValueError(f"{self.name}.attend: q must be [B * rows = {B * cfg.rows}, H, T, D], got {tuple(q.shape)}")
+        if q.shape[2] < plan.max_span:
+            raise ValueError(f"{self.name}.attend: T = {q.shape[2]} is shorter than the step's longest span {plan.max_span}")
+        if tuple(k.shape[1:2]) != (cfg.num_heads,) or k.shape[3] != cfg.head_dim:
+            raise ValueError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], got {tuple(k.shape)}")
+        self._check_sources(plan, source, row_source)
+        layer = self.layer(layer_idx)
+        geo = dict(sink=cfg.sink, window=cfg.window)
+        out = bounded_attention(
+            q, k, v, layer, plan.table, **geo, query_window=cfg.query_window,
+            source=source if plan.reads_source else None,
+            row_source=row_source if plan.reads_row_source else None,
+            rel_bias=rel_bias, sm_scale=self.sm_scale, ieee=ieee, impl=self.impl,
+        )
+        bounded_write(layer, k, v, plan.table, **geo, impl=self.impl)
+        return out
+
+    def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
+                       row_source: tuple[torch.Tensor, torch.Tensor] | None) -> None:
+        # Host-side checks from the plan's mirror: the kernels trust the table.
+        for slot, lay, src in plan.rows:
+            if src == tb.NO_SOURCE:
+                continue
+            store = source if src >= 0 else (row_source[0] if row_source is not None else None)
+            what = f"source[{src}]" if src >= 0 else "row_source"
+            if store is None:
+                raise ValueError(f"{self.name}.attend: the plan reads {what} (slot {slot}) but none was given")
+            if src >= store.shape[0]:
+                raise ValueError(f"{self.name}.attend: source index {src} out of range: {store.shape[0]} sources")
+            if lay.source_len > store.shape[3]:
+                raise ValueError(f"{self.name}.attend: source_len {lay.source_len} exceeds {what}'s length {store.shape[3]}")
+
+    # -- capture -----------------------------------------------------------------------------
+    def can_capture(self) -> bool:
+        # The Triton path makes no host synchronisation; the reference does (nonzero()).
+        return pick_impl(self.device, self.impl) == "triton"
+
+    def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
+        """Size whatever the captured replays will read: one ``[max_bs, NUM_COLS]`` table per
+        staging slot (``max_seq_len`` does not matter: a slot's size is fixed).
+
+        Called once per runner that captures against this node, so repeatable and grow-only: a
+        larger ask allocates a larger buffer, and the smaller one stays alive and keeps being
+        written, because graphs captured earlier read it."""
+        if slots < 1 or max_bs < 1:
+            raise ValueError(f"{self.name}: need slots >= 1 and max_bs >= 1, got slots={slots}, max_bs={max_bs}")
+        noop = torch.tensor(tb.NOOP_ROW, dtype=torch.int32)
+        while len(self._graph_tables) < slots:
+            size = self._graph_tables[0].shape[0] if self._graph_tables else max_bs
+            self._graph_tables.append(noop.repeat(size, 1).to(self.device))
+            self._retired.append([])
+        for i, buf in enumerate(self._graph_tables):
+            if buf.shape[0] < max_bs:
+                self._retired[i].append(buf)
+                self._graph_tables[i] = noop.repeat(max_bs, 1).to(self.device)
+
+    def post_warmup_validate(self) -> None:
+        """Fail loudly when slot accounting is broken."""
+        held = list(self._slot.values())
+        if len(held) != len(set(held)) or set(held) & set(self._free) or \
+                len(held) + len(self._free) != self.config.max_slots or len(set(self._free)) != len(self._free):
+            raise RuntimeError(
+                f"{self.name}: slot accounting broken: {len(held)} held ({len(set(held))} distinct), "
+                f"{len(self._free)} free, {self.config.max_slots} slots"
+            )
+        stray = [r for r in self._slot if r not in self._requests]
+        if stray:
+            raise RuntimeError(f"{self.name}: slots held by requests never ingested: {stray}")
+        sizes = {b.shape[0] for b in self._graph_tables}
+        if len(sizes) > 1:
+            raise RuntimeError(f"{self.name}: graph table buffers differ in size: {sorted(sizes)}")
+
+    def cleanup(self) -> None:
+        self._slot.clear()
+        self._length.clear()
+        self._requests.clear()
+        self._free = list(range(self.config.max_slots - 1, -1, -1))
+        self._graph_tables.clear()
+        self._retired.clear()
+        self.storage = self.storage.new_empty(0)
+        self._current = None
