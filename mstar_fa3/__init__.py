@@ -1,4 +1,28 @@
-"""mstar-fa3: FlashAttention-3's varlen kernel as mstar's prefixed ragged (dense) wrapper.
+"""mstar-fa3: FlashAttention-3's varlen kernel as mstar's prefixed ragged (dense) wrapper,
+attention backend "fa3".
 
-Importing this package imports no kernel library: ``flash_attn_interface`` is imported when a
-wrapper is built."""
+Importing this package imports no kernel library: ``flash_attn_interface`` is imported by the
+probe (on an sm90 GPU) or when a wrapper is built. ``FA3PrefixedPrefillWrapper`` resolves lazily.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+_LAZY: dict[str, str] = {"FA3PrefixedPrefillWrapper": "mstar_fa3.ragged"}
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

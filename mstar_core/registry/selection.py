@@ -108,8 +108,9 @@ def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | o
 
 
 def auto_order(capabilities: Sequence[str], registry: Registry) -> list[str]:
-    """Candidates in the order auto tries them: the first capability's list, then any other
-    listed name, then unlisted plugins by priority, then the reference."""
+    """Candidates in the order auto tries them, among the backends that provide every one of
+    ``capabilities``: the first capability's list, then any other listed name, then unlisted
+    plugins by priority (higher first), then the reference."""
     order: list[str] = []
     for cap in capabilities:
         for name in AUTO_PRIORITY.get(cap, ()):
@@ -119,7 +120,12 @@ def auto_order(capabilities: Sequence[str], registry: Registry) -> list[str]:
     extra = [s for s in registry.backends.values() if s.name not in listed]
     order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
     order.append(FALLBACK)
-    return [n for n in order if registry.get(n) is not None]
+    return [n for n in order if (s := registry.get(n)) is not None and all(c in s.provides for c in capabilities)]
+
+
+def format_rejected(rejected: Mapping[str, Sequence[str]]) -> str:
+    """``name: reason; reason | name: reason`` for logs and errors."""
+    return " | ".join(f"{n}: {'; '.join(r)}" for n, r in rejected.items())
 
 
 def _load_classes(spec: BackendSpec, capabilities: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
@@ -213,13 +219,13 @@ def _select_auto(registry: Registry, capabilities: tuple[str, ...], device: torc
         if reasons:
             rejected[name] = reasons
             continue
-        passed = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items()) or "none"
+        passed = format_rejected(rejected) or "none"
         log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
         return Selection(name, spec, classes, rejected, AUTO, source)
     for n in registry.names():
         if n not in rejected:
             rejected[n] = registry.reasons(n, capabilities, device, dtype, head_dim) or ["not in the auto order"]
-    detail = "; ".join(f"{n}: {', '.join(r)}" for n, r in rejected.items())
+    detail = format_rejected(rejected)
     raise BackendUnavailable(
         f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "
         f"Known backends: {', '.join(registry.names()) or 'none'}.",

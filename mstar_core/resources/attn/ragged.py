@@ -1,0 +1,69 @@
+"""``dense_or_flashinfer(device)``: which prefixed ragged wrapper the dense path runs (seed 000).
+
+FA3 where FA3 has a kernel for the GPU (sm90, confirmed by its probe's tiny call), AITER on ROCm
+(gfx942 / gfx950), FlashInfer's ragged prefill elsewhere on CUDA, the reference where none of
+them is installed or runs. "Has a kernel" is decided by each backend's probe, not by name; the
+registry caches probes per device and this module caches the answer per (device, dtype,
+head_dim). ``AttentionManager.build`` passes the returned class.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from typing import Any
+
+import torch
+
+from ...registry import Registry, Selection, get_registry, select_backend
+from ...registry.device import as_device, device_key
+from ...registry.selection import format_rejected
+
+log = logging.getLogger("mstar.registry")
+
+CAPABILITY = "prefixed_ragged"
+
+_cache: dict[tuple[str, torch.dtype | None, int | None, int], Selection] = {}
+_lock = threading.Lock()
+
+
+def dense_selection(
+    device: torch.device | str | None,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    registry: Registry | None = None,
+) -> Selection:
+    """The auto selection for the dense path, with every passed-over backend's reasons.
+    ``dtype``/``head_dim`` None judge the device alone."""
+    device = as_device(device)
+    registry = registry or get_registry()
+    key = (device_key(device), dtype, head_dim, id(registry))
+    with _lock:
+        hit = _cache.get(key)
+    if hit is not None:
+        return hit
+    # requested="auto" on purpose: this is the rule itself; a named backend goes through
+    # select_backend with the name.
+    sel = select_backend(capabilities=(CAPABILITY,), requested="auto", device=device, dtype=dtype,
+                         head_dim=head_dim, registry=registry)
+    log.info("dense_or_flashinfer(%s): %s (%s)%s", device_key(device), sel.name, sel.backend.label,
+             f"; passed over {format_rejected(sel.rejected)}" if sel.rejected else "")
+    with _lock:
+        _cache[key] = sel
+    return sel
+
+
+def dense_or_flashinfer(
+    device: torch.device | str | None,
+    *,
+    dtype: torch.dtype | None = None,
+    head_dim: int | None = None,
+    registry: Registry | None = None,
+) -> Any:
+    """The prefixed ragged wrapper class for ``device`` (see the module doc for the rule)."""
+    return dense_selection(device, dtype, head_dim, registry).classes[CAPABILITY]
+
+
+def clear_cache() -> None:
+    with _lock:
+        _cache.clear()

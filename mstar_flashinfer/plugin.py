@@ -1,0 +1,36 @@
+"""Entry point ``flashinfer`` (group ``mstar.backends``) of the mstar-flashinfer distribution.
+Registers the backend as data; imports no kernel library."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_core.registry import BackendSpec, HeadDims, hookimpl
+
+FLASHINFER = BackendSpec(
+    name="flashinfer",
+    provides={
+        "paged_prefill": "mstar_flashinfer.prefill:FlashInferPrefillWrapper",
+        "paged_decode": "mstar_flashinfer.decode:FlashInferDecodeWrapper",
+        "mixed": "mstar_flashinfer.mixed:FlashInferMixedWrapper",
+        "prefixed_ragged": "mstar_flashinfer.ragged:FlashInferPrefixedPrefillWrapper",
+    },
+    devices=("cuda",),
+    dtypes=(torch.float16, torch.bfloat16),
+    # FlashInfer 0.5.3: the sm90 kernels static_assert HEAD_DIM in {64, 128, 256}
+    # (attention/hopper/prefill_sm90.cuh) and the fa2 dispatch covers the same dims plus 512,
+    # which neither the sm90 path nor tensor-core decode runs. Page sizes: any.
+    head_dims=HeadDims(values=(64, 128, 256)),
+    # Its fa2 kernels need sm80 for bf16 (sm75 runs fp16 only); one declared floor for both.
+    min_compute_capability=(8, 0),
+    # The paged wrappers take use_cuda_graph buffers; the ragged (dense) path is eager-only.
+    capturable=("paged_prefill", "paged_decode", "mixed"),
+    probe="mstar_flashinfer.probe:probe",
+    description="FlashInfer paged prefill/decode/mixed and ragged prefill (JIT-compiled on first use)",
+    install_hint="pip install flashinfer-python>=0.5",
+)
+
+
+@hookimpl
+def mstar_register_backends(register):
+    register(FLASHINFER)
