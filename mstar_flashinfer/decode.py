@@ -1,0 +1,117 @@
+"""FlashInferDecodeWrapper: batched one-token decode over a paged KV cache (seed 001)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from .library import flashinfer
+from .paged_base import PagedWrapperBase, pad_rows, plan_extras
+from .staging import host_i32
+
+# FlashInfer's tensor-core decode (its prefill kernel with one query per row) wins once a KV head
+# serves several query heads; below that its CUDA-core decode kernel is the faster one.
+TENSOR_CORE_MIN_GQA = 4
+
+
+def use_tensor_cores(num_qo_heads: int, num_kv_heads: int) -> bool:
+    return num_qo_heads // num_kv_heads >= TENSOR_CORE_MIN_GQA
+
+
+class FlashInferDecodeWrapper(PagedWrapperBase):
+    """Batched decode attention with paged KV cache.
+
+    Optimized for the common decode case where each request appends exactly 1 new token. Uses
+    ``flashinfer.BatchDecodeWithPagedKVCacheWrapper``. In graph mode ``run`` takes q with
+    ``batch_size`` rows (the captured shape); a plan with fewer rows is padded with rows reading
+    one token of a sink page, whose outputs are unspecified.
+    """
+
+    kind = "decode"
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device = torch.device("cuda"),
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
+                         None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+        fi = flashinfer()
+        self.use_tensor_cores = use_tensor_cores(num_qo_heads, num_kv_heads)
+        self._bufs: dict[str, torch.Tensor] | None = None
+        if self.accelerator_graph:
+            self._bufs = self._graph_buffers(with_qo=False)
+            self._static_q = self.batch_size
+            self._static_only = True  # the kernel reads q row i for every static row i
+            self._inner = fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace_buffer, "NHD", use_cuda_graph=True, use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=self._bufs["kv_indptr"], paged_kv_indices_buffer=self._bufs["kv_indices"],
+                paged_kv_last_page_len_buffer=self._bufs["last_page_len"], backend=backend,
+            )
+        else:
+            self._inner = fi.BatchDecodeWithPagedKVCacheWrapper(
+                workspace_buffer, "NHD", use_tensor_cores=self.use_tensor_cores, backend=backend)
+        self._arange: np.ndarray = np.arange(0, dtype=np.int32)
+
+    def plan(
+        self,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Plan decode attention and compute KV write locations (lazily: ``kv_write_locations()``).
+
+        Each request appends exactly 1 token: its write location is the last page at offset
+        ``last_page_len - 1`` (``last_page_len`` counts the appended token). ``window_left`` is as
+        in the prefill wrapper's plan. Inputs may be on CPU; see the prefill wrapper's plan.
+        """
+        with self._nvtx("plan"):
+            self._check_dtype(dtype)
+            extras = plan_extras(kwargs, dtype, type(self).__name__)
+            indptr, indices = host_i32(paged_kv_indptr), host_i32(paged_kv_indices)
+            last = host_i32(paged_kv_last_page_len)
+            lens = None if kv_lens is None else host_i32(kv_lens)
+            rows = indptr.shape[0] - 1
+            if self._arange.shape[0] < rows + 1:
+                self._arange = np.arange(2 * rows + 2, dtype=np.int32)
+            qo = self._arange[: rows + 1]
+            self._keep(qo, indptr, indices, last, lens)
+            if self._bufs is not None:
+                self._check_graph_fit(rows, rows, indices.shape[0])
+                qo, indptr, indices, last, lens = pad_rows(
+                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
+            st = self._staging
+            st.begin()
+            indptr_s, last_s = st.put("kv_indptr", indptr), st.put("last_page_len", last)
+            lens_s = None if lens is None else st.put("kv_lens", lens)
+            indices_s = self._stage_indices(indices, self._bufs)
+            self._fence.wait()
+            self._inner.plan(
+                indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
+                window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
+            )
+            self._fence.record()
+            st.end()
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """Run planned batched decode attention: ``q`` ``[n_req, num_qo_heads, head_dim]`` over
+        ``kv_cache_layer`` ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns
+        ``[n_req, num_qo_heads, head_dim]``."""
+        self._check_run(q, kv_cache_layer)
+        with self._nvtx("run"):
+            return self._inner.run(q, kv_cache_layer)

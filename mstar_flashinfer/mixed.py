@@ -1,0 +1,164 @@
+"""FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans (seed 001)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from . import validate
+from .decode import FlashInferDecodeWrapper
+from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from .mixed_layout import split_mixed
+from .nvtx import Nvtx
+from .paged_base import PlanState
+from .prefill import FlashInferPrefillWrapper
+from .staging import Staging, host_i32
+
+
+class FlashInferMixedWrapper:
+    """A step mixing one-token rows (decode) with prompt rows, on two plans.
+
+    The packed prefill planner over every row costs per row about twice what the decode planner
+    does, and its kernel runs the one-token rows as prefill queries. Here the decode wrapper takes
+    every row of the bucket (a one-token row attends its own pages; any other row reads one token
+    of the sink page, and its output is dropped), and the prefill wrapper takes at most
+    ``max_prefill_rows`` prompt rows, their tokens moved to the front by a planned permutation.
+    Both are captured at static shapes: the bucket's rows and tokens, and ``max_prefill_rows``
+    sequences.
+
+    Every host array is staged in page-locked buffers this wrapper owns: a mixed step plans inline
+    on the gpu thread, behind the step in flight.
+
+    ``run`` takes q with the planned number of tokens or ``max_total_tokens`` rows (a captured
+    bucket); rows past the planned tokens come back unspecified.
+    """
+
+    # Rows that are not one-token rows read one token of this page in the decode plan; their
+    # output is dropped, so any page of the layer does, and page 0 always exists.
+    SINK_PAGE = 0
+
+    def __init__(
+        self,
+        decode_workspace: torch.Tensor,
+        prefill_workspace: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int,
+        max_total_tokens: int,
+        max_num_pages: int,
+        max_prefill_rows: int,
+        device: torch.device,
+        backend: str = "auto",
+    ) -> None:
+        self.device = torch.device(device)
+        why = "for FlashInferMixedWrapper"
+        self.batch_size = validate.require("batch_size", batch_size, why)
+        self.max_total_tokens = validate.require("max_total_tokens", max_total_tokens, why)
+        self.max_num_pages = validate.require("max_num_pages", max_num_pages, why)
+        self.max_prefill_rows = validate.require("max_prefill_rows", max_prefill_rows, why)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        # The decode plan holds every row (a non-decode row one sink page); the prefill plan pads
+        # to max_prefill_rows with one sink page each: size both so that only the caller's own
+        # pages count against max_num_pages.
+        self._dec = FlashInferDecodeWrapper(
+            decode_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=self.batch_size,
+            max_num_pages=self.max_num_pages + self.batch_size, device=self.device, accelerator_graph=True,
+            backend=backend)
+        self._pre = FlashInferPrefillWrapper(
+            prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=self.max_prefill_rows,
+            max_total_tokens=self.max_total_tokens, max_num_pages=self.max_num_pages + self.max_prefill_rows,
+            device=self.device, accelerator_graph=True, backend=backend)
+        b, t = self.batch_size, self.max_total_tokens
+        i64 = dict(dtype=torch.int64, device=self.device)
+        # Static per-token bookkeeping read by run (and so by a captured graph). The tails past a
+        # plan's tokens keep in-range values (identity) so a static-shape run gathers in bounds.
+        self._row_token = torch.zeros(b, **i64)
+        self._perm = torch.arange(t, **i64)
+        self._gather = torch.arange(b, b + t, **i64)
+        self._staging = Staging(self.device)
+        self._staging.reserve({"row_token": b, "perm": t, "gather": t}, dtype=torch.int64)
+        self._nvtx = Nvtx("mstar.flashinfer.mixed", False, self.device)
+        self._state: PlanState | None = None
+        self.prompt_rows = 0
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Plan both halves: the decode plan over every row, the prefill plan over the prompt
+        rows; ``causal`` applies to the prompt rows (a one-token row sees all its keys either way).
+        Inputs may be on CPU, which is preferred."""
+        with self._nvtx("plan"):
+            qo, indptr = host_i32(qo_indptr), host_i32(paged_kv_indptr)
+            indices, last = host_i32(paged_kv_indices), host_i32(paged_kv_last_page_len)
+            lens = kv_lens_from_pages(indptr, last, self.page_size).astype("int32") if kv_lens is None else host_i32(kv_lens)
+            rows, n = qo.shape[0] - 1, int(qo[-1])
+            name = type(self).__name__
+            if rows > self.batch_size:
+                raise ValueError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size}")
+            if not 0 < n <= self.max_total_tokens:
+                raise ValueError(f"{name}.plan: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
+            if indices.shape[0] > self.max_num_pages:
+                raise ValueError(f"{name}.plan: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
+            lay = split_mixed(qo, indptr, indices, last, lens, self.SINK_PAGE, self.batch_size)
+            if lay.prompt_rows > self.max_prefill_rows:
+                raise ValueError(
+                    f"{name}.plan: {lay.prompt_rows} prompt rows (rows of more than one token) exceed "
+                    f"max_prefill_rows={self.max_prefill_rows}; plan such a step with the prefill wrapper"
+                )
+            self._dec.plan(lay.dec_indptr, lay.dec_indices, lay.dec_last, dtype=dtype, kv_lens=lay.dec_lens,
+                           window_left=window_left, **kwargs)
+            self._pre.plan(lay.pre_qo, lay.pre_indptr, lay.pre_indices, lay.pre_last, causal=causal, dtype=dtype,
+                           kv_lens=lay.pre_lens, window_left=window_left, **kwargs)
+            st = self._staging
+            st.begin()
+            self._row_token.copy_(st.put("row_token", lay.row_token, torch.int64), non_blocking=True)
+            self._perm[:n].copy_(st.put("perm", lay.perm, torch.int64), non_blocking=True)
+            self._gather[:n].copy_(st.put("gather", lay.gather, torch.int64), non_blocking=True)
+            st.end()
+            self._state = PlanState(qo, indptr, indices, lens, n)
+            self.prompt_rows = lay.prompt_rows
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[tokens, num_qo_heads, head_dim]`` over ``kv_cache_layer``
+        ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns ``[tokens, num_qo_heads, head_dim]``."""
+        st = self._state
+        if st is None:
+            raise RuntimeError(f"{type(self).__name__}.run before plan")
+        n = q.shape[0]
+        if n != st.tokens and n != self.max_total_tokens:
+            raise ValueError(
+                f"{type(self).__name__}.run: q has {n} rows, expected {st.tokens} (planned) or "
+                f"{self.max_total_tokens} (static)")
+        if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != self.page_size:
+            raise ValueError(
+                f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
+                f"[max_pages, 2, {self.page_size}, {self.num_kv_heads}, {self.head_dim}]")
+        b = self.batch_size
+        # One output buffer: decode rows first, then the prefill rows; one gather restores order.
+        buf = q.new_empty((b + n, q.shape[1], q.shape[2]))
+        self._dec._inner.run(q.index_select(0, self._row_token), kv_cache_layer, out=buf[:b])
+        self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:])
+        return buf.index_select(0, self._gather[:n])
+
+    def kv_write_locations(self) -> KVWriteLocations:
+        """Where this plan's tokens are written in the paged cache, in packed order."""
+        st = self._state
+        if st is None:
+            raise RuntimeError(f"{type(self).__name__}.kv_write_locations before plan")
+        if st.locations is None:
+            pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
+            st.locations = to_device(pages, offs, self.device)
+        return st.locations

@@ -1,0 +1,198 @@
+"""What the paged prefill and decode wrappers share: build-time checks, static buffers for graph
+mode, staging, the plan-state kept for KV write locations, and ``run``.
+
+Graph mode (``accelerator_graph=True``): the index buffers FlashInfer reads are allocated here,
+once, and handed to FlashInfer's wrapper with ``use_cuda_graph=True``; ``plan`` only updates them
+in place (``.copy_()``), so a graph captured over ``run`` replays with whatever the latest plan
+wrote. The same wrapper object must be used at capture and at every replay.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from . import validate
+from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from .nvtx import Nvtx
+from .staging import Fence, Staging
+
+# plan() keyword arguments forwarded to FlashInfer's plan (seed 001: ``**kwargs``).
+PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
+
+
+def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
+    unknown = set(kwargs) - set(PLAN_KWARGS)
+    if unknown:
+        raise TypeError(f"{who}.plan got unexpected keyword arguments {sorted(unknown)}; it accepts {list(PLAN_KWARGS)}")
+    kv_dtype = kwargs.get("kv_data_type") or dtype
+    return {"sm_scale": kwargs.get("sm_scale"), "logits_soft_cap": kwargs.get("logits_soft_cap"),
+            "q_data_type": dtype, "kv_data_type": kv_dtype}
+
+
+@dataclass
+class PlanState:
+    """A plan's host arrays (the caller's rows, before any padding), for write locations."""
+
+    qo_indptr: np.ndarray
+    kv_indptr: np.ndarray
+    kv_indices: np.ndarray
+    kv_lens: np.ndarray
+    tokens: int
+    locations: KVWriteLocations | None = field(default=None)
+
+
+def pad_rows(
+    rows_to: int, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+    kv_lens: np.ndarray | None, sink_page: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """Pad a plan to ``rows_to`` rows: each extra row has no query and one key (the first slot of
+    ``sink_page``), so it is cheap, valid for every kernel, and its output is never read."""
+    pad = rows_to - (indptr.shape[0] - 1)
+    if pad <= 0:
+        return qo, indptr, indices, last, kv_lens
+    one = np.ones(pad, dtype=np.int32)
+    qo = np.concatenate([qo, np.full(pad, qo[-1], dtype=np.int32)])
+    indptr = np.concatenate([indptr, indptr[-1] + np.cumsum(one, dtype=np.int32)])
+    indices = np.concatenate([indices, np.full(pad, sink_page, dtype=np.int32)])
+    last = np.concatenate([last, one])
+    if kv_lens is not None:
+        kv_lens = np.concatenate([kv_lens, one])
+    return qo, indptr, indices, last, kv_lens
+
+
+class PagedWrapperBase:
+    """Shared by :class:`FlashInferPrefillWrapper` and :class:`FlashInferDecodeWrapper`."""
+
+    kind = "paged"
+    # Padding rows (graph mode, fewer rows than batch_size) read one token of this page; any page
+    # of the layer would do, since their output is never read, and page 0 always exists.
+    SINK_PAGE = 0
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None,
+        max_total_tokens: int | None,
+        max_num_pages: int | None,
+        device: torch.device | str,
+        accelerator_graph: bool,
+        enable_nvtx: bool,
+        backend: str,
+    ) -> None:
+        self.device = torch.device(device)
+        validate.check_geometry(num_qo_heads, num_kv_heads, head_dim, self.device)
+        validate.check_page_size(page_size)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.backend = backend
+        self.accelerator_graph = bool(accelerator_graph)
+        self.workspace_buffer = workspace_buffer
+        self.batch_size = batch_size
+        self.max_total_tokens = max_total_tokens
+        self.max_num_pages = max_num_pages
+        self._staging = Staging(self.device)
+        self._fence = Fence(self.device)  # FlashInfer's own pinned plan buffer: see staging.py
+        self._nvtx = Nvtx(f"mstar.flashinfer.{self.kind}", enable_nvtx, self.device)
+        self._dtype_checked: torch.dtype | None = None
+        self._state: PlanState | None = None
+        self._static_q: int | None = None  # graph mode: the q rows a captured run sees
+        self._static_only = False  # True where the kernel reads every static row (graph decode)
+
+    # -- build ---------------------------------------------------------------------------------
+    def _graph_buffers(self, with_qo: bool) -> dict[str, torch.Tensor]:
+        why = f"for {type(self).__name__} with accelerator_graph=True"
+        b = validate.require("batch_size", self.batch_size, why)
+        p = validate.require("max_num_pages", self.max_num_pages, why)
+        i32 = dict(dtype=torch.int32, device=self.device)
+        bufs = {
+            "kv_indptr": torch.zeros(b + 1, **i32),
+            "kv_indices": torch.zeros(p, **i32),
+            "last_page_len": torch.ones(b, **i32),
+        }
+        if with_qo:
+            bufs["qo_indptr"] = torch.zeros(b + 1, **i32)
+        self._staging.reserve({"qo_indptr": b + 1, "kv_indptr": b + 1, "kv_indices": p, "last_page_len": b, "kv_lens": b})
+        return bufs
+
+    # -- plan helpers --------------------------------------------------------------------------
+    def _check_dtype(self, dtype: torch.dtype) -> None:
+        if dtype is not self._dtype_checked:
+            validate.check_dtype(dtype, self.device)
+            self._dtype_checked = dtype
+
+    def _check_graph_fit(self, rows: int, tokens: int, pages: int) -> None:
+        """Refuse a plan the static buffers cannot hold, naming the limit (FlashInfer's own
+        errors do not say which buffer or by how much)."""
+        name = type(self).__name__
+        assert self.batch_size is not None and self.max_num_pages is not None
+        if rows > self.batch_size:
+            raise ValueError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size} of the static buffers")
+        pad = self.batch_size - rows
+        if pages + pad > self.max_num_pages:
+            raise ValueError(
+                f"{name}.plan: {pages} pages (+{pad} padding rows) exceed max_num_pages={self.max_num_pages} "
+                "of the static buffers"
+            )
+        if self.max_total_tokens is not None and tokens > self.max_total_tokens:
+            raise ValueError(
+                f"{name}.plan: {tokens} tokens exceed max_total_tokens={self.max_total_tokens} of the static buffers"
+            )
+
+    def _stage_indices(self, indices: np.ndarray, bufs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+        """The page indices as FlashInfer's plan should receive them. In graph mode they are
+        copied here, asynchronously from the pinned slot, into the static buffer, and FlashInfer
+        is handed that very view: its own ``buf[:n].copy_(indices, non_blocking=<same device>)``
+        is then a copy of a tensor onto itself, which torch skips -- a host array there would be
+        a blocking copy, i.e. a device sync in every plan."""
+        staged = self._staging.put("kv_indices", indices)
+        if bufs is None:
+            return staged
+        view = bufs["kv_indices"][: indices.shape[0]]
+        view.copy_(staged, non_blocking=True)
+        return view
+
+    def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+              kv_lens: np.ndarray | None) -> None:
+        lens = kv_lens if kv_lens is not None else kv_lens_from_pages(indptr, last, self.page_size)
+        self._state = PlanState(qo, indptr, indices, lens, int(qo[-1]) - int(qo[0]))
+
+    # -- outputs -------------------------------------------------------------------------------
+    def kv_write_locations(self) -> KVWriteLocations:
+        """Where this plan's tokens are written in the paged cache (the last ``q_len`` positions
+        of each row), computed on first request from the plan's host arrays."""
+        st = self._state
+        if st is None:
+            raise RuntimeError(f"{type(self).__name__}.kv_write_locations before plan")
+        if st.locations is None:
+            pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
+            st.locations = to_device(pages, offs, self.device)
+        return st.locations
+
+    @property
+    def planned_tokens(self) -> int:
+        if self._state is None:
+            raise RuntimeError(f"{type(self).__name__} has no plan yet")
+        return self._state.tokens
+
+    def _check_run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> None:
+        st = self._state
+        if st is None:
+            raise RuntimeError(f"{type(self).__name__}.run before plan")
+        n = q.shape[0]
+        if n != self._static_q and (n != st.tokens or self._static_only):
+            want = (f"{self._static_q} (static)" if self._static_only else f"{st.tokens}" if self._static_q is None
+                    else f"{st.tokens} (planned) or {self._static_q} (static)")
+            raise ValueError(f"{type(self).__name__}.run: q has {n} rows, expected {want}")
+        if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != self.page_size:
+            raise ValueError(
+                f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
+                f"[max_pages, 2, {self.page_size}, {self.num_kv_heads}, {self.head_dim}]"
+            )

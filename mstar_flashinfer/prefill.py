@@ -1,0 +1,123 @@
+"""FlashInferPrefillWrapper: batched prefill over a paged KV cache (seed 001)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from .library import flashinfer
+from .paged_base import PagedWrapperBase, pad_rows, plan_extras
+from .staging import host_i32
+
+
+class FlashInferPrefillWrapper(PagedWrapperBase):
+    """Batched prefill attention with paged KV cache.
+
+    Wraps ``flashinfer.BatchPrefillWithPagedKVCacheWrapper`` (NHD layout) with an optional CUDA
+    graph mode on static buffers. KV writes are the KVManager's job; ``kv_write_locations()``
+    gives the locations this plan implies, on request.
+
+    In graph mode ``plan`` takes up to ``batch_size`` rows (fewer are padded with empty rows),
+    ``max_total_tokens`` tokens and ``max_num_pages`` pages, and ``run`` accepts q with the
+    planned number of rows or ``max_total_tokens`` rows (rows past the planned tokens come back
+    unspecified).
+    """
+
+    kind = "prefill"
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_total_tokens: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device = torch.device("cuda"),
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
+                         max_total_tokens, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+        fi = flashinfer()
+        self._bufs: dict[str, torch.Tensor] | None = None
+        if self.accelerator_graph:
+            from . import validate
+
+            self._static_q = validate.require("max_total_tokens", max_total_tokens,
+                                              "for FlashInferPrefillWrapper with accelerator_graph=True")
+            self._bufs = self._graph_buffers(with_qo=True)
+            self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(
+                workspace_buffer, "NHD", use_cuda_graph=True,
+                qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
+                paged_kv_indices_buf=self._bufs["kv_indices"], paged_kv_last_page_len_buf=self._bufs["last_page_len"],
+                backend=backend,
+            )
+            # FlashInfer fixes the graph's token budget at its first plan; fix it at the static
+            # size instead, so a first plan with fewer tokens does not refuse every larger one.
+            if hasattr(self._inner, "_max_total_num_rows"):
+                self._inner._max_total_num_rows = self._static_q
+        else:
+            self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        """Plan attention and compute KV write indices (lazily: ``kv_write_locations()``).
+
+        ``window_left`` is the number of preceding positions each query sees; -1 is unbounded.
+        In CUDA graph mode, updates the static buffers via ``.copy_()`` so the same GPU addresses
+        are used during graph replay.
+
+        Inputs may be on CPU, and that is preferred: FlashInfer's plan reads ``indptr`` and
+        ``last_page_len`` on the host, and a device tensor there forces a synchronisation. Host
+        arrays are staged in this wrapper's page-locked per-slot buffers and copied
+        asynchronously.
+        """
+        with self._nvtx("plan"):
+            self._check_dtype(dtype)
+            extras = plan_extras(kwargs, dtype, type(self).__name__)
+            qo, indptr = host_i32(qo_indptr), host_i32(paged_kv_indptr)
+            indices, last = host_i32(paged_kv_indices), host_i32(paged_kv_last_page_len)
+            lens = None if kv_lens is None else host_i32(kv_lens)
+            self._keep(qo, indptr, indices, last, lens)
+            if self._bufs is not None:
+                self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices.shape[0])
+                qo, indptr, indices, last, lens = pad_rows(
+                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
+            st = self._staging
+            st.begin()
+            qo_s, indptr_s, last_s = st.put("qo_indptr", qo), st.put("kv_indptr", indptr), st.put("last_page_len", last)
+            lens_s = None if lens is None else st.put("kv_lens", lens)
+            indices_s = self._stage_indices(indices, self._bufs)
+            self._fence.wait()
+            self._inner.plan(
+                qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
+            )
+            self._fence.record()
+            st.end()
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        """Run planned batched prefill attention.
+
+        ``q`` ``[total_tokens, num_qo_heads, head_dim]``; ``kv_cache_layer``
+        ``[max_pages, 2, page_size, num_kv_heads, head_dim]`` (one layer of the cache).
+        Returns ``[total_tokens, num_qo_heads, head_dim]``.
+        """
+        self._check_run(q, kv_cache_layer)
+        with self._nvtx("run"):
+            return self._inner.run(q, kv_cache_layer)

@@ -1,0 +1,89 @@
+"""FlashInferPrefixedPrefillWrapper: the dense path's one varlen pass (seed 000), over FlashInfer's
+``BatchPrefillWithRaggedKVCacheWrapper`` -- used where FA3 has no kernel for the GPU."""
+
+from __future__ import annotations
+
+import torch
+
+from . import validate
+from .library import flashinfer
+from .nvtx import Nvtx
+from .staging import Fence, Staging, host_i32
+
+# FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
+DEFAULT_WORKSPACE_BYTES = 128 << 20
+
+
+class FlashInferPrefixedPrefillWrapper:
+    """Segment i's queries ``q[cu_q[i]:cu_q[i+1]]`` attend keys ``k[cu_k[i]:cu_k[i+1]]`` =
+    [frozen prefix | fresh tokens]; the causal mask is aligned bottom-right (FlashInfer's
+    convention), so the prefix is visible to every query.
+
+    Eager only: the dense path's shapes change every step, so nothing here is captured.
+    ``max_q``/``max_k`` are part of the protocol (FA3 needs them); FlashInfer derives its own.
+    """
+
+    def __init__(
+        self,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device | str,
+        workspace_buffer: torch.Tensor | None = None,
+        backend: str = "auto",
+    ) -> None:
+        self.device = torch.device(device)
+        validate.check_geometry(num_qo_heads, num_kv_heads, head_dim, self.device)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        if workspace_buffer is None:
+            size = DEFAULT_WORKSPACE_BYTES if self.device.type == "cuda" else 1024
+            workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
+        self.workspace_buffer = workspace_buffer
+        self._inner = flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
+        self._staging = Staging(self.device)
+        self._fence = Fence(self.device)
+        self._nvtx = Nvtx("mstar.flashinfer.ragged", False, self.device)
+        self._dtype_checked: torch.dtype | None = None
+        self._tokens: tuple[int, int] | None = None
+
+    def plan(
+        self,
+        cu_q: torch.Tensor,
+        cu_k: torch.Tensor,
+        max_q: int,
+        max_k: int,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        sm_scale: float | None = None,
+        window_left: int = -1,
+    ) -> None:
+        """Host ``cu_q``/``cu_k`` preferred (FlashInfer plans on the host; a device tensor costs a
+        synchronisation)."""
+        if dtype is not self._dtype_checked:
+            validate.check_dtype(dtype, self.device)
+            self._dtype_checked = dtype
+        q_arr, k_arr = host_i32(cu_q), host_i32(cu_k)
+        if q_arr.shape != k_arr.shape:
+            raise ValueError(f"plan: cu_q has {q_arr.shape[0]} entries and cu_k {k_arr.shape[0]}; they must match")
+        st = self._staging
+        st.begin()
+        q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)
+        self._fence.wait()
+        self._inner.plan(
+            q_s, k_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=causal, window_left=window_left,
+            sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
+        )
+        self._fence.record()
+        st.end()
+        self._tokens = (int(q_arr[-1]), int(k_arr[-1]))
+
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """``q`` ``[cu_q[-1], Hq, D]``, ``k``/``v`` ``[cu_k[-1], Hkv, D]``; returns ``[cu_q[-1], Hq, D]``."""
+        if self._tokens is None:
+            raise RuntimeError("FlashInferPrefixedPrefillWrapper.run before plan")
+        tq, tk = self._tokens
+        if q.shape[0] != tq or k.shape[0] != tk or v.shape[0] != tk:
+            raise ValueError(
+                f"run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has {tq} queries and {tk} keys"
+            )
+        return self._inner.run(q, k, v)

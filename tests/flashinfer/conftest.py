@@ -1,0 +1,30 @@
+"""The FlashInfer plugin's tests: a fixture that puts the stand-in ``flashinfer`` (tests/standins)
+in place of any real one for one test, and the WrapperSets the suites run."""
+
+from __future__ import annotations
+
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+
+STANDINS = Path(__file__).resolve().parents[1] / "standins"
+
+
+def _flashinfer_modules() -> list[str]:
+    return [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]
+
+
+@pytest.fixture
+def standin_flashinfer(monkeypatch):
+    """``import flashinfer`` yields the stand-in for the duration of the test; whatever was
+    imported before (the real library on the GPU machine) is restored afterwards."""
+    for name in _flashinfer_modules():
+        monkeypatch.delitem(sys.modules, name)
+    monkeypatch.syspath_prepend(str(STANDINS))
+    mod = importlib.import_module("flashinfer")
+    assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
+    yield mod
+    for name in _flashinfer_modules():
+        del sys.modules[name]

@@ -1,0 +1,98 @@
+"""Helpers shared by the stand-in wrappers, mirroring flashinfer.utils."""
+
+from __future__ import annotations
+
+from typing import Optional, Sequence, Union
+
+import torch
+
+from mstar_core.backends.reference.math import attend_padded, build_padding, gather_paged_slots
+
+from .page import get_seq_lens
+
+_UNSUPPORTED = "the flashinfer stand-in does not model {}"
+
+
+def canonicalize_torch_dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
+    if isinstance(dtype, str):
+        return getattr(torch, dtype)
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    raise TypeError("dtype must be a string or torch.dtype, got {}".format(type(dtype)))
+
+
+def check_kv_layout(kv_layout: str) -> None:
+    if kv_layout not in ("NHD", "HND"):
+        raise KeyError("Invalid kv_layout {}".format(kv_layout))
+
+
+def check_cached_qkv_data_type(q: torch.Tensor, k: torch.Tensor, dtype_q: torch.dtype, dtype_kv: torch.dtype) -> None:
+    if q.dtype != dtype_q:
+        raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {dtype_q} specified in plan function.")
+    if k.dtype != dtype_kv:
+        raise ValueError(f"The dtype of k {k.dtype} does not match the kv_data_type {dtype_kv} specified in plan function.")
+
+
+def check_shape_dtype_device(x: torch.Tensor, expected_shape: Optional[Sequence[int]], expected_dtype,
+                             expected_device, name: str) -> None:
+    if expected_shape and x.shape != torch.Size(expected_shape):
+        raise ValueError(f"Invalid shape of {name}: expected {expected_shape}, got {x.shape}")
+    if expected_dtype and x.dtype != expected_dtype:
+        raise ValueError(f"Invalid dtype of {name}: expected {expected_dtype}, got {x.dtype}")
+    if expected_device and x.device != expected_device:
+        raise ValueError(f"Invalid device of {name}: expected {expected_device}, got {x.device}")
+
+
+def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor, torch.Tensor]:
+    if isinstance(paged_kv_cache, tuple):
+        return paged_kv_cache
+    if torch.is_tensor(paged_kv_cache):
+        k, v = paged_kv_cache.unbind(dim=1)
+        return k, v
+    raise KeyError(f"Unrecognized paged_kv_cache type {type(paged_kv_cache)}, expect a single tensor or a tuple of tensor.")
+
+
+def unsupported(**named) -> None:
+    for name, value in named.items():
+        if value not in (None, False, 0, 0.0, "NONE"):
+            raise NotImplementedError(_UNSUPPORTED.format(name))
+
+
+def paged_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
+    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor, batch_size: int,
+    causal: bool, window_left: int, sm_scale: float, kv_layout: str, out: torch.Tensor,
+) -> torch.Tensor:
+    """What the paged kernels compute, read from the (device) buffers they would read."""
+    qo = qo_indptr[: batch_size + 1].cpu().long()
+    indptr = kv_indptr[: batch_size + 1].cpu().long()
+    last = last_page_len[:batch_size].cpu().long()
+    if kv_layout == "HND":
+        k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
+    page_size = k_cache.shape[1]
+    kv_lens = get_seq_lens(indptr, last, page_size)
+    pad = build_padding(qo[1:] - qo[:-1], kv_lens, causal, window_left, q.device)
+    pages, offs = gather_paged_slots(indptr, kv_indices[: int(indptr[-1])], kv_lens, page_size, pad.max_k, q.device)
+    a, b = int(qo[0]), int(qo[-1])
+    if b > a:
+        out[a:b] = attend_padded(q[a:b], k_cache[pages, offs], v_cache[pages, offs], pad, sm_scale)
+    return out
+
+
+def ragged_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
+    causal: bool, window_left: int, sm_scale: float, out: torch.Tensor,
+) -> torch.Tensor:
+    qo, kv = qo_indptr.cpu().long(), kv_indptr.cpu().long()
+    k_lens = kv[1:] - kv[:-1]
+    pad = build_padding(qo[1:] - qo[:-1], k_lens, causal, window_left, q.device)
+    rows = torch.repeat_interleave(torch.arange(k_lens.numel()), k_lens)
+    cols = torch.arange(int(kv[-1]) - int(kv[0])) + kv[0] - kv[rows]
+    k_pad = k.new_zeros((pad.rows, pad.max_k, *k.shape[1:]))
+    v_pad = v.new_zeros((pad.rows, pad.max_k, *v.shape[1:]))
+    k_pad[rows.to(q.device), cols.to(q.device)] = k[int(kv[0]):int(kv[-1])]
+    v_pad[rows.to(q.device), cols.to(q.device)] = v[int(kv[0]):int(kv[-1])]
+    a, b = int(qo[0]), int(qo[-1])
+    if b > a:
+        out[a:b] = attend_padded(q[a:b], k_pad, v_pad, pad, sm_scale)
+    return out

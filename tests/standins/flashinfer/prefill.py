@@ -1,0 +1,305 @@
+"""Stand-ins for flashinfer.prefill's batch wrappers (0.5.3 signatures)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Dict, List, Optional, Tuple, Union
+
+import torch
+
+from ._common import (canonicalize_torch_dtype, check_cached_qkv_data_type, check_kv_layout,
+                      check_shape_dtype_device, paged_attention, ragged_attention, unpack_paged_kv_cache,
+                      unsupported)
+from .page import get_seq_lens
+
+
+class BatchPrefillWithPagedKVCacheWrapper:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indices_buf: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args: Optional[List[Any]] = None,
+        jit_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        check_kv_layout(kv_layout)
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args)
+        self._kv_layout = kv_layout
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            if not torch.is_tensor(qo_indptr_buf):
+                raise ValueError("qo_indptr_buf should be a torch.Tensor in CUDA graph mode")
+            if not torch.is_tensor(paged_kv_indptr_buf):
+                raise ValueError("paged_kv_indptr_buf should be a torch.Tensor in CUDA graph mode")
+            if not torch.is_tensor(paged_kv_indices_buf):
+                raise ValueError("paged_kv_indices_buf should be a torch.Tensor in CUDA graph mode")
+            if not torch.is_tensor(paged_kv_last_page_len_buf):
+                raise ValueError("paged_kv_last_page_len_buf should be a torch.Tensor in CUDA graph mode")
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+            if len(paged_kv_indptr_buf) != self._fixed_batch_size + 1:
+                raise ValueError("The length of paged_kv_indptr_buf should be batch_size + 1.")
+            if len(paged_kv_last_page_len_buf) != self._fixed_batch_size:
+                raise ValueError("The length of paged_kv_last_page_len_buf should be batch_size.")
+        else:
+            self._fixed_batch_size = 0
+        self._qo_indptr_buf = qo_indptr_buf
+        self._paged_kv_indptr_buf = paged_kv_indptr_buf
+        self._paged_kv_indices_buf = paged_kv_indices_buf
+        self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buf
+        self._max_total_num_rows: Optional[int] = None
+        self._backend = backend
+        self._plan_info = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        page_size: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        sm_scale: Optional[float] = None,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type: Union[str, torch.dtype] = "float16",
+        kv_data_type: Optional[Union[str, torch.dtype]] = None,
+        non_blocking: bool = True,
+        prefix_len_ptr: Optional[torch.Tensor] = None,
+        token_pos_in_items_ptr: Optional[torch.Tensor] = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: Optional[torch.Tensor] = None,
+        seq_lens: Optional[torch.Tensor] = None,
+        seq_lens_q: Optional[torch.Tensor] = None,
+        block_tables: Optional[torch.Tensor] = None,
+        max_token_per_sequence: Optional[int] = None,
+        max_sequence_kv: Optional[int] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+                    logits_soft_cap=logits_soft_cap, prefix_len_ptr=prefix_len_ptr, block_tables=block_tables)
+        q_data_type = canonicalize_torch_dtype(q_data_type)
+        kv_data_type = canonicalize_torch_dtype(kv_data_type if kv_data_type is not None else q_data_type)
+        if num_qo_heads % num_kv_heads:
+            raise ValueError(f"num_qo_heads {num_qo_heads} must be a multiple of num_kv_heads {num_kv_heads}")
+        batch_size = len(qo_indptr) - 1
+        self._batch_size = batch_size
+        self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim_qk
+        qo_indptr_host = qo_indptr.to("cpu")
+        total_num_rows = int(qo_indptr_host[-1])
+        paged_kv_indptr_host = paged_kv_indptr.to("cpu")
+        kv_lens_arr_host = (get_seq_lens(paged_kv_indptr_host, paged_kv_last_page_len.to("cpu"), page_size)
+                            if seq_lens is None else seq_lens.cpu().flatten())
+        if self.is_cuda_graph_enabled:
+            if self._max_total_num_rows is None:
+                self._max_total_num_rows = total_num_rows
+            elif total_num_rows > self._max_total_num_rows:
+                raise ValueError(
+                    "The total number of rows in qo_indptr {} in cuda graph mode cannot "
+                    "exceed the number of rows set during initialization {}.".format(total_num_rows, self._max_total_num_rows))
+            if batch_size != self._fixed_batch_size:
+                raise ValueError(
+                    "The batch size should be fixed during the lifecycle of the wrapper in "
+                    "cuda graph mode, the runtime batch size {} mismatches the batch size {} "
+                    " set during initialization.".format(batch_size, self._fixed_batch_size))
+            if len(paged_kv_indices) > len(self._paged_kv_indices_buf):
+                raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
+            self._qo_indptr_buf.copy_(qo_indptr, non_blocking=non_blocking)
+            self._paged_kv_indptr_buf.copy_(paged_kv_indptr, non_blocking=non_blocking)
+            self._paged_kv_last_page_len_buf.copy_(paged_kv_last_page_len, non_blocking=non_blocking)
+            self._paged_kv_indices_buf[: len(paged_kv_indices)].copy_(
+                paged_kv_indices, non_blocking=(paged_kv_indices.device == self.device) and non_blocking)
+        else:
+            self._qo_indptr_buf = qo_indptr.to(self.device, non_blocking=non_blocking)
+            self._paged_kv_indptr_buf = paged_kv_indptr.to(self.device, non_blocking=non_blocking)
+            self._paged_kv_indices_buf = paged_kv_indices.to(self.device, non_blocking=non_blocking)
+            self._paged_kv_last_page_len_buf = paged_kv_last_page_len.to(self.device, non_blocking=non_blocking)
+        self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
+        if self._backend == "auto":
+            self._backend = "fa2"
+        self._max_kv_len = int(kv_lens_arr_host.max()) if len(kv_lens_arr_host) else 0
+        self._plan_info = (total_num_rows, batch_size)
+        self._causal = causal
+        self._window_left = window_left
+        self._sm_scale = sm_scale
+
+    begin_forward = plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        paged_kv_cache: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        *args,
+        q_scale: Optional[float] = None,
+        k_scale: Optional[float] = None,
+        v_scale: Optional[float] = None,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl: Optional[bool] = None,
+        window_left: Optional[int] = None,
+        sinks: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, sinks=sinks)
+        assert self._plan_info is not None, "plan info is not initialized"
+        k_cache, v_cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
+        check_cached_qkv_data_type(q, k_cache, self._cached_q_data_type, self._cached_kv_data_type)
+        window_left = self._window_left if window_left is None else window_left
+        assert window_left == self._window_left
+        sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
+        if out is None:
+            out = torch.empty(q.shape[:-1] + v_cache.shape[-1:], dtype=q.dtype, device=q.device)
+        else:
+            check_shape_dtype_device(out, q.shape[:-1] + v_cache.shape[-1:], q.dtype, q.device, "out")
+        return paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
+                               self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
+                               self._causal, window_left, sm_scale, self._kv_layout, out)
+
+
+class BatchPrefillWithRaggedKVCacheWrapper:
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        kv_indptr_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args: Optional[List[Any]] = None,
+        jit_kwargs: Optional[Dict[str, Any]] = None,
+    ) -> None:
+        check_kv_layout(kv_layout)
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args)
+        self._kv_layout = kv_layout
+        self._float_workspace_buffer = float_workspace_buffer
+        self.device = float_workspace_buffer.device
+        self._use_cuda_graph = use_cuda_graph
+        if use_cuda_graph:
+            if not torch.is_tensor(qo_indptr_buf):
+                raise ValueError("qo_indptr_buf should be a torch.Tensor in cuda graph mode")
+            if not torch.is_tensor(kv_indptr_buf):
+                raise ValueError("kv_indptr_buf should be a torch.Tensor in cuda graph mode")
+            self._fixed_batch_size = len(qo_indptr_buf) - 1
+            if len(kv_indptr_buf) != self._fixed_batch_size + 1:
+                raise ValueError("The length of kv_indptr_buf ({}) should be the same as qo_indptr_buf ({}).".format(
+                    len(kv_indptr_buf), self._fixed_batch_size + 1))
+        else:
+            self._fixed_batch_size = 0
+        self._qo_indptr_buf = qo_indptr_buf
+        self._kv_indptr_buf = kv_indptr_buf
+        self._max_total_num_rows: Optional[int] = None
+        self._backend = backend
+        self._plan_info = None
+
+    @property
+    def is_cuda_graph_enabled(self) -> bool:
+        return self._use_cuda_graph
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        kv_indptr: torch.Tensor,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim_qk: int,
+        head_dim_vo: Optional[int] = None,
+        custom_mask: Optional[torch.Tensor] = None,
+        packed_custom_mask: Optional[torch.Tensor] = None,
+        causal: bool = False,
+        pos_encoding_mode: str = "NONE",
+        use_fp16_qk_reduction: bool = False,
+        window_left: int = -1,
+        logits_soft_cap: Optional[float] = None,
+        sm_scale: Optional[float] = None,
+        rope_scale: Optional[float] = None,
+        rope_theta: Optional[float] = None,
+        q_data_type: Union[str, torch.dtype] = "float16",
+        kv_data_type: Optional[Union[str, torch.dtype]] = None,
+        non_blocking: bool = True,
+        prefix_len_ptr: Optional[torch.Tensor] = None,
+        token_pos_in_items_ptr: Optional[torch.Tensor] = None,
+        token_pos_in_items_len: int = 0,
+        max_item_len_ptr: Optional[torch.Tensor] = None,
+        fixed_split_size: Optional[int] = None,
+        disable_split_kv: bool = False,
+    ) -> None:
+        unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
+                    logits_soft_cap=logits_soft_cap, prefix_len_ptr=prefix_len_ptr)
+        q_data_type = canonicalize_torch_dtype(q_data_type)
+        kv_data_type = canonicalize_torch_dtype(kv_data_type if kv_data_type is not None else q_data_type)
+        batch_size = len(qo_indptr) - 1
+        if len(kv_indptr) != batch_size + 1:
+            raise ValueError("The kv_indptr length should be equal to mask_indptr length.")
+        total_num_rows = int(qo_indptr.to("cpu")[-1])
+        if self.is_cuda_graph_enabled:
+            if self._max_total_num_rows is None:
+                self._max_total_num_rows = total_num_rows
+            elif total_num_rows > self._max_total_num_rows:
+                raise ValueError(
+                    "The total number of rows in qo_indptr {} in cuda graph mode cannot "
+                    "exceed the number of rows set during initialization {}.".format(total_num_rows, self._max_total_num_rows))
+            if batch_size != self._fixed_batch_size:
+                raise ValueError(
+                    "The batch size should be fixed in cudagraph mode, the runtime batch size {} "
+                    " mismatches the batch size set during initialization {}.".format(batch_size, self._fixed_batch_size))
+            self._qo_indptr_buf.copy_(qo_indptr, non_blocking=non_blocking)
+            self._kv_indptr_buf.copy_(kv_indptr, non_blocking=non_blocking)
+        else:
+            self._qo_indptr_buf = qo_indptr.to(self.device, non_blocking=non_blocking)
+            self._kv_indptr_buf = kv_indptr.to(self.device, non_blocking=non_blocking)
+        self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
+        if self._backend == "auto":
+            self._backend = "fa2"
+        self._plan_info = (total_num_rows, batch_size)
+        self._causal = causal
+        self._window_left = window_left
+        self._sm_scale = sm_scale
+
+    begin_forward = plan
+
+    def run(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        *args,
+        out: Optional[torch.Tensor] = None,
+        lse: Optional[torch.Tensor] = None,
+        return_lse: bool = False,
+        enable_pdl: Optional[bool] = None,
+    ) -> torch.Tensor:
+        unsupported(return_lse=return_lse)
+        assert self._plan_info is not None, "plan info is not initialized"
+        check_cached_qkv_data_type(q, k, self._cached_q_data_type, self._cached_kv_data_type)
+        sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
+        if out is None:
+            out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+        else:
+            check_shape_dtype_device(out, q.shape[:-1] + v.shape[-1:], q.dtype, q.device, "out")
+        return ragged_attention(q, k, v, self._qo_indptr_buf, self._kv_indptr_buf, self._causal, self._window_left,
+                                sm_scale, out)
