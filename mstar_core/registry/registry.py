@@ -129,10 +129,11 @@ class Registry:
     # -- lookup ------------------------------------------------------------------------------
     @property
     def backends(self) -> Mapping[str, BackendSpec]:
-        return dict(self._backends)
+        """By name (sorted, so listings do not depend on entry-point order)."""
+        return {n: self._backends[n] for n in sorted(self._backends)}
 
     def names(self) -> list[str]:
-        return list(self._backends)
+        return sorted(self._backends)
 
     def get(self, name: str) -> BackendSpec | None:
         return self._backends.get(name)

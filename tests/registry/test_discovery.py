@@ -1,0 +1,166 @@
+"""Plugin discovery: one broken plugin never hides the others; every failure is recorded with
+its distribution, version and error; strict mode re-raises; MSTAR_PLUGINS filters."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from mstar_core.registry import BackendSpec, PluginError, Registry, hookimpl
+
+
+def spec(name: str) -> BackendSpec:
+    return BackendSpec(name=name, provides={"paged_decode": "mstar_core.backends.reference:ReferenceDecodeWrapper"})
+
+
+@pytest.fixture
+def plugins(fake_module, make_ep):
+    """A good plugin, one that fails to import, one whose hook raises, one that reuses the
+    name "good", and one with no hook at all."""
+
+    @hookimpl
+    def good_hook(register):
+        register(spec("good"))
+
+    @hookimpl
+    def raising_hook(register):
+        register(spec("half"))  # registered, then the hook fails: nothing of it may be kept
+        raise RuntimeError("kernel table corrupt")
+
+    @hookimpl
+    def dup_hook(register):
+        register(spec("good"))
+        register(spec("dup_extra"))
+
+    fake_module("fake_good", mstar_register_backends=good_hook)
+    fake_module("fake_raises", mstar_register_backends=raising_hook)
+    fake_module("fake_dup", mstar_register_backends=dup_hook)
+    fake_module("fake_nohook", something_else=1)
+    return [
+        make_ep("good", "fake_good", "mstar-good", "1.0"),
+        make_ep("broken", "fake_missing_module_xyz", "mstar-broken", "2.1"),
+        make_ep("raises", "fake_raises", "mstar-raises", "0.3"),
+        make_ep("dup", "fake_dup", "mstar-dup", "4.0"),
+        make_ep("nohook", "fake_nohook", "mstar-nohook", "0.0.1"),
+    ]
+
+
+def test_discovery_survives_each_failure_and_records_it(plugins, fake_entry_points):
+    fake_entry_points(*plugins)
+    reg = Registry()
+    assert reg.names() == ["dup_extra", "good", "reference"]
+    assert reg.get("good").distribution == "mstar-good" and reg.get("good").version == "1.0"
+    assert reg.get("reference").distribution == "mstar-core"
+    by_ep = {f.entry_point: f for f in reg.failures}
+    assert set(by_ep) == {"broken", "raises", "dup", "nohook"}
+    broken = by_ep["broken"]
+    assert (broken.distribution, broken.version, broken.stage) == ("mstar-broken", "2.1", "load")
+    assert "ModuleNotFoundError" in broken.error and "fake_missing_module_xyz" in broken.error
+    raises = by_ep["raises"]
+    assert (raises.distribution, raises.version, raises.stage) == ("mstar-raises", "0.3", "register")
+    assert "RuntimeError: kernel table corrupt" in raises.error
+    assert reg.get("half") is None
+    dup = by_ep["dup"]
+    assert (dup.distribution, dup.stage) == ("mstar-dup", "duplicate")
+    assert "'good'" in dup.error and "mstar-good 1.0" in dup.error
+    assert reg.get("good").distribution == "mstar-good"  # the first registration stays
+    assert by_ep["nohook"].stage == "register" and "no @hookimpl" in by_ep["nohook"].error
+    assert "mstar-broken 2.1" in str(broken)
+
+
+@pytest.mark.parametrize("first_bad", ["broken", "raises", "dup", "nohook"])
+def test_strict_mode_reraises(plugins, fake_entry_points, monkeypatch, first_bad):
+    good = plugins[0]
+    bad = next(ep for ep in plugins if ep.name == first_bad)
+    fake_entry_points(good, bad)
+    monkeypatch.setenv("MSTAR_STRICT_PLUGINS", "1")
+    expected = {"broken": ModuleNotFoundError, "raises": RuntimeError, "dup": PluginError, "nohook": PluginError}
+    with pytest.raises(expected[first_bad]):
+        Registry()
+    # the same plugins without strict mode load fine
+    assert Registry(strict=False).get("good") is not None
+
+
+def test_allowlist_loads_only_named_plugins(plugins, fake_entry_points, monkeypatch):
+    fake_entry_points(*plugins)
+    # by entry-point name ("good") and by distribution name ("mstar-dup")
+    monkeypatch.setenv("MSTAR_PLUGINS", "good, mstar-dup")
+    reg = Registry()
+    assert reg.names() == ["dup_extra", "good", "reference"]
+    assert [f.entry_point for f in reg.failures] == ["dup"]  # broken/raises were never loaded
+
+
+def test_allowlist_warns_for_unknown_names(plugins, fake_entry_points, monkeypatch, caplog):
+    fake_entry_points(*plugins)
+    monkeypatch.setenv("MSTAR_PLUGINS", "good,not_installed_anywhere")
+    with pytest.warns(RuntimeWarning, match="not_installed_anywhere"):
+        reg = Registry()
+    assert reg.names() == ["good", "reference"]
+    assert "not_installed_anywhere" in caplog.text
+
+
+def test_empty_allowlist_loads_no_plugin(plugins, fake_entry_points, monkeypatch):
+    fake_entry_points(*plugins)
+    monkeypatch.setenv("MSTAR_PLUGINS", "")
+    reg = Registry()
+    # only the core's own reference: an allowlist never leaves the engine without a backend
+    assert reg.names() == ["reference"]
+    assert reg.failures == [] and [p.entry_point for p in reg.plugins] == ["reference"]
+
+
+def test_reference_registers_through_the_hook_when_metadata_lacks_it(fake_entry_points):
+    fake_entry_points()
+    reg = Registry()
+    assert reg.names() == ["reference"]
+    assert reg.plugins[0].module == "mstar_core.backends.reference.plugin"
+
+
+def test_plugin_modules_import_no_kernel_library(fake_entry_points, make_ep, monkeypatch):
+    """The real plugin modules register without importing flashinfer / flash_attn_interface /
+    aiter; blocking those imports would break any plugin that tried."""
+    for mod in ("flashinfer", "flash_attn_interface", "aiter"):
+        monkeypatch.setitem(sys.modules, mod, None)  # `import mod` now raises ImportError
+    for mod in ("mstar_flashinfer.plugin", "mstar_fa3.plugin", "mstar_rocm.plugin"):
+        monkeypatch.delitem(sys.modules, mod, raising=False)
+    fake_entry_points(
+        make_ep("flashinfer", "mstar_flashinfer.plugin", "mstar-flashinfer", "0.1.0"),
+        make_ep("fa3", "mstar_fa3.plugin", "mstar-fa3", "0.1.0"),
+        make_ep("rocm", "mstar_rocm.plugin", "mstar-rocm", "0.1.0"),
+    )
+    reg = Registry(strict=True)
+    assert reg.names() == ["fa3", "flashinfer", "reference", "rocm"]
+    assert reg.get("fa3").provides == {"prefixed_ragged": "mstar_fa3.ragged:FA3PrefixedPrefillWrapper"}
+
+
+def test_probe_is_cached_per_device(fake_gpu):
+    calls = []
+
+    def probe(device):
+        calls.append(str(device))
+        return []
+
+    reg = Registry(discover=False)
+    reg.register(BackendSpec(name="p", provides={"mixed": "m:a"}, probe=probe))
+    fake_gpu("sm90")
+    for dev in ("cpu", "cpu", "cuda", "cuda:0"):
+        reg.reasons("p", device=dev)
+    assert calls == ["cpu", "cuda"]  # "cuda" and "cuda:0" are one device
+
+
+def test_a_crashing_probe_is_a_reason_not_an_exception():
+    def probe(device):
+        raise OSError("libcuda.so not found")
+
+    reg = Registry(discover=False)
+    reg.register(BackendSpec(name="p", provides={"mixed": "m:a"}, probe=probe))
+    assert reg.reasons("p") == ["probe failed (OSError: libcuda.so not found)"]
+
+
+def test_spec_validation_names_what_is_wrong():
+    with pytest.raises(ValueError, match="unknown capabilities \\['paged_everything'\\]"):
+        BackendSpec(name="x", provides={"paged_everything": "m:a"})
+    with pytest.raises(ValueError, match="'module:attr'"):
+        BackendSpec(name="x", provides={"mixed": "no_colon"})
+    with pytest.raises(ValueError, match="unknown devices"):
+        BackendSpec(name="x", provides={"mixed": "m:a"}, devices=("tpu",))

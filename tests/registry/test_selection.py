@@ -1,0 +1,303 @@
+"""Selection by name and by ``auto`` on faked machines (CPU, sm80, sm90, gfx942), with the real
+backends' declared data and probes. The wrapper references point at the reference classes so
+these tests judge selection alone, whichever wrapper modules exist."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import replace
+
+import pytest
+import torch
+
+import mstar_fa3.probe
+from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.registry import BackendSpec, BackendUnavailable, Registry, auto_order, select_backend
+from mstar_core.resources.attn.ragged import dense_or_flashinfer, dense_selection
+from mstar_fa3.plugin import FA3
+from mstar_flashinfer.plugin import FLASHINFER
+from mstar_rocm.plugin import AITER
+
+PAGED = ("paged_prefill", "paged_decode", "mixed")
+ALL_LIBS = {"flashinfer": "0.5.3", "flash_attn_interface": "3.0.0", "aiter": "0.1.7"}
+BF16 = torch.bfloat16
+
+
+def on_reference(spec: BackendSpec) -> BackendSpec:
+    return replace(spec, provides={c: REFERENCE.provides[c] for c in spec.provides})
+
+
+@pytest.fixture
+def reg():
+    r = Registry(discover=False)
+    r.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    for spec, dist in ((FLASHINFER, "mstar-flashinfer"), (FA3, "mstar-fa3"), (AITER, "mstar-rocm")):
+        r.register(on_reference(spec), distribution=dist, version="0.1.0")
+    return r
+
+
+@pytest.fixture
+def fa3_kernel(monkeypatch):
+    """The FA3 probe's tiny call, faked: ``set(reasons)``; records the devices it ran on."""
+    calls: list[str] = []
+
+    def set_result(reasons: list[str]) -> list[str]:
+        def tiny_call(device):
+            calls.append(str(device))
+            return list(reasons)
+
+        monkeypatch.setattr(mstar_fa3.probe, "tiny_call", tiny_call)
+        return calls
+
+    return set_result
+
+
+def pick(reg, caps, device="cuda", dtype=BF16, head_dim=128, **kw):
+    return select_backend(capabilities=caps, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
+                          registry=reg, **kw)
+
+
+# -- auto ----------------------------------------------------------------------------------------
+
+def test_auto_on_cpu_picks_the_reference_and_says_why_not_the_others(reg, caplog):
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    sel = pick(reg, PAGED, device="cpu", dtype=torch.float32)
+    assert sel.name == "reference" and sel.requested == "auto"
+    assert set(sel.classes) == set(PAGED)
+    assert sel.classes["paged_decode"].__name__ == "ReferenceDecodeWrapper"
+    assert list(sel.rejected) == ["flashinfer"]
+    assert "runs on cuda, not on cpu" in sel.rejected["flashinfer"]
+    assert any("flashinfer is not installed" in r for r in sel.rejected["flashinfer"])
+    assert "auto picked attention backend 'reference'" in caplog.text and "flashinfer: runs on cuda" in caplog.text
+
+    ragged = pick(reg, ("prefixed_ragged",), device="cpu", dtype=torch.float32)
+    assert ragged.name == "reference"
+    assert list(ragged.rejected) == ["fa3", "rocm", "flashinfer"]  # seed 000's order
+
+
+def test_auto_sm80_flashinfer_everywhere_fa3_has_no_kernel(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm80")
+    fake_installed(ALL_LIBS)
+    calls = fa3_kernel([])
+    assert pick(reg, PAGED).name == "flashinfer"
+    sel = pick(reg, ("prefixed_ragged",))
+    assert sel.name == "flashinfer"
+    assert sel.rejected["fa3"] == ["no kernel for sm80 (kernels for: sm90)"]
+    assert sel.rejected["rocm"][0] == "runs on rocm, not on cuda"
+    assert calls == []  # no tiny call on an architecture FA3 does not declare
+
+
+def test_auto_sm90_fa3_for_dense_flashinfer_for_paged(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    calls = fa3_kernel([])
+    assert pick(reg, PAGED).name == "flashinfer"
+    assert pick(reg, ("prefixed_ragged",)).name == "fa3"
+    assert calls == ["cuda"]
+
+
+def test_auto_sm90_fa3_whose_tiny_call_fails_falls_back_to_flashinfer(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    fa3_kernel(["FA3 has no working kernel on sm90: tiny call failed (RuntimeError: no kernel image)"])
+    sel = pick(reg, ("prefixed_ragged",))
+    assert sel.name == "flashinfer"
+    assert "tiny call failed" in sel.rejected["fa3"][0]
+
+
+def test_auto_sm90_with_no_library_installed_is_the_reference(reg, fake_gpu):
+    fake_gpu("sm90")
+    sel = pick(reg, ("prefixed_ragged",))
+    assert sel.name == "reference"
+    assert sel.rejected["fa3"] == [
+        "flash_attn_interface is not installed (install a FlashAttention-3 build providing flash_attn_interface "
+        "(e.g. pip install tokenspeed-fa3))"]
+    assert sel.rejected["flashinfer"] == ["flashinfer is not installed (install flashinfer-python>=0.5)"]
+
+
+def test_auto_gfx942_aiter_for_dense_reference_for_paged(reg, fake_gpu, fake_installed):
+    fake_gpu("gfx942")
+    fake_installed(ALL_LIBS)
+    sel = pick(reg, ("prefixed_ragged",))
+    assert sel.name == "rocm" and list(sel.rejected) == ["fa3"]
+    assert sel.rejected["fa3"][0] == "runs on cuda, not on rocm"
+    paged = pick(reg, PAGED)
+    assert paged.name == "reference"
+    assert paged.rejected["flashinfer"][0] == "runs on cuda, not on rocm"
+
+
+def test_auto_rocm_arch_without_aiter_kernel(reg, fake_gpu, fake_installed):
+    fake_gpu("gfx90a")
+    fake_installed(ALL_LIBS)
+    sel = pick(reg, ("prefixed_ragged",))
+    assert sel.name == "reference"
+    assert sel.rejected["rocm"] == ["no kernel for gfx90a (kernels for: gfx942, gfx950)"]
+
+
+def test_flashinfer_older_than_0_5_is_refused(reg, fake_gpu, fake_installed):
+    fake_gpu("sm90")
+    fake_installed({"flashinfer": "0.4.1"})
+    sel = pick(reg, PAGED)
+    assert sel.name == "reference"
+    assert sel.rejected["flashinfer"] == ["flashinfer-python 0.4.1 is too old (0.5 or newer is required)"]
+
+
+def test_auto_head_dim_and_dtype_decide_too(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    fa3_kernel([])
+    paged = pick(reg, PAGED, head_dim=96)
+    assert paged.name == "reference"
+    assert paged.rejected["flashinfer"] == ["head_dim 96 is not supported (supported: 64, 128, 256)"]
+    assert pick(reg, ("prefixed_ragged",), head_dim=96).name == "fa3"  # FA3 takes multiples of 8
+    odd = pick(reg, ("prefixed_ragged",), head_dim=100)
+    assert odd.name == "reference"
+    assert odd.rejected["fa3"] == ["head_dim 100 is not supported (supported: multiples of 8 up to 256)"]
+    f32 = pick(reg, PAGED, dtype=torch.float32)
+    assert f32.name == "reference"
+    assert "dtype float32 is not supported (supported: float16, bfloat16)" in f32.rejected["flashinfer"]
+
+
+def test_auto_order_puts_third_party_plugins_before_the_reference(reg):
+    reg.register(BackendSpec(name="toy", provides={"paged_decode": REFERENCE.provides["paged_decode"],
+                                                   "bounded": REFERENCE.provides["bounded"]}, priority=1))
+    reg.register(BackendSpec(name="zzz", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=5))
+    assert auto_order(("paged_decode",), reg) == ["flashinfer", "zzz", "toy", "reference"]
+    assert auto_order(("bounded",), reg) == ["toy", "reference"]
+    assert auto_order(PAGED, reg) == ["flashinfer", "reference"]  # zzz/toy lack prefill and mixed
+
+
+def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
+    reg.register(BackendSpec(name="ghost", provides={"bounded": "mstar_no_such_module:wrapper"},
+                             devices=("cpu",), dtypes=(torch.float32,)))
+    sel = pick(reg, ("bounded",), device="cpu", dtype=torch.float32)
+    assert sel.name == "reference"
+    assert "failed to load (ModuleNotFoundError" in sel.rejected["ghost"][0]
+
+
+def test_auto_when_nothing_can_run_raises_with_every_reason(reg):
+    with pytest.raises(BackendUnavailable, match="no attention backend can run here") as e:
+        pick(reg, ("paged_decode",), device="cpu", dtype=torch.int8)
+    assert set(e.value.reasons) == {"flashinfer", "fa3", "reference", "rocm"}
+
+
+# -- by name -------------------------------------------------------------------------------------
+
+def test_by_name(reg, fake_gpu, fake_installed):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    sel = select_backend(PAGED, requested="flashinfer", device="cuda", dtype=BF16, head_dim=128, registry=reg)
+    assert sel.name == "flashinfer" and sel.source == "argument" and sel.rejected == {}
+    assert sel.backend.distribution == "mstar-flashinfer"
+    assert sel.capturable == PAGED
+
+
+def test_by_name_that_cannot_run_here(reg):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(("prefixed_ragged",), requested="fa3", device="cpu", dtype=torch.float32, registry=reg)
+    msg = str(e.value)
+    assert isinstance(e.value, ValueError)
+    assert "'fa3' (mstar-fa3 0.1.0, from argument) cannot run here" in msg
+    assert "runs on cuda, not on cpu" in msg and "flash_attn_interface is not installed" in msg
+    assert "Backends that can: reference;" in msg
+    assert "known backends: fa3, flashinfer, reference, rocm" in msg
+    assert e.value.available == ["reference"]
+
+
+def test_by_name_with_a_head_dim_it_cannot_run(reg, fake_gpu, fake_installed):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    with pytest.raises(BackendUnavailable, match=r"head_dim 80 is not supported \(supported: 64, 128, 256\)") as e:
+        select_backend(PAGED, requested="flashinfer", device="cuda", dtype=BF16, head_dim=80, registry=reg)
+    assert e.value.available == ["reference"]
+
+
+def test_unknown_name_lists_the_known_ones(reg):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(PAGED, requested="nope", device="cpu", registry=reg)
+    msg = str(e.value)
+    assert "'nope'" in msg and "is unknown" in msg
+    assert "Known backends: fa3, flashinfer, reference, rocm" in msg
+    assert "can run here (device cpu, dtype float32, head_dim 64, capabilities paged_prefill, paged_decode, mixed): reference" in msg
+
+
+def test_unknown_name_whose_plugin_failed_says_so(fake_entry_points, make_ep):
+    fake_entry_points(make_ep("fa3", "mstar_fa3_gone.plugin", "mstar-fa3", "0.1.0"))
+    reg = Registry()
+    with pytest.raises(BackendUnavailable, match=r"its plugin failed to load: plugin 'fa3' \(mstar-fa3 0.1.0\)"):
+        select_backend(("prefixed_ragged",), requested="fa3", device="cpu", registry=reg)
+
+
+# -- where the name comes from --------------------------------------------------------------------
+
+def test_env_overrides_config_and_says_so(reg, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+    sel = select_backend(PAGED, device="cpu", config={"attention": {"backend": "flashinfer"}}, registry=reg)
+    assert sel.name == "reference" and sel.source == "env MSTAR_ATTENTION_BACKEND"
+    assert "MSTAR_ATTENTION_BACKEND=reference overrides the config's attention.backend='flashinfer'" in caplog.text
+
+
+def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "nope")
+    with pytest.raises(BackendUnavailable, match=r"'nope' \(from env MSTAR_ATTENTION_BACKEND\) is unknown"):
+        select_backend(PAGED, device="cpu", registry=reg)
+
+
+def test_argument_beats_env(reg, monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "nope")
+    assert select_backend(PAGED, requested="reference", device="cpu", registry=reg).source == "argument"
+
+
+def test_config_mapping_and_toml_file(reg, tmp_path):
+    sel = select_backend(PAGED, device="cpu", config={"attention": {"backend": "reference"}}, registry=reg)
+    assert (sel.name, sel.source) == ("reference", "config")
+    path = tmp_path / "engine.toml"
+    path.write_text('[attention]\nbackend = "fa3"\n')
+    with pytest.raises(BackendUnavailable, match="'fa3' .*from config"):
+        select_backend(("prefixed_ragged",), device="cpu", config=path, registry=reg)
+    path.write_text('[attention]\nbackend = "auto"\n')
+    assert select_backend(PAGED, device="cpu", config=str(path), registry=reg).requested == "auto"
+    assert select_backend(PAGED, device="cpu", config={"model": {}}, registry=reg).source == "default"
+
+
+def test_unknown_capability_is_refused(reg):
+    with pytest.raises(ValueError, match="paged_everything"):
+        select_backend(("paged_everything",), registry=reg)
+
+
+# -- dense_or_flashinfer ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("arch, libs, expected", [
+    ("sm90", ALL_LIBS, "fa3"),
+    ("sm80", ALL_LIBS, "flashinfer"),
+    ("gfx942", ALL_LIBS, "rocm"),
+    ("sm90", {"flashinfer": "0.5.3"}, "flashinfer"),
+    ("sm90", {}, "reference"),
+])
+def test_dense_or_flashinfer(reg, fake_gpu, fake_installed, fa3_kernel, arch, libs, expected, caplog):
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    fake_gpu(arch)
+    fake_installed(libs)
+    fa3_kernel([])
+    sel = dense_selection("cuda", registry=reg)
+    assert sel.name == expected
+    assert dense_or_flashinfer("cuda", registry=reg) is ReferencePrefixedPrefillWrapper  # remapped here
+    assert f"dense_or_flashinfer(cuda:0): {expected}" in caplog.text
+
+
+def test_dense_or_flashinfer_on_cpu_is_the_reference_and_cached(reg, fa3_kernel):
+    calls = fa3_kernel([])
+    assert dense_or_flashinfer("cpu", registry=reg) is ReferencePrefixedPrefillWrapper
+    assert dense_selection("cpu", registry=reg) is dense_selection("cpu", registry=reg)
+    assert calls == []
+
+
+def test_dense_probe_runs_once_per_device(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    calls = fa3_kernel([])
+    for head_dim in (64, 128, 64):
+        assert dense_selection("cuda", dtype=BF16, head_dim=head_dim, registry=reg).name == "fa3"
+    assert calls == ["cuda"]
