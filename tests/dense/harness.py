@@ -19,7 +19,7 @@ LABEL = "latent"
 
 class Harness:
     def __init__(self, make_attn: Callable[[KVManager, KVConfig], object], dtype: torch.dtype = torch.float32,
-                 layers: int = 2, hkv: int = 2, hq: int = 8, d: int = 64, page_size: int = 16,
+                 layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 32, page_size: int = 16,
                  max_pages: int = 64, seed: int = 0) -> None:
         self.cfg = KVConfig(layers, hkv, d, page_size, max_pages, hq)
         self.dtype = dtype

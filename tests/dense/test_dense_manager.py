@@ -234,8 +234,8 @@ def test_build_from_spec():
 def test_run_errors():
     h = Harness(dense())
     a = h.attn
-    q = torch.randn(8, 8, 64)
-    kv = torch.randn(8, 2, 64)
+    q = torch.randn(8, 4, 32)
+    kv = torch.randn(8, 2, 32)
     with pytest.raises(RuntimeError, match="before plan"):
         a.run(q, LABEL, k=kv, v=kv, layer_idx=0)
     denoise_setup(h)
@@ -244,14 +244,14 @@ def test_run_errors():
     h.node.admit(step, ctx)
     ctx.plan_results["kv"] = h.kv.plan(step, ctx)
     a.plan(step, ctx)
-    with pytest.raises(ValueError, match=r"q has shape \(7, 8, 64\), expected \(8, 8, 64\)"):
+    with pytest.raises(ValueError, match=r"q has shape \(7, 4, 32\), expected \(8, 4, 32\)"):
         a.run(q[:7], LABEL, k=kv, v=kv, layer_idx=0)
     with pytest.raises(TypeError, match="q has dtype torch.float64, expected torch.float32"):
         a.run(q.double(), LABEL, k=kv, v=kv, layer_idx=0)
     with pytest.raises(ValueError, match="k is None"):
         a.run(q, LABEL, v=kv, layer_idx=0)
-    with pytest.raises(ValueError, match=r"v has shape \(8, 4, 64\), expected \(8, 2, 64\)"):
-        a.run(q, LABEL, k=kv, v=torch.randn(8, 4, 64), layer_idx=0)
+    with pytest.raises(ValueError, match=r"v has shape \(8, 4, 32\), expected \(8, 2, 32\)"):
+        a.run(q, LABEL, k=kv, v=torch.randn(8, 4, 32), layer_idx=0)
     with pytest.raises(TypeError, match="k has dtype torch.float16"):
         a.run(q, LABEL, k=kv.half(), v=kv, layer_idx=0)
     with pytest.raises(ValueError, match="needs layer_idx"):
