@@ -48,9 +48,9 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         if self.accelerator_graph:
             from . import validate
 
+            self._bufs = self._graph_buffers(with_qo=True)
             self._static_q = validate.require("max_total_tokens", max_total_tokens,
                                               "for FlashInferPrefillWrapper with accelerator_graph=True")
-            self._bufs = self._graph_buffers(with_qo=True)
             self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(
                 workspace_buffer, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
