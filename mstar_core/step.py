@@ -95,6 +95,10 @@ class StepContext:
     plan_results: dict[str, Any] = field(default_factory=dict)
     admitted: dict[str, Any] = field(default_factory=dict)
     step_index: int = 0
+    # Graph replay: plan into staging slot ``slot`` and pad the step's rows to ``bucket``
+    # (a captured batch size). None: an eager step, planned into fresh tensors.
+    slot: int = 0
+    bucket: int | None = None
 
 
 @dataclass(frozen=True)

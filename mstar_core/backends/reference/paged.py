@@ -17,7 +17,13 @@ def _kv_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) 
 
 
 class ReferencePrefillWrapper:
-    """Batched prefill over a ``[max_pages, 2, page_size, H_kv, D]`` layer view."""
+    """Batched prefill over a ``[max_pages, 2, page_size, H_kv, D]`` layer view.
+
+    ``accelerator_graph=True`` accepts ``q`` padded to ``batch_size`` rows (padding rows get
+    zeros) so the graph runner's plumbing can be exercised on a CPU; its shapes are dynamic, so
+    it is never captured in a real CUDA graph (``graph_capturable`` False)."""
+
+    graph_capturable = False
 
     def __init__(
         self,
@@ -39,6 +45,8 @@ class ReferencePrefillWrapper:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         self.device = torch.device(device)
+        self.accelerator_graph = accelerator_graph
+        self.batch_size = batch_size
         self._pad: Padding | None = None
         self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
         self._sm_scale: float | None = None
@@ -68,8 +76,13 @@ class ReferencePrefillWrapper:
         if self._pad is None or self._slots is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         want = (self._total, self.num_qo_heads, self.head_dim)
-        if tuple(q.shape) != want:
+        padded = self.accelerator_graph and q.shape[0] == self.batch_size and q.shape[0] > self._total
+        if tuple(q.shape) != want and not padded:
             raise ValueError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+        if padded:
+            out = q.new_zeros(q.shape)
+            out[: self._total] = self.run(q[: self._total], kv_cache_layer)
+            return out
         pages, offs = self._slots
         k = kv_cache_layer[pages, 0, offs]  # [rows, max_k, Hkv, D]
         v = kv_cache_layer[pages, 1, offs]

@@ -77,6 +77,7 @@ class PagedAttentionManager(AttentionManager):
         max_prefill_rows: int = 8,
         slots: int = 2,
         workspace_bytes: int | None = None,
+        accelerator_graph: bool = False,
     ) -> None:
         missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
         if missing:
@@ -93,7 +94,9 @@ class PagedAttentionManager(AttentionManager):
         self.slots = slots
         # FlashInfer recommends 128 MiB of workspace per wrapper; the reference needs none.
         self.workspace_bytes = workspace_bytes or ((128 << 20) if self.device.type == "cuda" else 1024)
-        self._wrappers: dict[tuple[str, str, int], Any] = {}
+        self.accelerator_graph = accelerator_graph
+        self._graph_max_bs = 0
+        self._wrappers: dict[tuple[str, str, int, int | None], Any] = {}
         self._plans = 0
         self._current: PagedAttnPlan | None = None
 
@@ -109,21 +112,27 @@ class PagedAttentionManager(AttentionManager):
             capabilities=PAGED_CAPABILITIES, requested=spec.get("backend"), device=info.device,
             dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"),
         )
-        extra = {k: spec[k] for k in ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots") if k in spec}
+        keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
+        extra = {k: spec[k] for k in keys if k in spec}
         return cls(kv, info.device, info.dtype, kv.config, sel.classes, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
 
-    def _wrapper(self, label: str, kind: str, slot: int) -> Any:
-        key = (label, kind, slot)
+    def _wrapper(self, label: str, kind: str, slot: int, bucket: int | None = None) -> Any:
+        key = (label, kind, slot, bucket)
         w = self._wrappers.get(key)
         if w is None:
             c = self.kv_config
             cls = self.wrapper_classes[kind]
             common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
-            if kind == "mixed":
+            if bucket is not None:
+                # One graph-mode wrapper per (bucket, slot): its static buffers are what the
+                # graph captured for that bucket reads; padding rows add one page each.
+                w = cls(self._ws(), *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
+                        device=self.device, accelerator_graph=True, backend=self.flashinfer_backend)
+            elif kind == "mixed":
                 w = cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
                         c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
             else:
@@ -134,20 +143,50 @@ class PagedAttentionManager(AttentionManager):
     # -- step ----------------------------------------------------------------------------------
     def plan(self, step: Step, ctx: StepContext) -> PagedAttnPlan:
         kv_plan = ctx.plan_results[self.kv.name]
-        slot = self._plans % self.slots
-        self._plans += 1
+        if ctx.bucket is None:
+            slot = self._plans % self.slots
+            self._plans += 1
+        else:
+            slot = ctx.slot
         a = step.attn
         entries = []
         for label, lay in kv_plan.labels:
             kind = step_kind(lay.q_lens)
             if kind == "mixed" and sum(1 for n in lay.q_lens if n > 1) > self.max_prefill_rows:
                 kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
-            w = self._wrapper(label, kind, slot)
+            if ctx.bucket is not None:
+                self._check_graph_step(kind, ctx.bucket)
+            w = self._wrapper(label, kind, slot, ctx.bucket)
             self._plan_wrapper(w, kind, lay, a.causal, a.window_left, a.sm_scale)
-            log.debug("label %r: %s over %d rows, %d tokens (slot %d)", label, kind, len(lay.spans), lay.num_tokens, slot)
-            entries.append(PagedAttnEntry(label, kind, w, lay.num_tokens))
+            log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s)", label, kind, len(lay.spans),
+                      lay.num_tokens, slot, ctx.bucket)
+            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
+
+    def _check_graph_step(self, kind: str, bucket: int) -> None:
+        if not self.accelerator_graph:
+            raise RuntimeError("a graph step needs PagedAttentionManager(accelerator_graph=True)")
+        if kind != "paged_decode":
+            raise ValueError(f"only decode steps are captured; this step is {kind}")
+        if bucket > self._graph_max_bs:
+            raise ValueError(f"bucket {bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
+
+    def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
+        """Grow-only: graph-mode wrappers are built per (bucket, slot) at first plan."""
+        self.slots = max(self.slots, slots)
+        self._graph_max_bs = max(self._graph_max_bs, max_bs)
+
+    def can_capture(self) -> bool:
+        """Graph mode on, and the decode wrapper capturable on this device (on a CPU the graph
+        runner re-runs its closures, which any wrapper supports)."""
+        cls = self.wrapper_classes["paged_decode"]
+        return self.accelerator_graph and (self.device.type == "cpu" or getattr(cls, "graph_capturable", True))
+
+    @property
+    def supports_preplan(self) -> bool:
+        # per-slot wrappers: planning step N+1 never touches what step N's replay reads
+        return self.accelerator_graph
 
     def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
                       sm_scale: float | None) -> None:

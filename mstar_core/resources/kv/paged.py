@@ -22,6 +22,7 @@ from .config import KVConfig
 from .plan import KVPlan, LabelLayout, SpanLayout
 from .pool import PagePool
 from .streams import CacheStream
+from ...staging import SlotStaging
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +52,10 @@ class KVManager(Resource):
         self.streams: dict[tuple[str, str], CacheStream] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
+        # Graph mode (build_accelerator_graph_buffers): per-slot static buffers for the
+        # per-token arrays, and a sink page that padding rows write to.
+        self._staging: SlotStaging | None = None
+        self._sink_page: int | None = None
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -182,11 +187,13 @@ class KVManager(Resource):
                 SpanLayout(s.request_id, s.label, tuple(stream.pages[:npages]), length,
                            s.num_tokens, s.commit, q_start, stream.generation)
             )
-        plan = KVPlan(tuple((lab, self._layout(rows)) for lab, rows in by_label.items()), ps)
+        if ctx.bucket is not None and len(by_label) != 1:
+            raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(by_label)}")
+        plan = KVPlan(tuple((lab, self._layout(rows, ctx)) for lab, rows in by_label.items()), ps)
         self._current = plan
         return plan
 
-    def _layout(self, rows: list[SpanLayout]) -> LabelLayout:
+    def _layout(self, rows: list[SpanLayout], ctx: StepContext) -> LabelLayout:
         ps = self.config.page_size
         i32 = torch.int32
         q_lens = torch.tensor([r.to_compute for r in rows], dtype=torch.int64)
@@ -203,7 +210,11 @@ class KVManager(Resource):
         within = torch.arange(int(qo_indptr[-1])) - qo_indptr[row_of]
         pos = (kv_lens - q_lens)[row_of] + within
         pages = kv_indices[kv_indptr[row_of] + pos // ps] if len(kv_indices) else pos.new_zeros(0)
-        dev = self.device
+        per_token = {"write_pages": pages, "write_offsets": pos % ps, "positions": pos}
+        if ctx.bucket is None:
+            dev = {k: t.to(self.device) for k, t in per_token.items()}
+        else:
+            dev = self._stage_padded(per_token, ctx.bucket, ctx.slot)
         return LabelLayout(
             spans=tuple(rows),
             qo_indptr=qo_indptr.to(i32),
@@ -211,10 +222,51 @@ class KVManager(Resource):
             kv_indices=kv_indices.to(i32),
             kv_last_page_len=last.to(i32),
             kv_lens=kv_lens.to(i32),
-            write_pages=pages.to(dev, non_blocking=True),
-            write_offsets=(pos % ps).to(dev, non_blocking=True),
-            positions=pos.to(dev, non_blocking=True),
+            **dev,
         )
+
+    def _stage_padded(self, per_token: dict[str, torch.Tensor], bucket: int, slot: int) -> dict[str, torch.Tensor]:
+        """Graph step: pad to ``bucket`` tokens (padding writes go to the sink page, at
+        position 0) and copy into ``slot``'s static buffers, which the captured graph reads."""
+        if self._staging is None or self._sink_page is None:
+            raise RuntimeError("a graph step needs build_accelerator_graph_buffers first")
+        n = per_token["positions"].numel()
+        if n > bucket or bucket > self._staging.sizes["positions"]:
+            raise ValueError(f"graph step: {n} tokens for bucket {bucket}; static buffers hold {self._staging.sizes['positions']}")
+        pad = bucket - n
+        fill = {"write_pages": self._sink_page, "write_offsets": 0, "positions": 0}
+        padded = {k: torch.cat([t, t.new_full((pad,), fill[k])]) for k, t in per_token.items()}
+        return self._staging.stage(slot, padded)
+
+    def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
+        """Static per-slot buffers for ``max_bs`` tokens a graph step, and one sink page taken
+        from the pool for padding rows' writes. Grow-only: a smaller call keeps what exists.
+        Graphs must be captured after the last call (a larger call moves the buffers)."""
+        if self._sink_page is None:
+            if self.pool.num_free < 1:
+                raise RuntimeError("build_accelerator_graph_buffers: no free page left for the sink page")
+            self._sink_page = self.pool.take(1)[0]
+        cur = self._staging
+        if cur is not None and cur.slots >= slots and cur.sizes["positions"] >= max_bs:
+            return
+        slots = max(slots, cur.slots if cur else 0)
+        max_bs = max(max_bs, cur.sizes["positions"] if cur else 0)
+        self._staging = SlotStaging(self.device, slots, {k: max_bs for k in ("write_pages", "write_offsets", "positions")})
+
+    def can_capture(self) -> bool:
+        """Once graph buffers exist: graph steps plan into static per-slot buffers."""
+        return self._staging is not None
+
+    @property
+    def supports_preplan(self) -> bool:
+        # eager plans allocate fresh tensors and graph plans write their own slot: planning
+        # step N+1 never touches what step N reads
+        return True
+
+    @property
+    def sink_page(self) -> int | None:
+        """The page padding rows of graph steps write to (None outside graph mode)."""
+        return self._sink_page
 
     @property
     def current(self) -> KVPlan:
@@ -245,7 +297,8 @@ class KVManager(Resource):
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
         ``label`` at the locations the current plan computed."""
         lay = self.current.layout(label)
-        want = (lay.num_tokens, self.config.num_kv_heads, self.config.head_dim)
+        # rows = the step's tokens, or the graph bucket they were padded to
+        want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
                 raise ValueError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
@@ -262,6 +315,8 @@ class KVManager(Resource):
         """Page accounting is consistent, and (under tensor parallelism) every rank has the same
         number of free pages: ranks that disagree would admit different steps."""
         owned = [p for s in self.streams.values() for p in s.pages]
+        if self._sink_page is not None:
+            owned.append(self._sink_page)
         if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
             raise RuntimeError(
                 f"KVManager page accounting broken: {len(owned)} owned by streams "
@@ -275,3 +330,5 @@ class KVManager(Resource):
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)
         self._current = None
+        self._staging = None
+        self._sink_page = None

@@ -1,0 +1,164 @@
+"""CUDA-graph replay of decode steps, per batch-size bucket and staging slot, and the
+pre-planned launch that lets the host plan step N+1 while step N runs.
+
+Warm-up captures, for every bucket and slot, one graph of the model's forward over dummy
+requests (one token each), sized through every resource's ``build_accelerator_graph_buffers``;
+the dummies are cleared with ``reset_request(free=True)`` afterwards and every resource's
+``post_warmup_validate`` runs. A step is replayed when it is decode-only, every resource
+``can_capture()`` and a bucket holds its rows; any other step (prefill, mixed, the dense
+manager) runs eagerly through the same resources.
+
+Slots alternate between consecutive graph steps: step N+1 is planned into the other slot's
+buffers and wrappers, so nothing step N's replay reads is overwritten (seed 000's
+``force_double_buffer``). On a CPU, "capture" keeps the closure and "replay" re-runs it over the
+same static buffers — a functional check of the in-place discipline, not a speed-up.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .runner import Node
+from .step import AdmitOutcome, KVSpan, KVStep, Step, StepContext
+
+log = logging.getLogger(__name__)
+
+# forward(ctx, tokens) -> logits [rows, vocab]; reads its positions etc. from ctx.plan_results
+Forward = Callable[[StepContext, torch.Tensor], torch.Tensor]
+
+
+@dataclass
+class _Graph:
+    ctx: StepContext
+    tokens: torch.Tensor  # static input [bucket]
+    out: torch.Tensor | None = None  # static output [bucket, vocab]
+    replay: Callable[[], None] = lambda: None
+
+
+@dataclass
+class Prepared:
+    """A step admitted and planned, ready to launch. ``graph`` None: runs eagerly."""
+
+    step: Step
+    ctx: StepContext
+    rows: int
+    graph: _Graph | None = None
+    outcome: AdmitOutcome = field(default_factory=AdmitOutcome.ok)
+
+
+def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    if device.type != "cuda":
+        return fn
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        fn()  # warm-up outside the graph: lazy inits and workspace allocations happen here
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        fn()
+    return g.replay
+
+
+class GraphRunner:
+    """Decode steps of one label through captured graphs, others eagerly."""
+
+    def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
+                 label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16) -> None:
+        self.node = node
+        self.forward = forward
+        self.buckets = sorted(set(buckets))
+        self.device = torch.device(device)
+        self.label = label
+        self.slots = slots
+        self.max_seq_len = max_seq_len
+        self._graphs: dict[tuple[int, int], _Graph] = {}
+        self._next_slot = 0
+        self.enabled = False
+
+    def warmup(self) -> None:
+        for r in self.node.resources:
+            r.build_accelerator_graph_buffers(self.slots, max(self.buckets), self.max_seq_len)
+        blockers = [r.name for r in self.node.resources if not r.can_capture()]
+        if blockers:
+            log.info("graphs off: resources %s cannot be captured; every step runs eagerly", blockers)
+            return
+        for bucket in self.buckets:
+            for slot in range(self.slots):
+                self._graphs[(bucket, slot)] = self._capture_one(bucket, slot)
+        for r in self.node.resources:
+            r.post_warmup_validate()
+        self.enabled = True
+        log.info("captured %d graphs: buckets %s x %d slots", len(self._graphs), self.buckets, self.slots)
+
+    def _capture_one(self, bucket: int, slot: int) -> _Graph:
+        dummies = [f"__mstar_graph_{bucket}_{slot}_{i}" for i in range(bucket)]
+        for d in dummies:
+            self.node.ingest_request(d)
+        step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)))
+        ctx = StepContext(slot=slot, bucket=bucket)
+        outcome = self.node.admit(step, ctx)
+        if not outcome:
+            raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
+        for r in self.node.resources:
+            ctx.plan_results[r.name] = r.plan(step, ctx)
+        g = _Graph(ctx, torch.zeros(bucket, dtype=torch.long, device=self.device))
+
+        def fn() -> None:
+            out = self.forward(g.ctx, g.tokens)
+            if g.out is None:
+                g.out = torch.empty_like(out)
+            g.out.copy_(out)
+
+        g.replay = _capture(fn, self.device)
+        for d in dummies:
+            self.node.reset_request(d, free=True)
+        return g
+
+    def bucket_for(self, rows: int) -> int | None:
+        return next((b for b in self.buckets if b >= rows), None)
+
+    def prepare(self, step: Step) -> Prepared:
+        """Admit and plan ``step`` (host work: this is what overlaps step N's replay)."""
+        rows = len(step.kv.spans)
+        decode = all(s.num_tokens == 1 for s in step.kv.spans) and step.kv.labels == (self.label,)
+        bucket = self.bucket_for(rows) if (self.enabled and decode) else None
+        if bucket is None:
+            ctx = StepContext()
+        else:
+            ctx = StepContext(slot=self._next_slot, bucket=bucket)
+            self._next_slot = (self._next_slot + 1) % self.slots
+        outcome = self.node.admit(step, ctx)
+        if not outcome:
+            return Prepared(step, ctx, rows, None, outcome)
+        for r in self.node.resources:
+            ctx.plan_results[r.name] = r.plan(step, ctx)
+        # The plan went into this slot's static buffers and wrappers, which the graph captured
+        # for (bucket, slot) reads.
+        graph = self._graphs[(bucket, ctx.slot)] if bucket is not None else None
+        return Prepared(step, ctx, rows, graph)
+
+    def launch(self, prep: Prepared, tokens: torch.Tensor) -> torch.Tensor:
+        """Run a prepared step (replay or eager) and commit it. Returns logits ``[rows, vocab]``
+        (a view of the graph's static output: read it before this slot's next replay)."""
+        if not prep.outcome:
+            raise RuntimeError(f"launch of a refused step: {prep.outcome.reason()}")
+        g = prep.graph
+        if g is None:
+            out = self.forward(prep.ctx, tokens)
+        else:
+            g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
+            g.tokens[prep.rows:].zero_()
+            g.replay()
+            assert g.out is not None
+            out = g.out[: prep.rows]
+        for r in self.node.resources:
+            r.commit(prep.step, prep.ctx)
+        return out
+
+    def step(self, step: Step, tokens: torch.Tensor) -> torch.Tensor:
+        return self.launch(self.prepare(step), tokens)

@@ -1,0 +1,70 @@
+"""GraphRunner on a CPU: decode steps replayed from "captured" closures over static buffers
+(plans updated in place, two slots, padded buckets) give the no-cache forward's logits."""
+
+import torch
+
+from mstar_core import KVSpan, KVStep, Step
+from mstar_core.graphs import GraphRunner
+from mstar_core.model import TinyDecoder, TinyDecoderConfig
+from mstar_core.resources.attn.paged import PagedAttentionManager
+from mstar_core.resources.kv import KVConfig, KVManager
+from mstar_core.runner import Node
+
+from .helpers import REF_WRAPPERS
+
+
+def build(graphs=True):
+    cfg = TinyDecoderConfig(num_layers=2, hidden=64, mlp=128, num_qo_heads=4, num_kv_heads=2, head_dim=16)
+    model = TinyDecoder(cfg, "cpu", torch.float64, seed=3)
+    kvc = KVConfig(2, 2, 16, 4, 64, 4)
+    kv = KVManager(kvc, "cpu", torch.float64)
+    attn = PagedAttentionManager(kv, "cpu", torch.float64, kvc, REF_WRAPPERS, accelerator_graph=graphs)
+    node = Node([kv, attn])
+
+    def forward(ctx, tokens):
+        pos = ctx.plan_results["kv"].layout("text").positions
+        return model.forward_step(tokens, pos, kv, attn, "text")
+
+    return model, kv, node, GraphRunner(node, forward, buckets=[2, 4], device="cpu")
+
+
+def test_graph_decode_matches_no_cache_forward_with_preplan():
+    model, kv, node, runner = build()
+    free0 = kv.num_free_pages
+    runner.warmup()
+    assert runner.enabled and kv.num_free_pages == free0 - 1  # only the sink page stays taken
+    prompts = {"a": [1, 2, 3, 4, 5], "b": [7, 8], "c": [9, 10, 11, 12, 13, 14, 15]}
+    seqs = {r: list(p) for r, p in prompts.items()}
+    for r in prompts:
+        node.ingest_request(r)
+    pre = Step(KVStep(tuple(KVSpan(r, "text", len(p)) for r, p in prompts.items())))
+    prep = runner.prepare(pre)
+    assert prep.graph is None  # a prefill step runs eagerly
+    logits = runner.launch(prep, torch.tensor([t for p in prompts.values() for t in p]))
+    ends = torch.tensor([len(p) for p in prompts.values()]).cumsum(0) - 1
+    got = {r: [logits[i]] for r, i in zip(prompts, ends)}
+    nxt = logits[ends].argmax(-1)
+    decode = Step(KVStep(tuple(KVSpan(r, "text", 1) for r in prompts)))
+    prep = runner.prepare(decode)
+    slots = []
+    for _ in range(5):
+        assert prep.graph is not None and prep.ctx.bucket == 4
+        slots.append(prep.ctx.slot)
+        for r, t in zip(prompts, nxt.tolist()):
+            seqs[r].append(t)
+        out = runner.launch(prep, nxt)
+        prep = runner.prepare(decode)  # pre-plan step N+1 before step N's output is read
+        for i, r in enumerate(prompts):
+            got[r].append(out[i].clone())
+        nxt = out.argmax(-1)
+    assert slots == [0, 1, 0, 1, 0]
+    for r in prompts:
+        full = model.forward_full(torch.tensor(seqs[r]))
+        want = full[len(prompts[r]) - 1:]
+        assert torch.allclose(torch.stack(got[r]), want, atol=1e-9), r
+
+
+def test_graphs_off_when_a_resource_cannot_capture():
+    _, _, _, runner = build(graphs=False)
+    runner.warmup()
+    assert not runner.enabled
