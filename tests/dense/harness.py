@@ -20,10 +20,11 @@ LABEL = "latent"
 class Harness:
     def __init__(self, make_attn: Callable[[KVManager, KVConfig], object], dtype: torch.dtype = torch.float32,
                  layers: int = 2, hkv: int = 2, hq: int = 4, d: int = 32, page_size: int = 16,
-                 max_pages: int = 64, seed: int = 0) -> None:
+                 max_pages: int = 64, seed: int = 0, device: str = "cpu") -> None:
         self.cfg = KVConfig(layers, hkv, d, page_size, max_pages, hq)
         self.dtype = dtype
-        self.kv = KVManager(self.cfg, "cpu", dtype)
+        self.device = torch.device(device)
+        self.kv = KVManager(self.cfg, self.device, dtype)
         self.attn = make_attn(self.kv, self.cfg)
         self.node = Node([self.kv, self.attn])
         self.gen = torch.Generator().manual_seed(seed)
@@ -34,7 +35,7 @@ class Harness:
             self.node.ingest_request(r)
 
     def _rand(self, n: int, h: int) -> torch.Tensor:
-        return torch.randn((n, h, self.cfg.head_dim), generator=self.gen).to(self.dtype)
+        return torch.randn((n, h, self.cfg.head_dim), generator=self.gen).to(self.device, self.dtype)
 
     def step(self, spans: Sequence[tuple], causal: bool = False, window_left: int = -1) -> tuple[float, list[torch.Tensor]]:
         """``spans``: ``(rid, n, commit)`` or ``(rid, label, n, commit)``. Returns the largest
@@ -58,7 +59,7 @@ class Harness:
                     refs, at = [], 0
                     for r, n in rows:
                         pk, pv = self.truth.get((r, lab, layer), (torch.zeros(0, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=torch.float64),) * 2)
-                        kk, vv = torch.cat([pk, k[at:at + n].double()]), torch.cat([pv, v[at:at + n].double()])
+                        kk, vv = torch.cat([pk, k[at:at + n].double().cpu()]), torch.cat([pv, v[at:at + n].double().cpu()])
                         refs.append(attention_oracle(q[at:at + n].double(), kk, vv, causal, window_left))
                         at += n
                     if refs:
@@ -70,7 +71,7 @@ class Harness:
                             continue
                         if c:
                             pk, pv = self.truth.get((r, lab, layer), (torch.zeros(0, self.cfg.num_kv_heads, self.cfg.head_dim, dtype=torch.float64),) * 2)
-                            self.truth[(r, lab, layer)] = (torch.cat([pk, k[at:at + n].double()]), torch.cat([pv, v[at:at + n].double()]))
+                            self.truth[(r, lab, layer)] = (torch.cat([pk, k[at:at + n].double().cpu()]), torch.cat([pv, v[at:at + n].double().cpu()]))
                         at += n
 
         res = self.node.step(step, forward)

@@ -18,7 +18,7 @@ F32 = TOLERANCE[torch.float32]
 
 
 def dense(wrapper=ReferencePrefixedPrefillWrapper, **kw):
-    return lambda kv, cfg: DenseAttentionManager(kv, "cpu", kv.dtype, cfg, wrapper, **kw)
+    return lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, wrapper, **kw)
 
 
 def denoise_setup(h: Harness) -> None:

@@ -1,0 +1,134 @@
+"""On the GPU: the dense path through the real FA3 (``flash_attn_interface``) and FlashInfer's
+ragged prefill, against the float64 reference in bf16 — the wrappers through the conformance
+suite's ragged cases, the DenseAttentionManager end to end with the KVManager — and the CPU
+stand-ins against the real kernels on the same inputs. Errors go to
+``$OUT/dense_gpu_conformance.json`` when ``OUT`` is set.
+
+    source .gpu/env.sh fa3 ... ; source .gpu/env.sh flashinfer && python3 -m pytest -m gpu tests/dense/test_gpu_dense.py
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import json
+import os
+import pathlib
+
+import pytest
+import torch
+
+from mstar_core.resources.attn.dense import DenseAttentionManager
+from mstar_core.testing import conformance as C
+
+from .harness import Harness
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+RESULTS: list[dict] = []
+
+
+def _real(module: str):
+    """The real library, never a stand-in (those are only ever put in sys.modules by fixtures)."""
+    if importlib.util.find_spec(module) is None:
+        pytest.skip(f"{module} is not installed here")
+    mod = importlib.import_module(module)
+    assert not getattr(mod, "STANDIN", False), f"{module} resolved to a stand-in"
+    return mod
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _write_results():
+    yield
+    out = os.environ.get("OUT")
+    if out and RESULTS:
+        p = pathlib.Path(out) / "dense_gpu_conformance.json"
+        p.parent.mkdir(parents=True, exist_ok=True)
+        info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
+        for m in ("flash_attn_interface", "flashinfer"):
+            try:
+                from importlib.metadata import version
+
+                info[m] = version({"flash_attn_interface": "tokenspeed-fa3", "flashinfer": "flashinfer-python"}[m])
+            except Exception as e:  # the version is informative only
+                info[m] = f"unknown ({type(e).__name__})"
+        p.write_text(json.dumps({"info": info, "results": RESULTS}, indent=1))
+
+
+def fa3_cls():
+    _real("flash_attn_interface")
+    from mstar_fa3.ragged import FA3PrefixedPrefillWrapper
+
+    return FA3PrefixedPrefillWrapper
+
+
+def flashinfer_cls():
+    _real("flashinfer")
+    from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
+
+    return FlashInferPrefixedPrefillWrapper
+
+
+WRAPPERS = {"fa3": fa3_cls, "flashinfer": flashinfer_cls}
+# FlashInfer compiles a module per head_dim on first use: keep its cases to the carried bf16/128 set.
+CASES = {
+    "fa3": C.ragged_cases(),
+    "flashinfer": C.ragged_cases(head_dims=(128,)),
+}
+
+
+@pytest.mark.parametrize("name,case", [(n, c) for n in WRAPPERS for c in CASES[n]],
+                         ids=[f"{n}-{c}" for n in WRAPPERS for c in CASES[n]])
+def test_ragged_conformance(name, case):
+    cls = WRAPPERS[name]()
+    err = C.check_ragged(C.WrapperSet(name, ragged=cls, device="cuda", dtype=BF16, workspace_bytes=128 << 20), case)
+    RESULTS.append({"test": "ragged", "backend": name, "case": str(case), "rel_error": err})
+
+
+@pytest.mark.parametrize("name", list(WRAPPERS))
+def test_dense_manager_end_to_end(name):
+    cls = WRAPPERS[name]()
+    h = Harness(lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, cls), BF16,
+                layers=2, hkv=8, hq=32, d=128, page_size=16, max_pages=256, device="cuda")
+    h.ingest("a", "b", "c")
+    errs = [h.step([("a", 256, True), ("b", 100, True)], causal=False)[0]]
+    for _ in range(3):
+        errs.append(h.step([("a", 300, False), ("b", 77, False), ("c", 40, False)])[0])
+    h.reset("b")
+    errs.append(h.step([("b", 64, True)], causal=True)[0])
+    errs.append(h.step([("a", 300, False), ("b", 77, False), ("c", 40, False)])[0])
+    RESULTS.append({"test": "dense_manager", "backend": name, "rel_errors": errs,
+                    "gathers": h.attn.stats.gathers, "hits": h.attn.stats.hits})
+    assert max(errs) < C.TOLERANCE[BF16], errs
+    assert h.attn.stats.gathers == 3 * 2 and h.attn.stats.hits > 0
+
+
+def _load_standin(monkeypatch, name):
+    path = pathlib.Path(__file__).resolve().parent.parent / "standins" / name / "__init__.py"
+    spec = importlib.util.spec_from_file_location(f"_standin_{name}", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fa3_standin_matches_the_real_kernel(monkeypatch):
+    """The stand-in computes what the real flash_attn_varlen_func computes, on the same inputs,
+    under the same arguments (causal prefix, window, scale) and return convention."""
+    real = _real("flash_attn_interface")
+    fake = _load_standin(monkeypatch, "flash_attn_interface")
+    g = torch.Generator().manual_seed(5)
+    q_lens, k_lens = (7, 33, 1), (20, 33, 9)
+    q = torch.randn(sum(q_lens), 8, 128, generator=g).to("cuda", BF16)
+    k = torch.randn(sum(k_lens), 2, 128, generator=g).to("cuda", BF16)
+    v = torch.randn(sum(k_lens), 2, 128, generator=g).to("cuda", BF16)
+    cu_q = torch.tensor([0, 7, 40, 41], dtype=torch.int32, device="cuda")
+    cu_k = torch.tensor([0, 20, 53, 62], dtype=torch.int32, device="cuda")
+    for kw in ({"causal": True}, {"causal": False}, {"causal": True, "window_size": (5, 0), "softmax_scale": 0.05}):
+        a = real.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 33, **kw)
+        b = fake.flash_attn_varlen_func(q, k, v, cu_q, cu_k, 33, 33, **kw)
+        assert type(a) is type(b), "return convention differs from the real build"
+        a = a[0] if isinstance(a, tuple) else a
+        b = b[0] if isinstance(b, tuple) else b
+        err = float((a.float() - b.float()).norm() / b.float().norm())
+        RESULTS.append({"test": "fa3_standin_vs_real", "kwargs": str(kw), "rel_error": err})
+        assert err < 1e-2, (kw, err)
