@@ -1,0 +1,53 @@
+"""Each backend distribution's wheel holds its own package and nothing else, and declares its
+entry point and its dependencies. Built from a copy of the tree (beside decoy packages), so a
+stale build/ folder in the checkout cannot hide or add a file."""
+
+from __future__ import annotations
+
+import shutil
+import zipfile
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+PACKAGES = ("mstar_flashinfer", "mstar_fa3", "mstar_rocm")
+KERNEL_DEPENDENCY = {"flashinfer": "flashinfer-python>=0.5", "fa3": None, "rocm": "amd-aiter"}
+
+
+@pytest.fixture(scope="module")
+def tree(tmp_path_factory) -> Path:
+    root = tmp_path_factory.mktemp("tree")
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for pkg in PACKAGES:
+        shutil.copytree(REPO / pkg, root / pkg, ignore=ignore)
+    shutil.copytree(REPO / "plugins", root / "plugins", ignore=ignore)
+    (root / "mstar_core").mkdir()  # a decoy: the core must never ride along in a plugin wheel
+    (root / "mstar_core" / "__init__.py").write_text("")
+    return root
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", ["flashinfer", "fa3", "rocm"])
+def test_wheel_holds_only_its_package(tree, tmp_path, build_wheel, plugin):
+    wheel = build_wheel(tree / "plugins" / plugin, tmp_path)
+    package = f"mstar_{plugin}"
+    assert wheel.name.startswith(f"mstar_{plugin}-0.1.0-py3-none-any")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        metadata = z.read(f"{dist_info}/METADATA").decode()
+        entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
+    top = {n.split("/")[0] for n in names}
+    assert top == {package, dist_info}, f"{wheel.name} holds {sorted(top)}"
+    expected = {p.relative_to(tree).as_posix() for p in (tree / package).rglob("*") if p.is_file()}
+    assert {n for n in names if n.startswith(package + "/")} == expected
+    for must in ("plugin.py", "probe.py", "__init__.py", "py.typed"):
+        assert f"{package}/{must}" in names
+    assert f"Name: mstar-{plugin}" in metadata
+    assert "Requires-Dist: mstar-core>=0.1" in metadata
+    if KERNEL_DEPENDENCY[plugin]:
+        assert f"Requires-Dist: {KERNEL_DEPENDENCY[plugin]}" in metadata
+    else:  # FA3: any build providing flash_attn_interface; the known prebuilt is an extra
+        assert 'Requires-Dist: tokenspeed-fa3; extra == "tokenspeed"' in metadata
+    assert "[mstar.backends]" in entry_points and f"{plugin} = {package}.plugin" in entry_points
