@@ -1,4 +1,4 @@
-"""The ``mstar`` command: ``demo``, ``backends``; each sub-command lives in its own module
+"""The ``mstar`` command: ``demo``, ``backends``, ``bench``; each sub-command lives in its own module
 exposing ``register(subparsers)``."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import backends, demo
+from . import backends, bench, demo
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -17,6 +17,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = p.add_subparsers(dest="command", required=True)
     demo.register(sub)
     backends.register(sub)
+    bench.register(sub)
     return p
 
 

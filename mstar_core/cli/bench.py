@@ -1,0 +1,52 @@
+"""``mstar bench``: time the tiny decoder's decode loop on a backend."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from dataclasses import asdict
+
+from ..workloads.decode_bench import BenchOptions, run_decode_bench
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    d = BenchOptions()
+    p = sub.add_parser(
+        "bench",
+        help="time the decode loop of a tiny decoder on a backend",
+        description="Time the decode loop of a tiny decoder with random weights: BATCH requests that already hold "
+        "CONTEXT tokens each generate one token per step. Prints the median step time, tokens/s, host time per step "
+        "and (CUDA, with graphs) the GPU time of one step's kernels replayed back to back. On a CPU it runs on the "
+        "reference backend.",
+    )
+    p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
+    p.add_argument("--qo-heads", type=int, default=d.qo_heads, help=f"query heads (default {d.qo_heads})")
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help=f"KV heads, dividing --qo-heads (default {d.kv_heads})")
+    p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dimension (default {d.head_dim})")
+    p.add_argument("--hidden", type=int, default=d.hidden, help=f"model width (default {d.hidden})")
+    p.add_argument("--batch", type=int, default=d.batch, help=f"requests decoding together (default {d.batch})")
+    p.add_argument("--context", type=int, default=d.context, help=f"tokens each request holds before the loop (default {d.context})")
+    p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size in tokens (default {d.page_size})")
+    p.add_argument("--backend", default=None, help="backend name or 'auto' (default: $MSTAR_ATTENTION_BACKEND, else auto)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
+                   help="replay decode steps from CUDA graphs captured at warm-up (default off)")
+    p.add_argument("--preplan", action=argparse.BooleanOptionalAction, default=d.preplan,
+                   help="plan step N+1 while step N runs on the GPU (default off)")
+    p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first (default {d.warmup})")
+    p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    fields = BenchOptions.__dataclass_fields__
+    opts = BenchOptions(**{k: getattr(args, k) for k in fields})
+    res = run_decode_bench(opts)
+    if args.json:
+        print(json.dumps(asdict(res), indent=2))
+    else:
+        for line in res.lines():
+            print(line)
+    return 0

@@ -1,0 +1,154 @@
+"""The decode loop ``mstar bench`` times: a tiny decoder over ``batch`` requests that already
+hold ``context`` tokens, one token per request per step, through a chosen backend, eager or
+replayed from CUDA graphs, with or without pre-planning."""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+from ..graphs import GraphRunner
+from ..model import TinyDecoder, TinyDecoderConfig
+from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
+from ..resources.kv import KVConfig, KVManager
+from ..runner import Node
+from ..step import KVSpan, KVStep, Step
+
+LABEL = "text"
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    layers: int = 2
+    qo_heads: int = 4
+    kv_heads: int = 2
+    head_dim: int = 64
+    hidden: int = 256
+    batch: int = 4
+    context: int = 256
+    page_size: int = 16
+    backend: str | None = None
+    graphs: bool = False
+    preplan: bool = False
+    steps: int = 20
+    warmup: int = 3
+    device: str = "cpu"
+    dtype: str = "auto"
+
+
+@dataclass(frozen=True)
+class BenchResult:
+    backend: str
+    device: str
+    dtype: str
+    graphs: bool  # graphs requested and actually used
+    preplan: bool
+    median_step_ms: float
+    tokens_per_s: float
+    median_host_ms: float  # host time to admit + plan + launch one step
+    gpu_step_ms: float | None  # the step's kernels back to back (one graph replayed), CUDA only
+    options: dict
+
+    def lines(self) -> list[str]:
+        gpu = f"{self.gpu_step_ms:.3f} ms" if self.gpu_step_ms is not None else "n/a (no CUDA graph on this device)"
+        return [
+            f"backend: {self.backend} on {self.device} ({self.dtype}); graphs {'on' if self.graphs else 'off'}, "
+            f"pre-plan {'on' if self.preplan else 'off'}",
+            f"median step time: {self.median_step_ms:.3f} ms ({self.tokens_per_s:.0f} tokens/s)",
+            f"median host time per step: {self.median_host_ms:.3f} ms",
+            f"GPU time per step: {gpu}",
+        ]
+
+
+def _dtype(name: str, device: torch.device) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if name not in table:
+        raise ValueError(f"--dtype {name!r} is not supported; choose one of {['auto', *table]}")
+    return table[name]
+
+
+def run_decode_bench(o: BenchOptions) -> BenchResult:
+    from ..registry import select_backend
+
+    dev = torch.device(o.device)
+    dt = _dtype(o.dtype, dev)
+    cuda = dev.type == "cuda"
+    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt, head_dim=o.head_dim)
+    cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
+                            num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
+    model = TinyDecoder(cfg, dev, dt)
+    total = o.context + o.warmup + o.steps + 2
+    pages = o.batch * -(-total // o.page_size) + 2 * o.batch + 2  # + graph dummies and the sink
+    kvc = KVConfig(o.layers, o.kv_heads, o.head_dim, o.page_size, pages, o.qo_heads)
+    kv = KVManager(kvc, dev, dt)
+    attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
+                                 max_batch_size=max(o.batch, 1))
+    node = Node([kv, attn])
+
+    def forward(ctx, tokens):
+        return model.forward_step(tokens, ctx.plan_results["kv"].layout(LABEL).positions, kv, attn, LABEL)
+
+    runner = GraphRunner(node, forward, [o.batch], dev, LABEL)
+    if o.graphs:
+        runner.warmup()
+    rids = [f"r{i}" for i in range(o.batch)]
+    for r in rids:
+        node.ingest_request(r)
+    # The context is laid down without a forward: random K/V (never zeros: they can run faster).
+    fill = Step(KVStep(tuple(KVSpan(r, LABEL, o.context) for r in rids)))
+    if not node.step(fill, lambda ctx: None).outcome:
+        raise RuntimeError("bench: the KV cache cannot hold the context")
+    kv.storage.normal_()
+    decode = Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)))
+    tokens = torch.zeros(o.batch, dtype=torch.long, device=dev)
+
+    host: list[float] = []
+    marks: list[float | torch.cuda.Event] = []
+    prep = runner.prepare(decode) if o.preplan else None
+    for i in range(o.warmup + o.steps):
+        t0 = time.perf_counter()
+        if not o.preplan:
+            if cuda:
+                torch.cuda.current_stream().synchronize()  # without pre-plan the host waits for step N
+            prep = runner.prepare(decode)
+        assert prep is not None
+        logits = runner.launch(prep, tokens)
+        tokens = logits.argmax(-1)  # greedy, stays on the device: no sync
+        if o.preplan:
+            prep = runner.prepare(decode)  # step N+1 planned while step N runs
+        host.append(time.perf_counter() - t0)
+        if cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            marks.append(ev)
+        else:
+            marks.append(time.perf_counter())
+    if cuda:
+        torch.cuda.synchronize()
+        steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup + 1, len(marks))]  # type: ignore[union-attr]
+    else:
+        steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup + 1, len(marks))]  # type: ignore[operator]
+    step_ms = statistics.median(steps)
+    gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
+    return BenchResult(
+        sel.name, str(dev), str(dt).replace("torch.", ""), runner.enabled, o.preplan, step_ms,
+        o.batch / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
+    )
+
+
+def _gpu_time(runner: GraphRunner, batch: int, reps: int = 20) -> float:
+    """One step's kernels back to back: the captured graph replayed with no host work between."""
+    g = runner._graphs[(runner.bucket_for(batch), 0)]  # noqa: SLF001 - the bench is the runner's own user
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    g.replay()
+    start.record()
+    for _ in range(reps):
+        g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
