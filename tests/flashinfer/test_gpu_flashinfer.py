@@ -1,0 +1,169 @@
+"""On the GPU: the conformance suite against the real FlashInfer 0.5.3 in bf16 (eager, and
+replayed from captured CUDA graphs with fresh plans between replays), the same suite against the
+stand-in on the GPU, and the stand-in's signatures checked against the real library's.
+
+Head dim 128 only (its bf16 modules come precompiled; every other head dim or the sliding-window
+variant is another JIT compile of 20-80 s) -- the window cases are moved to head dim 128 too.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import inspect
+import sys
+
+import pytest
+import torch
+
+from mstar_core.testing import conformance as C
+from mstar_flashinfer.decode import FlashInferDecodeWrapper
+from mstar_flashinfer.mixed import FlashInferMixedWrapper
+from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
+
+pytestmark = pytest.mark.gpu
+BF16 = torch.bfloat16
+
+
+def _at_128(cases):
+    return [c if c.head_dim == 128 else dataclasses.replace(c, head_dim=128) for c in cases]
+
+
+def _ws(name):
+    return C.WrapperSet(name, FlashInferPrefillWrapper, FlashInferDecodeWrapper, FlashInferMixedWrapper,
+                        FlashInferPrefixedPrefillWrapper, device="cuda", dtype=BF16, workspace_bytes=128 << 20)
+
+
+REAL, STANDIN = _ws("flashinfer"), _ws("flashinfer-standin-gpu")
+PREFILL = _at_128([c for c in C.prefill_cases() if c.head_dim == 128 or c.window_left >= 0 or c.sm_scale])
+DECODE = _at_128([c for c in C.decode_cases() if c.head_dim == 128 or c.window_left >= 0])
+MIXED = _at_128([c for c in C.mixed_cases() if c.head_dim == 128 or c.window_left >= 0])
+RAGGED = [c for c in C.ragged_cases() if c.head_dim == 128]
+
+
+@pytest.fixture
+def real_flashinfer():
+    fi = pytest.importorskip("flashinfer")
+    assert not getattr(fi, "STANDIN", False), "the stand-in is on sys.path; expected the real flashinfer"
+    return fi
+
+
+@pytest.fixture(params=["real", "standin"])
+def backend(request):
+    if request.param == "real":
+        request.getfixturevalue("real_flashinfer")
+        return REAL
+    request.getfixturevalue("standin_flashinfer")
+    return STANDIN
+
+
+@pytest.mark.parametrize("case", PREFILL, ids=str)
+def test_prefill(backend, case):
+    C.check_prefill(backend, case)
+
+
+@pytest.mark.parametrize("case", DECODE, ids=str)
+def test_decode(backend, case):
+    C.check_decode(backend, case)
+
+
+@pytest.mark.parametrize("case", MIXED, ids=str)
+def test_mixed(backend, case):
+    C.check_mixed(backend, case)
+
+
+@pytest.mark.parametrize("case", RAGGED, ids=str)
+def test_ragged(backend, case):
+    C.check_ragged(backend, case)
+
+
+# -- CUDA graphs: capture once, replan and replay ------------------------------------------------
+
+PS, HKV, GQA, D = 16, 2, 4, 128
+GRAPH_STEPS = {
+    "prefill": [((5, 40, 1, 17), (0, 30, 16, 2)), ((64,), (100,)), ((1, 2, 3), (0, 15, 16)), ((33, 33, 33, 1), (1, 2, 3, 4))],
+    "decode": [((1,) * 8, (0, 15, 16, 40, 3, 99, 7, 1)), ((1,) * 3, (200, 1, 64)), ((1,) * 8, (5,) * 8)],
+    "mixed": [((1, 9, 1, 17, 1, 1), (12, 0, 16, 2, 1, 40)), ((1, 1, 1), (3, 4, 5)), ((30, 1, 2), (3, 100, 0)),
+              ((1, 1, 1, 1, 1, 1, 1, 1), (0, 1, 2, 3, 4, 5, 6, 7))],
+}
+BATCH, TOKENS, PAGES = 8, 128, 96
+
+
+def _build(kind):
+    ws = lambda: torch.empty(128 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
+    cuda = torch.device("cuda")
+    if kind == "prefill":
+        return FlashInferPrefillWrapper(ws(), HKV * GQA, HKV, D, PS, batch_size=4, max_total_tokens=TOKENS,
+                                        max_num_pages=PAGES, device=cuda, accelerator_graph=True)
+    if kind == "decode":
+        return FlashInferDecodeWrapper(ws(), HKV * GQA, HKV, D, PS, batch_size=BATCH, max_num_pages=PAGES,
+                                       device=cuda, accelerator_graph=True)
+    return FlashInferMixedWrapper(ws(), ws(), HKV * GQA, HKV, D, PS, BATCH, TOKENS, PAGES, 2, cuda)
+
+
+def _plan(w, kind, d):
+    if kind == "decode":
+        w.plan(d.kv_indptr, d.kv_indices, d.last_page_len, dtype=BF16, kv_lens=d.kv_lens)
+    else:
+        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, causal=True, dtype=BF16, kv_lens=d.kv_lens)
+
+
+@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
+def test_graph_replay_with_fresh_plans(real_flashinfer, kind):
+    w = _build(kind)
+    rows_static = BATCH if kind == "decode" else TOKENS
+    q_static = torch.randn(rows_static, HKV * GQA, D, device="cuda", dtype=BF16)
+    layer = torch.randn(PAGES + 1, 2, PS, HKV, D, device="cuda", dtype=BF16)
+    cases = [C.PagedCase(PS, D, GQA, q, p, num_kv_heads=HKV, seed=900 + i) for i, (q, p) in enumerate(GRAPH_STEPS[kind])]
+    datas = [C.make_paged(c, "cuda", BF16) for c in cases]
+    _plan(w, kind, datas[0])
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graphs asks
+        w.run(q_static, layer)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out_static = w.run(q_static, layer)
+    for c, d in zip(cases, datas):
+        n = d.q.shape[0]
+        layer.zero_()
+        layer[: d.layer.shape[0]].copy_(d.layer)
+        q_static.normal_()
+        q_static[:n].copy_(d.q)
+        out_static.fill_(float("nan"))  # poison: a replay that skips rows shows
+        _plan(w, kind, d)
+        graph.replay()
+        torch.cuda.synchronize()
+        from mstar_core.testing.oracle import rel_error
+        e = rel_error(out_static[:n], C.paged_oracle(c, d, True))
+        assert e <= C.TOLERANCE[BF16], f"{kind} replay [{c}]: relative error {e:.3g}"
+
+
+# -- the stand-in keeps the real signatures ------------------------------------------------------
+
+NAMES = ["BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
+         "BatchPrefillWithRaggedKVCacheWrapper"]
+
+
+def _params(fn):
+    return [(p.name, p.kind, p.default if p.default is not inspect.Parameter.empty else "<required>")
+            for p in inspect.signature(fn).parameters.values()]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_standin_signatures_match_real(real_flashinfer, monkeypatch, name):
+    real = getattr(real_flashinfer, name)
+    saved = {n: m for n, m in sys.modules.items() if n == "flashinfer" or n.startswith("flashinfer.")}
+    from pathlib import Path
+    for n in saved:
+        monkeypatch.delitem(sys.modules, n)
+    monkeypatch.syspath_prepend(str(Path(__file__).resolve().parents[1] / "standins"))
+    stand = getattr(importlib.import_module("flashinfer"), name)
+    try:
+        for meth in ("__init__", "plan", "run"):
+            assert _params(getattr(stand, meth)) == _params(getattr(real, meth)), f"{name}.{meth}"
+    finally:
+        for n in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:
+            del sys.modules[n]
