@@ -38,3 +38,20 @@ def fa3_standin_both(request, monkeypatch):
 @pytest.fixture
 def aiter_standin(monkeypatch):
     return _load(monkeypatch, "aiter")
+
+
+@pytest.fixture
+def flashinfer_standin(monkeypatch):
+    """``import flashinfer`` yields the stand-in (written by the FlashInfer plugin's tests) for
+    this test; whatever was imported before is restored afterwards."""
+    names = [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]
+    for n in names:
+        monkeypatch.delitem(sys.modules, n)
+    monkeypatch.syspath_prepend(str(STANDINS))
+    import importlib
+
+    mod = importlib.import_module("flashinfer")
+    assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
+    yield mod
+    for n in [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]:
+        del sys.modules[n]

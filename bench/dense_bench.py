@@ -1,0 +1,358 @@
+"""One denoise step on the GPU, four ways, in one process (seed 000's benchmark):
+
+1. raw FA3 varlen over pre-concatenated [prefix | fresh] K/V (the floor);
+2. mstar dense with FA3 (DenseAttentionManager: cached prefix + concatenation + FA3);
+3. mstar dense with FlashInfer's ragged prefill;
+4. the paged way through mstar (KVManager.write_kv of the fresh K/V, plan, FlashInfer paged
+   prefill through PagedAttentionManager).
+
+Shape: 4 requests x (256 prefix + 4096 fresh tokens), 32 query / 8 KV heads, head_dim 128, bf16,
+not causal. Per layer: CUDA-event medians. Per step of 32 layers: wall-clock medians of
+``Node.step`` (admit, plan, 32 layers, commit), synchronised at both ends, so host planning
+counts. Correctness first: every variant's output is compared with raw FA3's on the same data
+and with a float64 reference on a slice (the kernels allocate their outputs fresh, so there is no
+buffer to poison). ``--device cpu`` with small shapes runs the same code over the CPU stand-ins
+(tests/dense/test_bench_smoke.py), timing with the host clock.
+
+    source .gpu/env.sh flashinfer && python3 bench/dense_bench.py   # writes $OUT/dense_bench.{json,md}
+
+Targets: mstar dense with FA3 <= 1.05 x raw FA3 per layer; dense >= 1.25 x faster than paged per
+step. A variant whose library is missing is reported as skipped, with the reason.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import os
+import pathlib
+import statistics
+import sys
+import time
+import traceback
+from importlib.metadata import PackageNotFoundError, version
+
+import torch
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+
+from mstar_core.resources.attn.dense import DenseAttentionManager  # noqa: E402
+from mstar_core.resources.attn.paged import PagedAttentionManager  # noqa: E402
+from mstar_core.resources.kv import KVConfig, KVManager  # noqa: E402
+from mstar_core.runner import Node  # noqa: E402
+from mstar_core.step import AttentionStep, KVSpan, KVStep, Step  # noqa: E402
+from mstar_core.testing.oracle import attention_oracle, rel_error  # noqa: E402
+
+LABEL = "latent"
+NOT_CAUSAL = AttentionStep(causal=False)
+DEV = torch.device("cuda")
+BF16 = torch.bfloat16
+
+
+def sync() -> None:
+    if DEV.type == "cuda":
+        torch.cuda.synchronize()
+
+
+class _HostEvent:
+    """``torch.cuda.Event``'s timing surface on the host clock (the CPU smoke run)."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: _HostEvent) -> float:
+        return (end.t - self.t) * 1e3
+
+
+def Event():
+    return torch.cuda.Event(enable_timing=True) if DEV.type == "cuda" else _HostEvent()
+
+
+def _version(dist: str) -> str:
+    try:
+        return version(dist)
+    except PackageNotFoundError:
+        return "not installed"
+
+
+class Data:
+    """Same q / prefix K/V / fresh K/V for every variant."""
+
+    def __init__(self, a: argparse.Namespace) -> None:
+        g = torch.Generator(device=DEV).manual_seed(0)  # generated where used: no host copy
+        self.a = a
+        B, P, N = a.requests, a.prefix, a.fresh
+        self.q = torch.randn((B * N, a.hq, a.d), generator=g, device=DEV, dtype=BF16)
+        self.kf = torch.randn((B * N, a.hkv, a.d), generator=g, device=DEV, dtype=BF16)
+        self.vf = torch.randn((B * N, a.hkv, a.d), generator=g, device=DEV, dtype=BF16)
+        self.kp = torch.randn((B * P, a.hkv, a.d), generator=g, device=DEV, dtype=BF16)
+        self.vp = torch.randn((B * P, a.hkv, a.d), generator=g, device=DEV, dtype=BF16)
+        self.k_all = torch.cat([t for r in range(B) for t in (self.kp[r * P:(r + 1) * P], self.kf[r * N:(r + 1) * N])])
+        self.v_all = torch.cat([t for r in range(B) for t in (self.vp[r * P:(r + 1) * P], self.vf[r * N:(r + 1) * N])])
+        self.cu_q = torch.arange(0, B + 1, dtype=torch.int32, device=DEV) * N
+        self.cu_k = torch.arange(0, B + 1, dtype=torch.int32, device=DEV) * (P + N)
+        self.rids = [f"r{i}" for i in range(B)]
+
+
+def event_median(fn, reps: int, inner: int) -> float:
+    """Median ms of ``fn()`` over ``reps x inner`` calls, each bracketed by events; no sync
+    between calls of one rep (the host runs ahead as it would in a forward)."""
+    times = []
+    for _ in range(reps):
+        ev = [(Event(), Event()) for _ in range(inner)]
+        for s, e in ev:
+            s.record()
+            fn()
+            e.record()
+        sync()
+        times.extend(s.elapsed_time(e) for s, e in ev)
+    return statistics.median(times)
+
+
+# -- the variants ------------------------------------------------------------------------------
+
+
+def raw_fa3(d: Data) -> dict:
+    fa3 = importlib.import_module("flash_attn_interface")
+    a = d.a
+
+    def call():
+        out = fa3.flash_attn_varlen_func(d.q, d.k_all, d.v_all, d.cu_q, d.cu_k, a.fresh, a.prefix + a.fresh, causal=False)
+        return out[0] if isinstance(out, (tuple, list)) else out
+
+    out = call()
+    layer = event_median(call, a.reps, a.layers)
+    cat = event_median(lambda: (torch.cat([d.kp, d.kf]), torch.cat([d.vp, d.vf])), a.reps, 4)
+    return {"layer_ms": layer, "step_ms_kernels_only": layer * a.layers, "concat_kv_ms": cat, "_out": out}
+
+
+def _kv(d: Data) -> tuple[KVManager, KVConfig]:
+    a = d.a
+    pages_per_req = -(-(a.prefix + a.fresh) // a.page_size)
+    cfg = KVConfig(a.layers, a.hkv, a.d, a.page_size, a.requests * pages_per_req + 8, a.hq)
+    return KVManager(cfg, DEV, BF16), cfg
+
+
+def _commit_prefixes(node: Node, kv: KVManager, attn, d: Data) -> None:
+    """The conditioning prefixes, committed once (written by whichever path the manager takes)."""
+    for r in d.rids:
+        node.ingest_request(r)
+    step = Step(KVStep(tuple(KVSpan(r, LABEL, d.a.prefix, True) for r in d.rids)), NOT_CAUSAL)
+    q = torch.randn((len(d.rids) * d.a.prefix, d.a.hq, d.a.d), device=DEV, dtype=BF16)
+
+    def fwd(ctx):
+        for i in range(d.a.layers):
+            if attn.requires_kv_write:
+                kv.write_kv(d.kp, d.vp, layer_idx=i, label=LABEL)
+            attn.run(q, LABEL, kv.layer_view(i), k=d.kp, v=d.vp, layer_idx=i)
+
+    assert node.step(step, fwd).outcome
+
+
+def mstar_variant(d: Data, make_attn) -> dict:
+    """``make_attn(kv, cfg)``; then denoise steps through ``Node.step``."""
+    a = d.a
+    kv, cfg = _kv(d)
+    attn = make_attn(kv, cfg)
+    node = Node([kv, attn])
+    _commit_prefixes(node, kv, attn, d)
+    step = Step(KVStep(tuple(KVSpan(r, LABEL, a.fresh, False) for r in d.rids)), NOT_CAUSAL)
+    captured = {}
+
+    def layers(ctx):
+        for i in range(a.layers):
+            if attn.requires_kv_write:
+                kv.write_kv(d.kf, d.vf, layer_idx=i, label=LABEL)
+            out = attn.run(d.q, LABEL, kv.layer_view(i), k=d.kf, v=d.vf, layer_idx=i)
+            if i == 0 and "out" not in captured:
+                captured["out"] = out
+
+    node.step(step, layers)  # warm-up: gathers the prefixes, compiles what compiles
+    sync()
+    captured.clear()
+    node.step(step, layers)  # the checked step (its layer 0 output, on the cached prefix)
+    sync()
+
+    # per layer: events around one layer's work inside a planned step
+    per_layer: list[float] = []
+
+    def timed_layers(ctx):
+        ev = []
+        for i in range(a.layers):
+            s, e = Event(), Event()
+            s.record()
+            if attn.requires_kv_write:
+                kv.write_kv(d.kf, d.vf, layer_idx=i, label=LABEL)
+            attn.run(d.q, LABEL, kv.layer_view(i), k=d.kf, v=d.vf, layer_idx=i)
+            e.record()
+            ev.append((s, e))
+        sync()
+        per_layer.extend(s.elapsed_time(e) for s, e in ev)
+
+    for _ in range(a.reps):
+        node.step(step, timed_layers)
+    # per step: wall clock, admit + plan + layers + commit
+    steps = []
+    for _ in range(a.reps):
+        sync()
+        t0 = time.perf_counter()
+        node.step(step, layers)
+        sync()
+        steps.append((time.perf_counter() - t0) * 1e3)
+    res = {"layer_ms": statistics.median(per_layer), "step_ms": statistics.median(steps), "_out": captured["out"]}
+    if isinstance(attn, DenseAttentionManager):
+        st = attn.stats
+        res["prefix_cache"] = {"gathers": st.gathers, "hits": st.hits}
+    node.cleanup()
+    del kv, attn, node
+    if DEV.type == "cuda":
+        torch.cuda.empty_cache()
+    return res
+
+
+def dense_fa3(d: Data) -> dict:
+    from mstar_fa3.ragged import FA3PrefixedPrefillWrapper
+
+    return mstar_variant(d, lambda kv, cfg: DenseAttentionManager(kv, DEV, BF16, cfg, FA3PrefixedPrefillWrapper))
+
+
+def dense_flashinfer(d: Data) -> dict:
+    from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
+
+    return mstar_variant(d, lambda kv, cfg: DenseAttentionManager(kv, DEV, BF16, cfg, FlashInferPrefixedPrefillWrapper))
+
+
+def paged_flashinfer(d: Data) -> dict:
+    from mstar_flashinfer.decode import FlashInferDecodeWrapper
+    from mstar_flashinfer.mixed import FlashInferMixedWrapper
+    from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+
+    wrappers = {"paged_prefill": FlashInferPrefillWrapper, "paged_decode": FlashInferDecodeWrapper,
+                "mixed": FlashInferMixedWrapper}
+    tokens = d.a.requests * d.a.fresh
+    return mstar_variant(d, lambda kv, cfg: PagedAttentionManager(kv, DEV, BF16, cfg, wrappers,
+                                                                  max_total_tokens=tokens))
+
+
+VARIANTS = {
+    "raw_fa3": raw_fa3,
+    "mstar_dense_fa3": dense_fa3,
+    "mstar_dense_flashinfer": dense_flashinfer,
+    "mstar_paged_flashinfer": paged_flashinfer,
+}
+
+
+def reference_error(d: Data, out: torch.Tensor, rows: int = 128) -> float:
+    """Request 0's first ``rows`` queries against float64 full attention over its keys."""
+    a = d.a
+    rows = min(rows, a.fresh)  # request 0's queries only
+    k = d.k_all[: a.prefix + a.fresh]
+    v = d.v_all[: a.prefix + a.fresh]
+    # bottom-right alignment is irrelevant when not causal; the oracle takes any q_len
+    ref = attention_oracle(d.q[:rows].double(), k.double(), v.double(), causal=False)
+    return rel_error(out[:rows], ref)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--requests", type=int, default=4)
+    p.add_argument("--prefix", type=int, default=256)
+    p.add_argument("--fresh", type=int, default=4096)
+    p.add_argument("--hq", type=int, default=32)
+    p.add_argument("--hkv", type=int, default=8)
+    p.add_argument("--d", type=int, default=128)
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=10)
+    p.add_argument("--device", default="cuda", help="cuda (the benchmark) or cpu (a smoke run over stand-ins)")
+    a = p.parse_args(argv)
+    global DEV
+    DEV = torch.device(a.device)
+    if DEV.type == "cuda" and not torch.cuda.is_available():
+        print("dense_bench needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        return 2
+    out_dir = pathlib.Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    d = Data(a)
+    cuda = DEV.type == "cuda"
+    info = {
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
+        "capability": ("sm%d%d" % torch.cuda.get_device_capability()) if cuda else "-",
+        "torch": torch.__version__, "cuda": torch.version.cuda,
+        "tokenspeed-fa3": _version("tokenspeed-fa3"), "flashinfer-python": _version("flashinfer-python"),
+    }
+    shape = {k: getattr(a, k) for k in ("requests", "prefix", "fresh", "hq", "hkv", "d", "layers", "page_size", "reps")}
+    shape.update(dtype="bfloat16", causal=False)
+    results: dict[str, dict] = {}
+    outs: dict[str, torch.Tensor] = {}
+    for name, fn in VARIANTS.items():
+        t0 = time.perf_counter()
+        try:
+            r = fn(d)
+        except Exception as e:  # a missing library or a failure is reported, not fatal to the others
+            results[name] = {"skipped": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
+            print(f"{name}: skipped ({type(e).__name__}: {e})")
+            continue
+        out = r.pop("_out")
+        outs[name] = out
+        r["rel_error_vs_float64"] = reference_error(d, out)
+        r["seconds"] = round(time.perf_counter() - t0, 1)
+        results[name] = r
+        print(name, {k: (round(v, 4) if isinstance(v, float) else v) for k, v in r.items()})
+    if "raw_fa3" in outs:
+        base = outs["raw_fa3"].float()
+        for name, o in outs.items():
+            results[name]["rel_diff_vs_raw_fa3"] = float((o.float() - base).norm() / base.norm())
+    targets = {}
+    raw = results.get("raw_fa3", {})
+    dfa3 = results.get("mstar_dense_fa3", {})
+    paged = results.get("mstar_paged_flashinfer", {})
+    if "layer_ms" in raw and "layer_ms" in dfa3:
+        ratio = dfa3["layer_ms"] / raw["layer_ms"]
+        targets["dense_fa3_over_raw_fa3_per_layer"] = {"value": ratio, "target": "<= 1.05", "met": ratio <= 1.05}
+    if "step_ms" in paged:
+        for name in ("mstar_dense_fa3", "mstar_dense_flashinfer"):
+            if "step_ms" in results.get(name, {}):
+                sp = paged["step_ms"] / results[name]["step_ms"]
+                targets[f"paged_over_{name}_per_step"] = {"value": sp, "target": ">= 1.25", "met": sp >= 1.25}
+    errors_ok = all(r.get("rel_error_vs_float64", 0) < 1.6e-2 for r in results.values())
+    doc = {"info": info, "shape": shape, "results": results, "targets": targets, "errors_ok": errors_ok}
+    (out_dir / "dense_bench.json").write_text(json.dumps(doc, indent=1))
+    (out_dir / "dense_bench.md").write_text(markdown(doc))
+    print(markdown(doc))
+    return 0 if errors_ok else 1
+
+
+def markdown(doc: dict) -> str:
+    i, s = doc["info"], doc["shape"]
+    lines = [
+        "# Dense path benchmark: one denoise step", "",
+        f"{i['device']} ({i['capability']}), torch {i['torch']}, CUDA {i['cuda']}, "
+        f"tokenspeed-fa3 {i['tokenspeed-fa3']}, flashinfer-python {i['flashinfer-python']}", "",
+        f"{s['requests']} requests x ({s['prefix']} prefix + {s['fresh']} fresh), {s['hq']} q / {s['hkv']} kv heads, "
+        f"head_dim {s['d']}, bf16, not causal, {s['layers']} layers, page size {s['page_size']}; "
+        f"medians over {s['reps']} steps", "",
+        "| variant | per layer (ms) | per step (ms, plan included) | rel. error vs float64 | rel. diff vs raw FA3 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, r in doc["results"].items():
+        if "skipped" in r:
+            lines.append(f"| {name} | skipped: {r['skipped']} | | | |")
+            continue
+        step = r.get("step_ms", r.get("step_ms_kernels_only"))
+        note = "" if "step_ms" in r else " (kernels only)"
+        lines.append(f"| {name} | {r['layer_ms']:.3f} | {step:.2f}{note} | {r['rel_error_vs_float64']:.2e} | "
+                     f"{r.get('rel_diff_vs_raw_fa3', float('nan')):.2e} |")
+    lines += ["", "| target | value | wanted | met |", "| --- | --- | --- | --- |"]
+    for name, t in doc["targets"].items():
+        lines.append(f"| {name} | {t['value']:.3f} | {t['target']} | {'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
