@@ -7,6 +7,7 @@ import importlib.util
 import math
 import os
 import random
+import sys
 from dataclasses import dataclass, field
 
 import pytest
@@ -183,23 +184,25 @@ def _one_thread():
 
 @pytest.fixture(scope="session")
 def triton_interp():
-    """The Triton kernels, loaded a second time under the interpreter (runs on CPU tensors)."""
-    pytest.importorskip("triton")
+    """The Triton kernels, loaded a second time under the interpreter (runs on CPU tensors).
+
+    The interpreter must be switched on before triton itself is imported (triton.language's
+    own helpers are decorated then), so this runs only where nothing imported triton yet, and
+    only without a GPU: the GPU tests run the compiled kernel, and the switch stays on."""
+    if importlib.util.find_spec("triton") is None:
+        pytest.skip("triton is not installed")
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is here: tests/bounded/test_gpu_bounded.py runs the compiled kernel")
+    if "triton" in sys.modules and os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("triton was imported before the interpreter could be switched on")
+    os.environ["TRITON_INTERPRET"] = "1"
     from triton.runtime.interpreter import InterpretedFunction
 
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"  # read when @triton.jit decorates
-    try:
-        spec = importlib.util.spec_from_file_location(
-            "mstar_bounded_triton_interp", os.path.join(ba.__path__[0], "triton_kernel.py")
-        )
-        mod = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(mod)
-    finally:
-        if old is None:
-            os.environ.pop("TRITON_INTERPRET", None)
-        else:
-            os.environ["TRITON_INTERPRET"] = old
+    spec = importlib.util.spec_from_file_location(
+        "mstar_bounded_triton_interp", os.path.join(ba.__path__[0], "triton_kernel.py")
+    )
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
     assert isinstance(mod._bounded_fwd, InterpretedFunction), "kernel was not loaded under the interpreter"
     return mod
 
