@@ -160,5 +160,11 @@ class GraphRunner:
             r.commit(prep.step, prep.ctx)
         return out
 
+    def discard(self, prep: Prepared) -> None:
+        """Give back what a prepared step reserved without running it (end of a pipelined loop)."""
+        if prep.outcome:
+            for r in reversed(self.node.resources):
+                r.rollback_admit(prep.step, prep.ctx)
+
     def step(self, step: Step, tokens: torch.Tensor) -> torch.Tensor:
         return self.launch(self.prepare(step), tokens)

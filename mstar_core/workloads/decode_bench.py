@@ -72,12 +72,28 @@ def _dtype(name: str, device: torch.device) -> torch.dtype:
     return table[name]
 
 
-def run_decode_bench(o: BenchOptions) -> BenchResult:
+@dataclass
+class DecodeSetup:
+    """Everything the loop runs, for scripts that time parts of it (bench/runner_bench.py)."""
+
+    backend: str
+    device: torch.device
+    dtype: torch.dtype
+    model: TinyDecoder
+    kv: KVManager
+    attn: PagedAttentionManager
+    node: Node
+    runner: GraphRunner
+    decode: Step
+
+
+def build_decode_setup(o: BenchOptions) -> DecodeSetup:
+    """Model, KV cache holding ``context`` random tokens per request, attention on the chosen
+    backend, and (with ``graphs``) the captured graphs."""
     from ..registry import select_backend
 
     dev = torch.device(o.device)
     dt = _dtype(o.dtype, dev)
-    cuda = dev.type == "cuda"
     sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt, head_dim=o.head_dim)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
@@ -105,6 +121,13 @@ def run_decode_bench(o: BenchOptions) -> BenchResult:
         raise RuntimeError("bench: the KV cache cannot hold the context")
     kv.storage.normal_()
     decode = Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)))
+    return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode)
+
+
+def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> BenchResult:
+    s = setup or build_decode_setup(o)
+    runner, decode, dev = s.runner, s.decode, s.device
+    cuda = dev.type == "cuda"
     tokens = torch.zeros(o.batch, dtype=torch.long, device=dev)
 
     host: list[float] = []
@@ -128,6 +151,8 @@ def run_decode_bench(o: BenchOptions) -> BenchResult:
             marks.append(ev)
         else:
             marks.append(time.perf_counter())
+    if prep is not None and o.preplan:
+        runner.discard(prep)  # the step planned ahead of a loop that ends here
     if cuda:
         torch.cuda.synchronize()
         steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup + 1, len(marks))]  # type: ignore[union-attr]
@@ -136,7 +161,7 @@ def run_decode_bench(o: BenchOptions) -> BenchResult:
     step_ms = statistics.median(steps)
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
     return BenchResult(
-        sel.name, str(dev), str(dt).replace("torch.", ""), runner.enabled, o.preplan, step_ms,
+        s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, o.preplan, step_ms,
         o.batch / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
     )
 
