@@ -28,7 +28,6 @@ from __future__ import annotations
 import importlib
 import itertools
 import logging
-from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -41,6 +40,7 @@ from ..kv.config import KVConfig
 from ..kv.paged import KVManager
 from ..kv.plan import KVPlan, LabelLayout
 from .base import AttentionManager, check_q
+from .prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from .protocols import PrefixedPrefillWrapper
 
 log = logging.getLogger(__name__)
@@ -93,26 +93,6 @@ class DensePlan:
         return self.cu_k[-1]
 
 
-@dataclass
-class PrefixCacheStats:
-    """Counters of the gathered-prefix cache (per (stream, layer) entry)."""
-
-    hits: int = 0
-    gathers: int = 0  # misses: first use, or rebuilt after an invalidation
-    invalidations: int = 0  # entries dropped because the stream's generation/prefix/pages moved
-    evictions: int = 0  # entries dropped by the LRU bound
-    dropped: int = 0  # entries dropped by reset_request/remove_request/cleanup
-
-
-@dataclass(frozen=True)
-class _Gathered:
-    generation: int
-    prefix_len: int
-    pages: tuple[int, ...]
-    k: torch.Tensor  # [prefix_len, H_kv, D]
-    v: torch.Tensor
-
-
 @dataclass(frozen=True)
 class _LabelRun:
     label: str
@@ -159,17 +139,12 @@ class DenseAttentionManager(AttentionManager):
         self.kv_config = kv_config
         self.wrapper_class = resolve_class(wrapper_class)
         self.flashinfer_backend = flashinfer_backend
-        if max_cached_tokens is not None and max_cached_tokens < 0:
-            raise ValueError(f"max_cached_tokens must be >= 0 or None, got {max_cached_tokens}")
         self.max_cached_tokens = max_cached_tokens
-        self.stats = PrefixCacheStats()
+        self.prefixes = GatheredPrefixCache(max_cached_tokens)
         self._requests: dict[str, dict[str, Any]] = {}
         self._wrappers: dict[str, Any] = {}
         self._runs: dict[str, _LabelRun] = {}
         self._current: DensePlan | None = None
-        # (request_id, label, layer_idx) -> gathered prefix; order is recency (LRU last).
-        self._prefixes: OrderedDict[tuple[str, str, int], _Gathered] = OrderedDict()
-        self._cached_tokens = 0
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> DenseAttentionManager:
@@ -222,27 +197,27 @@ class DenseAttentionManager(AttentionManager):
 
     def reset_request(self, rid: str, free: bool = False) -> None:
         """Drop ``rid``'s gathered prefixes (its pages are being reset); ``free`` also forgets it."""
-        self._drop(lambda key: key[0] == rid)
+        self.prefixes.drop_request(rid)
         if free:
             self._requests.pop(rid, None)
 
     def remove_request(self, rid: str) -> None:
         """Drop ``rid``'s gathered prefixes and forget it; unknown ``rid`` is a no-op."""
-        self._drop(lambda key: key[0] == rid)
+        self.prefixes.drop_request(rid)
         self._requests.pop(rid, None)
+
+    @property
+    def stats(self) -> PrefixCacheStats:
+        """Hits, gathers, invalidations, evictions of the gathered-prefix cache."""
+        return self.prefixes.stats
 
     @property
     def cached_prefix_tokens(self) -> int:
         """Prefix tokens held by the gathered-prefix cache, summed over (stream, layer) entries."""
-        return self._cached_tokens
+        return self.prefixes.tokens
 
     def cached_streams(self) -> set[tuple[str, str]]:
-        return {(r, lab) for r, lab, _ in self._prefixes}
-
-    def _drop(self, which: Any, counter: str = "dropped") -> None:
-        for key in [k for k in self._prefixes if which(k)]:
-            self._cached_tokens -= self._prefixes.pop(key).prefix_len
-            setattr(self.stats, counter, getattr(self.stats, counter) + 1)
+        return self.prefixes.streams()
 
     # -- step --------------------------------------------------------------------------------
     def plan(self, step: Step, ctx: StepContext) -> DensePlan:
@@ -275,7 +250,8 @@ class DenseAttentionManager(AttentionManager):
             pages = s.pages[: -(-prefix // ps)]
             segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation))
             starts.append(s.q_start)
-            self._invalidate_stale(s.request_id, label, s.generation, prefix, pages)
+            # Free a stream's stale layers now rather than as each layer misses.
+            self.prefixes.validate((s.request_id, label), (s.generation, prefix, pages))
         cu_q = (0, *itertools.accumulate(g.q_len for g in segs))
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)
@@ -302,16 +278,6 @@ class DenseAttentionManager(AttentionManager):
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
         return _LabelRun(label, plan, tuple(starts), write, rows)
-
-    def _invalidate_stale(self, rid: str, label: str, generation: int, prefix: int, pages: tuple[int, ...]) -> None:
-        # Free a stream's stale entries at plan time rather than waiting for each layer to miss.
-        def stale(key: tuple[str, str, int]) -> bool:
-            if key[0] != rid or key[1] != label:
-                return False
-            g = self._prefixes[key]
-            return (g.generation, g.prefix_len, g.pages) != (generation, prefix, pages)
-
-        self._drop(stale, "invalidations")
 
     @property
     def current(self) -> DensePlan:
@@ -382,35 +348,12 @@ class DenseAttentionManager(AttentionManager):
         layer[lay.write_pages[rows], 0, lay.write_offsets[rows]] = k[rows].to(layer.dtype)
         layer[lay.write_pages[rows], 1, lay.write_offsets[rows]] = v[rows].to(layer.dtype)
 
-    def _prefix(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> _Gathered:
-        key = (seg.request_id, seg.label, layer_idx)
-        g = self._prefixes.get(key)
-        if g is not None and (g.generation, g.prefix_len, g.pages) == (seg.generation, seg.prefix_len, seg.pages):
-            self._prefixes.move_to_end(key)
-            self.stats.hits += 1
-            return g
-        if g is not None:  # moved under us since plan (e.g. pages rewritten): rebuild
-            self._drop(lambda kk: kk == key, "invalidations")
+    def _gather(self, seg: DenseSegment, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segment's prefix K/V out of its pages: one indexed read for K and V together."""
         pages = torch.tensor(seg.pages, dtype=torch.long, device=layer.device)
-        ps = layer.shape[2]
-        blk = layer[pages]  # [n_pages, 2, page_size, H_kv, D]: one gather for K and V
-        kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * ps, *layer.shape[3:])[:, : seg.prefix_len]
-        g = _Gathered(seg.generation, seg.prefix_len, seg.pages, kv[0].contiguous(), kv[1].contiguous())
-        self.stats.gathers += 1
-        self._prefixes[key] = g
-        self._cached_tokens += seg.prefix_len
-        self._evict(keep=key)
-        return g
-
-    def _evict(self, keep: tuple[str, str, int]) -> None:
-        if self.max_cached_tokens is None:
-            return
-        while self._cached_tokens > self.max_cached_tokens:
-            victim = next((kk for kk in self._prefixes if kk != keep), None)
-            if victim is None:
-                break  # the entry in use alone exceeds the bound: keep it for this layer
-            self._cached_tokens -= self._prefixes.pop(victim).prefix_len
-            self.stats.evictions += 1
+        blk = layer[pages]  # [n_pages, 2, page_size, H_kv, D]
+        kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * layer.shape[2], *layer.shape[3:])[:, : seg.prefix_len]
+        return kv[0].contiguous(), kv[1].contiguous()
 
     def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
                   layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -422,15 +365,17 @@ class DenseAttentionManager(AttentionManager):
         vs: list[torch.Tensor] = []
         for seg, start in zip(segs, lr.q_starts):
             if seg.prefix_len:
-                g = self._prefix(seg, layer, layer_idx)
-                ks.append(g.k)
-                vs.append(g.v)
+                pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
+                                           (seg.generation, seg.prefix_len, seg.pages),
+                                           lambda seg=seg: self._gather(seg, layer))
+                ks.append(pk)
+                vs.append(pv)
             ks.append(k[start:start + seg.q_len])
             vs.append(v[start:start + seg.q_len])
         return torch.cat(ks), torch.cat(vs)
 
     def cleanup(self) -> None:
-        self._drop(lambda key: True)
+        self.prefixes.clear()
         self._wrappers.clear()
         self._runs = {}
         self._current = None
