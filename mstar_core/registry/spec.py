@@ -58,7 +58,9 @@ class HeadDims:
             return ", ".join(map(str, self.values))
         if self.multiple_of == 1 and self.maximum is None:
             return "any"
-        step = f"multiples of {self.multiple_of}" if self.multiple_of > 1 else "any"
+        if self.multiple_of == 1:
+            return f"up to {self.maximum}"
+        step = f"multiples of {self.multiple_of}"
         return f"{step} up to {self.maximum}" if self.maximum is not None else step
 
 
