@@ -238,8 +238,11 @@ def bounded_attention_triton(
     ieee: bool = False,
     block_m: int | None = None,
     block_n: int = 64,
+    num_warps: int = 4,
+    num_stages: int | None = None,
 ) -> torch.Tensor:
-    """See :func:`mstar_core.kernels.bounded_attention.bounded_attention`."""
+    """See :func:`mstar_core.kernels.bounded_attention.bounded_attention`. ``block_m``,
+    ``block_n``, ``num_warps``, ``num_stages``: launch tuning (the benchmark sweeps them)."""
     q, k, v = (_inner_contiguous(x) for x in (q, k, v))
     B = table.shape[0]
     BR, Hq, T, D = q.shape
@@ -277,7 +280,8 @@ def bounded_attention_triton(
         G=G, D=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=block_n, NCOL=tb.NUM_COLS,
         HAS_SRC=source is not None, HAS_ROW=row_source is not None,
         HAS_BIAS=rel_bias is not None, HAS_QW=query_window is not None, IEEE=ieee,
-        num_warps=4,
+        num_warps=num_warps,
+        **({} if num_stages is None else {"num_stages": num_stages}),
     )
     return out
 
