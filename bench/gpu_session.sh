@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# One call on the H200 test machine: GPU tests and benchmarks, results under $OUT/results.tgz.
+#   stage fi : carry .gpu/flashinfer .gpu/env.sh .gpu/flashinfer-aot.tgz .gpu/save-flashinfer-aot.sh
+#   stage fa3: carry .gpu/fa3 .gpu/env.sh   (on a machine kept warm from stage fi, both sets load)
+# Every step has its own time limit so one hang cannot eat the call; its log says what ran.
+set -u
+stage=${1:?stage: fi or fa3}
+R=$OUT/r; mkdir -p "$R"
+export PYTHONUNBUFFERED=1 OUT
+log() { echo "== $* ($(date +%T))"; }
+finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
+trap finish EXIT
+if [ "$stage" = fi ]; then source .gpu/env.sh flashinfer || exit 1; else source .gpu/env.sh fa3 || exit 1; fi
+python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flashinfer -e ./plugins/fa3 -e ./plugins/rocm 2>&1 | tail -3
+{ nvidia-smi; python3 -c "import torch,sys;print(torch.__version__,torch.version.cuda,sys.version)"; pip list 2>/dev/null | grep -iE "flashinfer|fa3|triton|torch"; } > "$R/env.txt" 2>&1
+T() { local t=$1 name=$2; shift 2; log "$name"; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+if [ "$stage" = fi ]; then
+  T 240 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -q -rs -p no:cacheprovider
+  T 120 bench_flashinfer python3 bench/flashinfer_bench.py --out "$R"
+  T 100 bench_runner python3 bench/runner_bench.py --out "$R"
+  T 60 bench_bounded python3 bench/bounded_bench.py --out "$R"
+  T 60 save_aot bash .gpu/save-flashinfer-aot.sh
+else
+  T 240 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -q -rs -p no:cacheprovider
+  T 150 bench_dense python3 bench/dense_bench.py --out "$R"
+  T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+fi
+log done
