@@ -3,7 +3,7 @@
 #   stage fi : carry .gpu/flashinfer .gpu/env.sh .gpu/flashinfer-aot.tgz .gpu/save-flashinfer-aot.sh
 #   stage fa3: carry .gpu/fa3 .gpu/env.sh   (on a machine kept warm from stage fi, both sets load)
 # Every step has its own time limit so one hang cannot eat the call; its log says what ran.
-set -u
+# (no set -u: .gpu/env.sh reads unset variables)
 stage=${1:?stage: fi or fa3}
 R=$OUT/r; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 OUT
