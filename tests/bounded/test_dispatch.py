@@ -1,0 +1,49 @@
+"""Kernel dispatch: the registered name resolves, auto / forced choices, clear errors."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from mstar_core.kernels import bounded_attention as pkg
+from mstar_core.kernels.bounded_attention import bounded_attention, pick_impl
+
+
+def test_registered_name_resolves():
+    mod, attr = "mstar_core.kernels.bounded_attention:bounded_attention".split(":")
+    assert getattr(importlib.import_module(mod), attr) is bounded_attention
+
+
+def test_auto_is_reference_on_cpu_and_env_overrides(monkeypatch):
+    assert pick_impl(torch.device("cpu")) == "reference"
+    monkeypatch.setattr(pkg, "triton_available", lambda: True)
+    assert pick_impl(torch.device("cuda")) == "triton"
+    monkeypatch.setenv("MSTAR_BOUNDED_IMPL", "reference")
+    assert pick_impl(torch.device("cuda")) == "reference"
+
+
+def test_forcing_triton_where_it_cannot_run_says_why(monkeypatch):
+    with pytest.raises(ValueError, match="needs a CUDA tensor, got device cpu"):
+        pick_impl(torch.device("cpu"), "triton")
+    monkeypatch.setattr(pkg, "triton_available", lambda: False)
+    with pytest.raises(ImportError, match="triton is not installed"):
+        pick_impl(torch.device("cuda"), "triton")
+    with pytest.raises(ValueError, match="'auto', 'reference' or 'triton', got 'fast'"):
+        pick_impl(torch.device("cpu"), "fast")
+
+
+def test_shape_errors_name_expected_and_received():
+    q = torch.randn(2, 4, 3, 8)
+    k = torch.randn(2, 3, 3, 8)  # 4 query heads are not a multiple of 3
+    cache = torch.zeros(2, 1, 3, 5, 16)
+    table = torch.zeros(2, pkg.tb.NUM_COLS, dtype=torch.int32)
+    with pytest.raises(ValueError, match="multiple of H"):
+        bounded_attention(q, k, k, cache, table, sink=1, window=4)
+    k = torch.randn(2, 2, 3, 8)
+    with pytest.raises(ValueError, match=r"cache must be \[slots, 1, 2, cap, 16\], got \(2, 1, 3, 5, 16\)"):
+        bounded_attention(q, k, k, cache, table, sink=1, window=4)
+    cache = torch.zeros(2, 1, 2, 5, 16)
+    with pytest.raises(ValueError, match=r"rel_bias is indexed by distance 0..2: last dim 3, got 5"):
+        bounded_attention(q, k, k, cache, table, sink=1, window=4, query_window=2, rel_bias=torch.zeros(2, 4, 3, 5))
