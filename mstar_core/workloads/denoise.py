@@ -67,7 +67,7 @@ class DenoiseReport:
             f"denoise steps: {self.denoise_steps}; largest relative error vs float64 full attention: "
             f"{self.max_error:.3g} (tolerance {self.tolerance:g})",
             f"prefix cache: {self.gathers} gathers (expected {self.expected_gathers}), {self.hits} hits, "
-            f"{self.rebuilds} rebuilt after a fork/reset",
+            f"{self.rebuilds} of them rebuilds (a stream's generation or prefix moved: fork, reset)",
             "OK" if self.ok else "MISMATCH",
         ]
 
@@ -117,7 +117,9 @@ class _Denoiser:
 
     def fork(self, new: str, src: str) -> None:
         """A new request whose stream holds a copy of ``src``'s prefix pages: its pages are
-        reserved by an ordinary committed span, then filled by a page copy (no recomputation)."""
+        reserved by an ordinary committed span, then filled by a page copy (no recomputation).
+        The source's generation is bumped, as a fork does (seed 000: a fork invalidates what was
+        derived from the pages), so its gathered prefix is rebuilt too."""
         n = self.kv.stream(src, LABEL).length
         self.node.ingest_request(new)
         step = Step(KVStep((KVSpan(new, LABEL, n, commit=True),)), NOT_CAUSAL)
@@ -130,6 +132,8 @@ class _Denoiser:
                 self.truth[(new, layer)] = self.truth[(src, layer)]
 
         self._run(step, forward)
+        # KVManager has no fork yet; this line is what one would do for the source stream.
+        self.kv.stream(src, LABEL).bump()
 
     def reset(self, rid: str, n: int) -> None:
         """Replace ``rid``'s conditioning: reset (pages freed, generation bumped), commit anew."""

@@ -19,8 +19,9 @@ def test_counts_follow_the_events():
     s = denoise.DenoiseShape()
     rep = denoise.run_denoise(denoise_ref(), "reference", shape=s)
     assert rep.ok, rep.lines()
-    # a and b on the first denoise step, the fork's c, the reset b: one gather per layer each
-    assert rep.gathers == 4 * s.num_layers and rep.rebuilds == s.num_layers
+    # a and b on the first denoise step, the fork's c and its bumped source a, the reset b:
+    # one gather per layer each
+    assert rep.gathers == 5 * s.num_layers and rep.rebuilds == 2 * s.num_layers
     assert rep.hits > 0
 
 
