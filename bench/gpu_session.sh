@@ -15,10 +15,11 @@ python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flash
 { nvidia-smi; python3 -c "import torch,sys;print(torch.__version__,torch.version.cuda,sys.version)"; pip list 2>/dev/null | grep -iE "flashinfer|fa3|triton|torch"; } > "$R/env.txt" 2>&1
 T() { local t=$1 name=$2; shift 2; log "$name"; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
 if [ "$stage" = fi ]; then
-  T 220 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -q -rs -p no:cacheprovider
+  T 40 profile_plan python3 bench/profile_plan.py
+  T 240 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -v --durations=25 -rs -p no:cacheprovider
   T 110 bench_flashinfer python3 bench/flashinfer_bench.py --out "$R"
   T 90 bench_runner python3 bench/runner_bench.py --out "$R"
-  T 60 bench_bounded python3 bench/bounded_bench.py --out "$R"
+  [ -n "${BOUNDED:-}" ] && T 60 bench_bounded python3 bench/bounded_bench.py --out "$R"
   T 30 save_aot bash .gpu/save-flashinfer-aot.sh
 else
   T 240 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -q -rs -p no:cacheprovider

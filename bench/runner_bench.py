@@ -60,7 +60,8 @@ def main() -> int:
     o = BenchOptions(layers=a.layers, qo_heads=32, kv_heads=8, head_dim=128, hidden=a.hidden, batch=a.batch,
                      context=a.context, page_size=16, backend="flashinfer", graphs=True, preplan=False,
                      steps=a.steps, warmup=5, device="cuda", dtype="bfloat16")
-    s = build_decode_setup(o)
+    # one cache for the three modes: room for every mode's steps
+    s = build_decode_setup(dataclasses.replace(o, steps=3 * (o.steps + o.warmup) + 2))
     assert s.runner.enabled, "graphs were not captured"
     modes = {}
     s.runner.enabled = False  # the same cache and model, every step eager

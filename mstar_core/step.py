@@ -134,5 +134,10 @@ class AdmitOutcome:
     def __bool__(self) -> bool:
         return self.admitted
 
-    def reason(self) -> str:
-        return "admitted" if self.admitted else "; ".join(str(s) for s in self.shortages)
+    def reason(self, most: int = 4) -> str:
+        """One line; past ``most`` shortages the rest are counted, not listed."""
+        if self.admitted:
+            return "admitted"
+        head = "; ".join(str(s) for s in self.shortages[:most])
+        rest = len(self.shortages) - most
+        return head + (f"; and {rest} more" if rest > 0 else "")
