@@ -22,8 +22,10 @@ if [ "$stage" = fi ]; then
   [ -n "${BOUNDED:-}" ] && T 60 bench_bounded python3 bench/bounded_bench.py --out "$R"
   T 30 save_aot bash .gpu/save-flashinfer-aot.sh
 else
-  T 240 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -q -rs -p no:cacheprovider
-  T 150 bench_dense python3 bench/dense_bench.py --out "$R"
   T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  T 200 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -v --durations=15 -rs -p no:cacheprovider
+  T 150 bench_dense python3 bench/dense_bench.py --out "$R"
+  T 60 denoise_demo python3 -m mstar_core.cli demo --workload denoise --device cuda
+  T 150 tests_bounded python3 -m pytest -m gpu tests/bounded -v --durations=15 -rs -p no:cacheprovider
 fi
 log done
