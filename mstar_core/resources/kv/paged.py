@@ -9,17 +9,19 @@ pages held only for ``commit=False`` tokens.
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 
 from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource
 from ...step import AdmitOutcome, Shortage, Step, StepContext
 from .config import KVConfig
-from .plan import KVPlan, LabelLayout, SpanLayout
+from .plan import KVPlan, LabelLayout, SpanLayout, token_arrays
 from .pool import PagePool
 from .streams import CacheStream
 from ...staging import SlotStaging
@@ -195,34 +197,35 @@ class KVManager(Resource):
 
     def _layout(self, rows: list[SpanLayout], ctx: StepContext) -> LabelLayout:
         ps = self.config.page_size
-        i32 = torch.int32
-        q_lens = torch.tensor([r.to_compute for r in rows], dtype=torch.int64)
-        kv_lens = torch.tensor([r.length for r in rows], dtype=torch.int64)
-        n_pages = torch.tensor([len(r.pages) for r in rows], dtype=torch.int64)
-        qo_indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        qo_indptr[1:] = torch.cumsum(q_lens, 0)
-        kv_indptr = torch.zeros(len(rows) + 1, dtype=torch.int64)
-        kv_indptr[1:] = torch.cumsum(n_pages, 0)
-        kv_indices = torch.tensor([p for r in rows for p in r.pages], dtype=torch.int64)
-        last = torch.where(n_pages > 0, kv_lens - (n_pages - 1) * ps, torch.zeros_like(kv_lens))
-        # Per-token bookkeeping, vectorised: row of each packed token, its position, its page.
-        row_of = torch.repeat_interleave(torch.arange(len(rows)), q_lens)
-        within = torch.arange(int(qo_indptr[-1])) - qo_indptr[row_of]
-        pos = (kv_lens - q_lens)[row_of] + within
-        pages = kv_indices[kv_indptr[row_of] + pos // ps] if len(kv_indices) else pos.new_zeros(0)
-        per_token = {"write_pages": pages, "write_offsets": pos % ps, "positions": pos}
-        if ctx.bucket is None:
-            dev = {k: t.to(self.device) for k, t in per_token.items()}
-        else:
-            dev = self._stage_padded(per_token, ctx.bucket, ctx.slot)
+        # Host arrays in numpy: a step's layout is a few dozen tiny operations, and numpy's
+        # per-call cost is a fraction of torch's.
+        q_lens = np.fromiter((r.to_compute for r in rows), np.int64, len(rows))
+        kv_lens = np.fromiter((r.length for r in rows), np.int64, len(rows))
+        n_pages = np.fromiter((len(r.pages) for r in rows), np.int64, len(rows))
+        qo_indptr = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(q_lens, out=qo_indptr[1:])
+        kv_indptr = np.zeros(len(rows) + 1, np.int64)
+        np.cumsum(n_pages, out=kv_indptr[1:])
+        kv_indices = np.fromiter(itertools.chain.from_iterable(r.pages for r in rows), np.int64, int(kv_indptr[-1]))
+        last = np.where(n_pages > 0, kv_lens - (n_pages - 1) * ps, 0)
+        per_token: dict[str, torch.Tensor] = {}
+        if ctx.bucket is not None:
+            host = token_arrays(qo_indptr, kv_indptr, kv_indices, kv_lens, ps)
+            per_token = self._stage_padded({k: torch.from_numpy(a) for k, a in host.items()}, ctx.bucket, ctx.slot)
+
+        def i32(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a.astype(np.int32))
+
         return LabelLayout(
             spans=tuple(rows),
-            qo_indptr=qo_indptr.to(i32),
-            kv_indptr=kv_indptr.to(i32),
-            kv_indices=kv_indices.to(i32),
-            kv_last_page_len=last.to(i32),
-            kv_lens=kv_lens.to(i32),
-            **dev,
+            qo_indptr=i32(qo_indptr),
+            kv_indptr=i32(kv_indptr),
+            kv_indices=i32(kv_indices),
+            kv_last_page_len=i32(last),
+            kv_lens=i32(kv_lens),
+            page_size=ps,
+            device=self.device,
+            per_token=per_token,
         )
 
     def _stage_padded(self, per_token: dict[str, torch.Tensor], bucket: int, slot: int) -> dict[str, torch.Tensor]:

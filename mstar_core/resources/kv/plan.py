@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 
@@ -28,10 +29,24 @@ class SpanLayout:
         return self.length - self.to_compute
 
 
+def token_arrays(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray,
+                 page_size: int) -> dict[str, np.ndarray]:
+    """Per packed token (int64, host): its page, its slot in that page, its position."""
+    q_lens = np.diff(qo_indptr)
+    row_of = np.repeat(np.arange(q_lens.shape[0]), q_lens)
+    pos = (kv_lens - q_lens)[row_of] + (np.arange(int(qo_indptr[-1])) - qo_indptr[row_of])
+    pages = kv_indices[kv_indptr[row_of] + pos // page_size] if kv_indices.size else np.zeros(0, np.int64)
+    return {"write_pages": pages.astype(np.int64), "write_offsets": pos % page_size, "positions": pos}
+
+
 @dataclass(frozen=True)
 class LabelLayout:
     """One label's packed rows. Index arrays are int32 on the host (what FlashInfer's ``plan``
-    wants); write locations and positions are on the cache's device (what the layers read)."""
+    wants); write locations and positions are on the cache's device (what the layers read).
+
+    The per-token device arrays of an eager step are built on first use: a backend that never
+    writes through the plan (the dense one) and a model that supplies its own positions never
+    pay for them. A graph step has them staged at plan time, in the static buffers."""
 
     spans: tuple[SpanLayout, ...]
     qo_indptr: torch.Tensor  # [rows + 1] int32, on cpu
@@ -39,9 +54,32 @@ class LabelLayout:
     kv_indices: torch.Tensor  # [pages] int32, on cpu
     kv_last_page_len: torch.Tensor  # [rows] int32, on cpu; 0 for a row with no pages
     kv_lens: torch.Tensor  # [rows] int32, on cpu
-    write_pages: torch.Tensor  # [tokens] int64, on device: page of each packed token
-    write_offsets: torch.Tensor  # [tokens] int64, on device: slot within that page
-    positions: torch.Tensor  # [tokens] int64, on device
+    page_size: int
+    device: torch.device
+    per_token: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+
+    def _token(self, name: str) -> torch.Tensor:
+        if not self.per_token:
+            host = token_arrays(self.qo_indptr.numpy().astype(np.int64), self.kv_indptr.numpy().astype(np.int64),
+                                self.kv_indices.numpy().astype(np.int64), self.kv_lens.numpy().astype(np.int64),
+                                self.page_size)
+            self.per_token.update({k: torch.from_numpy(a).to(self.device) for k, a in host.items()})
+        return self.per_token[name]
+
+    @property
+    def write_pages(self) -> torch.Tensor:
+        """``[tokens]`` int64 on the device: the page of each packed token."""
+        return self._token("write_pages")
+
+    @property
+    def write_offsets(self) -> torch.Tensor:
+        """``[tokens]`` int64 on the device: its slot within that page."""
+        return self._token("write_offsets")
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """``[tokens]`` int64 on the device: its position in its stream."""
+        return self._token("positions")
 
     @property
     def num_tokens(self) -> int:

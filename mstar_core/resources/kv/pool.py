@@ -4,7 +4,8 @@ from __future__ import annotations
 
 
 class PagePool:
-    """Pages ``0 .. num_pages - 1``; hands out the lowest free ids first (deterministic plans)."""
+    """Pages ``0 .. num_pages - 1``, handed out lowest id first from a fresh pool, then last
+    returned first; the same sequence of calls always gives the same pages."""
 
     def __init__(self, num_pages: int) -> None:
         self.num_pages = num_pages
@@ -23,14 +24,17 @@ class PagePool:
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
             raise RuntimeError(f"PagePool: asked for {n} pages, {len(self._free)} free")
-        got = [self._free.pop() for _ in range(n)]
+        got = self._free[len(self._free) - n:][::-1]
+        del self._free[len(self._free) - n:]
         self._used.update(got)
         return got
 
     def give_back(self, pages: list[int]) -> None:
-        for p in pages:
-            if p not in self._used:
-                raise RuntimeError(f"PagePool: page {p} returned but not in use (double free)")
-            self._used.remove(p)
-        self._free.extend(sorted(pages, reverse=True))
-        self._free.sort(reverse=True)
+        back = set(pages)
+        if not back <= self._used or len(back) != len(pages):
+            bad = sorted(p for p in back if p not in self._used) or sorted(p for p in back if pages.count(p) > 1)
+            raise RuntimeError(f"PagePool: pages {bad[:8]} returned but not in use (double free)")
+        self._used -= back
+        # A stack: the pages just returned are the next handed out, in the same order, so
+        # plans stay deterministic without sorting the free list on every release.
+        self._free.extend(reversed(pages))
