@@ -10,7 +10,7 @@ export PYTHONUNBUFFERED=1 OUT
 log() { echo "== $* ($(date +%T))"; }
 finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
 trap finish EXIT
-if [ "$stage" = fi ]; then source .gpu/env.sh flashinfer || exit 1; else source .gpu/env.sh fa3 || exit 1; fi
+case $stage in fi*) source .gpu/env.sh flashinfer || exit 1;; *) source .gpu/env.sh fa3 || exit 1;; esac
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flashinfer -e ./plugins/fa3 -e ./plugins/rocm 2>&1 | tail -3
 { nvidia-smi; python3 -c "import torch,sys;print(torch.__version__,torch.version.cuda,sys.version)"; pip list 2>/dev/null | grep -iE "flashinfer|fa3|triton|torch"; } > "$R/env.txt" 2>&1
 T() { local t=$1 name=$2; shift 2; log "$name"; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
@@ -21,6 +21,9 @@ if [ "$stage" = fi ]; then
   T 90 bench_runner python3 bench/runner_bench.py --out "$R"
   [ -n "${BOUNDED:-}" ] && T 60 bench_bounded python3 bench/bounded_bench.py --out "$R"
   T 30 save_aot bash .gpu/save-flashinfer-aot.sh
+elif [ "$stage" = fi2 ]; then  # after a core change: the runner's figures and the core GPU tests again
+  T 120 tests_core python3 -m pytest -m gpu tests/core -v -rs -p no:cacheprovider
+  T 120 bench_runner python3 bench/runner_bench.py --out "$R"
 else
   T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
   T 200 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -v --durations=15 -rs -p no:cacheprovider
