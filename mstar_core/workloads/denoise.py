@@ -116,24 +116,16 @@ class _Denoiser:
         self._run(step, forward)
 
     def fork(self, new: str, src: str) -> None:
-        """A new request whose stream holds a copy of ``src``'s prefix pages: its pages are
-        reserved by an ordinary committed span, then filled by a page copy (no recomputation).
-        The source's generation is bumped, as a fork does (seed 000: a fork invalidates what was
-        derived from the pages), so its gathered prefix is rebuilt too."""
-        n = self.kv.stream(src, LABEL).length
+        """A new request whose stream is a copy of ``src``'s prefix pages (``KVManager.fork``:
+        fresh pages, contents copied, no recomputation). Both streams get a new generation, so
+        the source's gathered prefix is rebuilt too (seed 000: a fork invalidates what was
+        derived from the pages)."""
         self.node.ingest_request(new)
-        step = Step(KVStep((KVSpan(new, LABEL, n, commit=True),)), NOT_CAUSAL)
-
-        def forward(ctx: StepContext) -> None:
-            dst = ctx.plan_results[self.kv.name].layout(LABEL).spans[0].pages
-            pages = self.kv.stream(src, LABEL).pages
-            self.kv.storage[:, list(dst)] = self.kv.storage[:, pages]
-            for layer in range(self.s.num_layers):
-                self.truth[(new, layer)] = self.truth[(src, layer)]
-
-        self._run(step, forward)
-        # KVManager has no fork yet; this line is what one would do for the source stream.
-        self.kv.stream(src, LABEL).bump()
+        outcome = self.kv.fork(src, new, LABEL)
+        if not outcome:
+            raise RuntimeError(f"fork {src} -> {new}: {outcome.reason()}")
+        for layer in range(self.s.num_layers):
+            self.truth[(new, layer)] = self.truth[(src, layer)]
 
     def reset(self, rid: str, n: int) -> None:
         """Replace ``rid``'s conditioning: reset (pages freed, generation bumped), commit anew."""

@@ -124,7 +124,7 @@ def test_reset_and_remove_free_pages_and_bump_generation():
     g = kv.stream("a", "t").generation
     kv.reset_request("a")
     s = kv.stream("a", "t")
-    assert s.length == 0 and s.pages == [] and s.generation == g + 1 and kv.num_free_pages == 8
+    assert s.length == 0 and s.pages == [] and s.generation > g and kv.num_free_pages == 8
     run_step(kv, step(("a", "t", 2)))  # still ingested: runs again from position 0
     kv.remove_request("a")
     assert kv.num_free_pages == 8 and kv.requests == ()
@@ -146,3 +146,39 @@ def test_label_none_is_ambiguous_with_two_labels():
 def test_duplicate_stream_in_one_step_is_refused():
     with pytest.raises(ValueError, match="more than one span"):
         KVStep((KVSpan("a", "t", 1), KVSpan("a", "t", 2)))
+
+
+def test_generations_never_repeat_across_recreated_streams():
+    kv = small_kv()
+    kv.ingest_request("a")
+    run_step(kv, step(("a", "t", 3)))
+    g1 = kv.stream("a", "t").generation
+    kv.remove_request("a")
+    kv.ingest_request("a")
+    run_step(kv, step(("a", "t", 3)))  # same id, same pages, same length: a new generation
+    assert kv.stream("a", "t").generation != g1
+
+
+def test_fork_copies_pages_and_invalidates_both():
+    kv = small_kv(max_pages=6, page_size=4)
+    for r in "ab":
+        kv.ingest_request(r)
+    st = step(("a", "t", 6))
+    ctx = StepContext()
+    kv.admit(st, ctx)
+    kv.plan(st, ctx)
+    k = torch.randn(6, 2, 8, dtype=torch.float64)
+    kv.write_kv(k, -k, 0, "t")
+    kv.commit(st, ctx)
+    ga = kv.stream("a", "t").generation
+    assert kv.fork("a", "b", "t")
+    a, b = kv.stream("a", "t"), kv.stream("b", "t")
+    assert b.length == 6 and set(a.pages).isdisjoint(b.pages) and a.generation != ga
+    assert torch.equal(kv.layer_view(0)[b.pages], kv.layer_view(0)[a.pages])
+    kv.ingest_request("c")
+    kv.ingest_request("d")
+    assert kv.fork("a", "c", "t")
+    out = kv.fork("a", "d", "t")  # 2 more pages needed, 0 free: refused, nothing changed
+    assert not out and "needs 2 pages for request 'd', 0 free" in out.reason()
+    assert ("d", "t") not in kv.streams
+    kv.post_warmup_validate()

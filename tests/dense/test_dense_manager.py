@@ -142,7 +142,7 @@ def test_generation_bump_invalidates_the_gathered_prefix():
 
     err, _ = h.step([("a", 8, False), ("b", 8, False)])
     assert err > 1e-2  # stale: same generation, same pages
-    sa.bump()
+    h.kv.invalidate_stream("a", LABEL)
     err, _ = h.step([("a", 8, False), ("b", 8, False)])
     assert err < F32
     assert st.gathers == gathers + h.cfg.num_layers and st.invalidations == h.cfg.num_layers

@@ -58,6 +58,7 @@ class KVManager(Resource):
         # per-token arrays, and a sink page that padding rows write to.
         self._staging: SlotStaging | None = None
         self._sink_page: int | None = None
+        self._generations = itertools.count(1)
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -92,7 +93,7 @@ class KVManager(Resource):
             self.pool.give_back(s.pages)
             s.pages = []
             s.length = 0
-            s.bump()
+            s.generation = next(self._generations)
 
     def reset_request(self, rid: str, free: bool = False) -> None:
         """Return the request's pages to the pool, set its streams' length to 0 and bump their
@@ -116,6 +117,35 @@ class KVManager(Resource):
         self._requests.pop(rid, None)
 
     # -- step --------------------------------------------------------------------------------
+    def fork(self, src_rid: str, dst_rid: str, label: str) -> AdmitOutcome:
+        """Give ``dst_rid`` (ingested, with no stream under ``label`` yet) a copy of
+        ``src_rid``'s committed ``label`` stream: fresh pages, the page contents copied on the
+        device for every layer. Both streams get a new ``generation``: whatever was derived from
+        the source's pages is invalidated (seed 000). Short of pages, nothing changes and the
+        refusal is returned."""
+        src = self.stream(src_rid, label)
+        if dst_rid not in self._requests:
+            raise KeyError(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
+        if (dst_rid, label) in self.streams:
+            raise ValueError(f"fork: request {dst_rid!r} already has a {label!r} stream")
+        n = len(src.pages)
+        if n > self.pool.num_free:
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", n, self.pool.num_free, dst_rid))
+        pages = self.pool.take(n)
+        if n:
+            self.storage[:, pages] = self.storage[:, src.pages]
+        self.streams[(dst_rid, label)] = CacheStream(dst_rid, label, pages, src.length, next(self._generations))
+        src.generation = next(self._generations)
+        return AdmitOutcome.ok()
+
+    def invalidate_stream(self, rid: str, label: str) -> int:
+        """Declare that what ``(rid, label)``'s pages hold changed outside a step (a page-table
+        move, an external write): gives the stream a new ``generation``, so caches derived from
+        its pages are rebuilt. Returns the new generation."""
+        s = self.stream(rid, label)
+        s.generation = next(self._generations)
+        return s.generation
+
     def _check_spans(self, step: Step) -> None:
         for s in step.kv.spans:
             if s.request_id not in self._requests:
@@ -148,7 +178,7 @@ class KVManager(Resource):
         created: list[tuple[str, str]] = []
         for key, n in need.items():
             if key not in self.streams:
-                self.streams[key] = CacheStream(*key)
+                self.streams[key] = CacheStream(*key, generation=next(self._generations))
                 created.append(key)
             if n:
                 pages = self.pool.take(n)

@@ -18,7 +18,4 @@ class CacheStream:
     label: str
     pages: list[int] = field(default_factory=list)
     length: int = 0  # committed tokens
-    generation: int = 0
-
-    def bump(self) -> None:
-        self.generation += 1
+    generation: int = 0  # unique across the manager: a re-created stream never repeats one
