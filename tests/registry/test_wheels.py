@@ -51,3 +51,27 @@ def test_wheel_holds_only_its_package(tree, tmp_path, build_wheel, plugin):
     else:  # FA3: any build providing flash_attn_interface; the known prebuilt is an extra
         assert 'Requires-Dist: tokenspeed-fa3; extra == "tokenspeed"' in metadata
     assert "[mstar.backends]" in entry_points and f"{plugin} = {package}.plugin" in entry_points
+
+
+@pytest.mark.slow
+def test_core_wheel_holds_only_mstar_core(tmp_path, build_wheel):
+    """`pip wheel .` at the root: mstar_core alone (no backend package, no tests), typed, with
+    the `mstar` console script and the reference backend's entry point."""
+    root = tmp_path / "core"
+    ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    shutil.copytree(REPO / "mstar_core", root / "mstar_core", ignore=ignore)
+    for f in ("pyproject.toml", "README.md"):
+        shutil.copy(REPO / f, root / f)
+    for decoy in ("mstar_flashinfer", "tests"):  # beside it in the checkout, never in its wheel
+        (root / decoy).mkdir()
+        (root / decoy / "__init__.py").write_text("")
+    wheel = build_wheel(root, tmp_path / "out")
+    assert wheel.name.startswith("mstar_core-0.1.0-py3-none-any")
+    with zipfile.ZipFile(wheel) as z:
+        names = z.namelist()
+        dist_info = next(n.split("/")[0] for n in names if n.endswith(".dist-info/METADATA"))
+        entry_points = z.read(f"{dist_info}/entry_points.txt").decode()
+    assert {n.split("/")[0] for n in names} == {"mstar_core", dist_info}
+    assert "mstar_core/py.typed" in names and "mstar_core/registry/hookspecs.py" in names
+    assert "mstar = mstar_core.cli:main" in entry_points
+    assert "reference = mstar_core.backends.reference.plugin" in entry_points
