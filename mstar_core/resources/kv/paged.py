@@ -14,7 +14,6 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
-import numpy as np
 import torch
 
 from ...distributed import check_same_across_ranks
@@ -27,6 +26,10 @@ from .streams import CacheStream
 from ...staging import SlotStaging
 
 log = logging.getLogger(__name__)
+
+
+def i32(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32)
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -227,32 +230,27 @@ class KVManager(Resource):
 
     def _layout(self, rows: list[SpanLayout], ctx: StepContext) -> LabelLayout:
         ps = self.config.page_size
-        # Host arrays in numpy: a step's layout is a few dozen tiny operations, and numpy's
-        # per-call cost is a fraction of torch's.
-        q_lens = np.fromiter((r.to_compute for r in rows), np.int64, len(rows))
-        kv_lens = np.fromiter((r.length for r in rows), np.int64, len(rows))
-        n_pages = np.fromiter((len(r.pages) for r in rows), np.int64, len(rows))
-        qo_indptr = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(q_lens, out=qo_indptr[1:])
-        kv_indptr = np.zeros(len(rows) + 1, np.int64)
-        np.cumsum(n_pages, out=kv_indptr[1:])
-        kv_indices = np.fromiter(itertools.chain.from_iterable(r.pages for r in rows), np.int64, int(kv_indptr[-1]))
-        last = np.where(n_pages > 0, kv_lens - (n_pages - 1) * ps, 0)
+        # Host arrays from Python lists: a step's layout is a few small sums over its rows, and
+        # one torch.tensor() per array costs less than a chain of tiny tensor operations.
+        q_lens = [r.to_compute for r in rows]
+        kv_lens = [r.length for r in rows]
+        n_pages = [len(r.pages) for r in rows]
+        qo_indptr = i32([0, *itertools.accumulate(q_lens)])
+        kv_indptr = i32([0, *itertools.accumulate(n_pages)])
+        kv_indices = i32(list(itertools.chain.from_iterable(r.pages for r in rows)))
+        last = i32([n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, n_pages)])
+        kv_lens_t = i32(kv_lens)
         per_token: dict[str, torch.Tensor] = {}
         if ctx.bucket is not None:
-            host = token_arrays(qo_indptr, kv_indptr, kv_indices, kv_lens, ps)
-            per_token = self._stage_padded({k: torch.from_numpy(a) for k, a in host.items()}, ctx.bucket, ctx.slot)
-
-        def i32(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a.astype(np.int32))
-
+            host = token_arrays(qo_indptr, kv_indptr, kv_indices, kv_lens_t, ps)
+            per_token = self._stage_padded(host, ctx.bucket, ctx.slot)
         return LabelLayout(
             spans=tuple(rows),
-            qo_indptr=i32(qo_indptr),
-            kv_indptr=i32(kv_indptr),
-            kv_indices=i32(kv_indices),
-            kv_last_page_len=i32(last),
-            kv_lens=i32(kv_lens),
+            qo_indptr=qo_indptr,
+            kv_indptr=kv_indptr,
+            kv_indices=kv_indices,
+            kv_last_page_len=last,
+            kv_lens=kv_lens_t,
             page_size=ps,
             device=self.device,
             per_token=per_token,

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
 
@@ -29,14 +28,15 @@ class SpanLayout:
         return self.length - self.to_compute
 
 
-def token_arrays(qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray,
-                 page_size: int) -> dict[str, np.ndarray]:
-    """Per packed token (int64, host): its page, its slot in that page, its position."""
-    q_lens = np.diff(qo_indptr)
-    row_of = np.repeat(np.arange(q_lens.shape[0]), q_lens)
-    pos = (kv_lens - q_lens)[row_of] + (np.arange(int(qo_indptr[-1])) - qo_indptr[row_of])
-    pages = kv_indices[kv_indptr[row_of] + pos // page_size] if kv_indices.size else np.zeros(0, np.int64)
-    return {"write_pages": pages.astype(np.int64), "write_offsets": pos % page_size, "positions": pos}
+def token_arrays(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
+                 page_size: int) -> dict[str, torch.Tensor]:
+    """Per packed token (int64, on the host): its page, its slot in that page, its position."""
+    qo, kv_indptr, kv_indices, kv_lens = (t.to(torch.int64) for t in (qo_indptr, kv_indptr, kv_indices, kv_lens))
+    q_lens = qo[1:] - qo[:-1]
+    row_of = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
+    pos = (kv_lens - q_lens)[row_of] + (torch.arange(int(qo[-1])) - qo[row_of])
+    pages = kv_indices[kv_indptr[row_of] + pos // page_size] if kv_indices.numel() else torch.zeros(0, dtype=torch.int64)
+    return {"write_pages": pages, "write_offsets": pos % page_size, "positions": pos}
 
 
 @dataclass(frozen=True)
@@ -60,10 +60,8 @@ class LabelLayout:
 
     def _token(self, name: str) -> torch.Tensor:
         if not self.per_token:
-            host = token_arrays(self.qo_indptr.numpy().astype(np.int64), self.kv_indptr.numpy().astype(np.int64),
-                                self.kv_indices.numpy().astype(np.int64), self.kv_lens.numpy().astype(np.int64),
-                                self.page_size)
-            self.per_token.update({k: torch.from_numpy(a).to(self.device) for k, a in host.items()})
+            host = token_arrays(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_lens, self.page_size)
+            self.per_token.update({k: t.to(self.device) for k, t in host.items()})
         return self.per_token[name]
 
     @property
