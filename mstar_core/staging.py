@@ -35,6 +35,10 @@ class Fence:
         if ev is not None and not ev.query():
             ev.synchronize()
 
+    @property
+    def pending(self) -> bool:
+        return self._event is not None and not self._event.query()
+
 
 class SlotStaging:
     """``slots`` sets of named buffers: pinned host ones and the static device ones a captured

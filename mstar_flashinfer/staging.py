@@ -20,6 +20,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from mstar_core.staging import Fence  # noqa: F401  (re-exported: the wrappers fence through it)
+
 
 def host_i32(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
     """A host int32 numpy view of an index array (no copy when it already is one). A device
@@ -33,31 +35,6 @@ def host_i32(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:
     if t.dtype != torch.int32:
         t = t.to(torch.int32)
     return t.numpy()
-
-
-class Fence:
-    """An event recorded behind a plan's copies; ``wait()`` before the next plan reuses a buffer."""
-
-    __slots__ = ("_event", "_cuda")
-
-    def __init__(self, device: torch.device) -> None:
-        self._cuda = device.type == "cuda"
-        self._event: torch.cuda.Event | None = None
-
-    def record(self) -> None:
-        if self._cuda:
-            if self._event is None:
-                self._event = torch.cuda.Event()
-            self._event.record()
-
-    def wait(self) -> None:
-        ev = self._event
-        if ev is not None and not ev.query():
-            ev.synchronize()
-
-    @property
-    def pending(self) -> bool:
-        return self._event is not None and not self._event.query()
 
 
 class _Buf:
