@@ -117,3 +117,11 @@ def test_requires_kv_write_and_slots_alternate():
     _, p2 = run_layer0(node, kv, attn, hist, [("a", "t", 2)])
     # consecutive plans use different wrapper objects: step N+1's plan leaves step N's intact
     assert p1.entry("t").wrapper is not p2.entry("t").wrapper
+
+
+def test_fingerprint_names_the_kernels_and_dtype():
+    kv, attn, _ = make()
+    _, attn32, _ = make(dtype=torch.float32)
+    fp = attn.fingerprint()
+    assert b"ReferenceDecodeWrapper" in fp and b"float64" in fp
+    assert fp != attn32.fingerprint()  # pages computed in another dtype are not interchangeable

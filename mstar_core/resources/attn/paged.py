@@ -224,8 +224,11 @@ class PagedAttentionManager(AttentionManager):
             raise RuntimeError("PagedAttentionManager has no plan yet")
         return self._current
 
-    def fingerprint(self) -> bytes | None:
-        return None  # attention reads pages; it never changes what a page holds
+    def fingerprint(self) -> bytes:
+        # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written
+        # under another kernel or dtype are not interchangeable (the dense manager says the same).
+        names = ",".join(f"{c.__module__}:{c.__qualname__}" for _, c in sorted(self.wrapper_classes.items()))
+        return f"attn.paged:{names}:{self.dtype}".encode()
 
     @property
     def force_double_buffer(self) -> bool:
