@@ -103,6 +103,7 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     kvc = KVConfig(o.layers, o.kv_heads, o.head_dim, o.page_size, pages, o.qo_heads)
     kv = KVManager(kvc, dev, dt)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
+                                 graph_capturable="paged_decode" in sel.capturable,
                                  max_batch_size=max(o.batch, 1))
     node = Node([kv, attn])
 

@@ -125,3 +125,17 @@ def test_fingerprint_names_the_kernels_and_dtype():
     fp = attn.fingerprint()
     assert b"ReferenceDecodeWrapper" in fp and b"float64" in fp
     assert fp != attn32.fingerprint()  # pages computed in another dtype are not interchangeable
+
+
+def test_build_from_spec_selects_through_the_registry():
+    from mstar_core import BuildInfo
+
+    kv = small_kv(dtype=torch.float32)
+    info = BuildInfo(torch.device("cpu"), torch.float32, num_layers=2, num_qo_heads=4, num_kv_heads=2, head_dim=8,
+                     built={"kv": kv})
+    attn = PagedAttentionManager.build({"backend": "reference", "accelerator_graph": True}, info)
+    assert attn.wrapper_classes["paged_decode"] is REF_WRAPPERS["paged_decode"]
+    assert attn.graph_capturable is False  # the reference declares no capturable capability
+    assert attn.can_capture()  # on a CPU the graph runner re-runs closures, which any backend supports
+    with pytest.raises(ValueError, match="'nope'"):
+        PagedAttentionManager.build({"backend": "nope"}, info)

@@ -78,6 +78,7 @@ class PagedAttentionManager(AttentionManager):
         slots: int = 2,
         workspace_bytes: int | None = None,
         accelerator_graph: bool = False,
+        graph_capturable: bool | None = None,
     ) -> None:
         missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
         if missing:
@@ -95,6 +96,8 @@ class PagedAttentionManager(AttentionManager):
         # FlashInfer recommends 128 MiB of workspace per wrapper; the reference needs none.
         self.workspace_bytes = workspace_bytes or ((128 << 20) if self.device.type == "cuda" else 1024)
         self.accelerator_graph = accelerator_graph
+        # What the backend declared (the registry passes it); None: ask the decode class.
+        self.graph_capturable = graph_capturable
         self._graph_max_bs = 0
         self._wrappers: dict[tuple[str, str, int, int | None], Any] = {}
         self._plans = 0
@@ -114,7 +117,8 @@ class PagedAttentionManager(AttentionManager):
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes, **extra)
+        return cls(kv, info.device, info.dtype, kv.config, sel.classes,
+                   graph_capturable="paged_decode" in sel.capturable, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self) -> torch.Tensor:
@@ -180,8 +184,10 @@ class PagedAttentionManager(AttentionManager):
     def can_capture(self) -> bool:
         """Graph mode on, and the decode wrapper capturable on this device (on a CPU the graph
         runner re-runs its closures, which any wrapper supports)."""
-        cls = self.wrapper_classes["paged_decode"]
-        return self.accelerator_graph and (self.device.type == "cpu" or getattr(cls, "graph_capturable", True))
+        declared = self.graph_capturable
+        if declared is None:
+            declared = getattr(self.wrapper_classes["paged_decode"], "graph_capturable", True)
+        return self.accelerator_graph and (self.device.type == "cpu" or declared)
 
     @property
     def supports_preplan(self) -> bool:
