@@ -48,6 +48,7 @@ class Prepared:
     rows: int
     graph: _Graph | None = None
     outcome: AdmitOutcome = field(default_factory=AdmitOutcome.ok)
+    done: bool = False  # launched or discarded: its reservations are spent
 
 
 def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
@@ -69,6 +70,14 @@ class GraphRunner:
 
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16) -> None:
+        if not buckets or min(buckets) < 1:
+            raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
+        double = [r.name for r in node.resources if r.force_double_buffer]
+        if slots < 1 or (double and slots < 2):
+            raise ValueError(
+                f"GraphRunner: slots={slots}; resources {double} force double-buffered staging, so at least 2"
+                if double else f"GraphRunner: slots must be >= 1, got {slots}"
+            )
         self.node = node
         self.forward = forward
         self.buckets = sorted(set(buckets))
@@ -80,43 +89,51 @@ class GraphRunner:
         self._next_slot = 0
         self.enabled = False
 
+    @property
+    def supports_preplan(self) -> bool:
+        """Whether every resource lets the host plan step N+1 while step N is in flight."""
+        return all(r.supports_preplan for r in self.node.resources)
+
     def warmup(self) -> None:
-        for r in self.node.resources:
-            r.build_accelerator_graph_buffers(self.slots, max(self.buckets), self.max_seq_len)
+        """Capture every (bucket, slot) graph, or none when a resource cannot be captured; then
+        run every resource's ``post_warmup_validate`` (either way: it also checks ranks agree)."""
         blockers = [r.name for r in self.node.resources if not r.can_capture()]
         if blockers:
             log.info("graphs off: resources %s cannot be captured; every step runs eagerly", blockers)
-            return
-        for bucket in self.buckets:
-            for slot in range(self.slots):
-                self._graphs[(bucket, slot)] = self._capture_one(bucket, slot)
-        for r in self.node.resources:
-            r.post_warmup_validate()
-        self.enabled = True
-        log.info("captured %d graphs: buckets %s x %d slots", len(self._graphs), self.buckets, self.slots)
+        else:
+            for r in self.node.resources:
+                r.build_accelerator_graph_buffers(self.slots, max(self.buckets), self.max_seq_len)
+            for bucket in self.buckets:
+                for slot in range(self.slots):
+                    self._graphs[(bucket, slot)] = self._capture_one(bucket, slot)
+            self.enabled = True
+            log.info("captured %d graphs: buckets %s x %d slots", len(self._graphs), self.buckets, self.slots)
+        self.node.post_warmup_validate()
 
     def _capture_one(self, bucket: int, slot: int) -> _Graph:
         dummies = [f"__mstar_graph_{bucket}_{slot}_{i}" for i in range(bucket)]
-        for d in dummies:
-            self.node.ingest_request(d)
-        step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)))
-        ctx = StepContext(slot=slot, bucket=bucket)
-        outcome = self.node.admit(step, ctx)
-        if not outcome:
-            raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
-        for r in self.node.resources:
-            ctx.plan_results[r.name] = r.plan(step, ctx)
-        g = _Graph(ctx, torch.zeros(bucket, dtype=torch.long, device=self.device))
+        try:
+            for d in dummies:
+                self.node.ingest_request(d)
+            step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)))
+            ctx = StepContext(slot=slot, bucket=bucket)
+            outcome = self.node.admit(step, ctx)
+            if not outcome:
+                raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
+            self.node.plan(step, ctx)
+            g = _Graph(ctx, torch.zeros(bucket, dtype=torch.long, device=self.device))
 
-        def fn() -> None:
-            out = self.forward(g.ctx, g.tokens)
-            if g.out is None:
-                g.out = torch.empty_like(out)
-            g.out.copy_(out)
+            def fn() -> None:
+                out = self.forward(g.ctx, g.tokens)
+                if g.out is None:
+                    g.out = torch.empty_like(out)
+                g.out.copy_(out)
 
-        g.replay = _capture(fn, self.device)
-        for d in dummies:
-            self.node.reset_request(d, free=True)
+            g.replay = _capture(fn, self.device)
+        finally:
+            # The dummies never commit: whatever happened, they leave nothing behind.
+            for d in dummies:
+                self.node.reset_request(d, free=True)
         return g
 
     def bucket_for(self, rows: int) -> int | None:
@@ -127,44 +144,51 @@ class GraphRunner:
         rows = len(step.kv.spans)
         decode = all(s.num_tokens == 1 for s in step.kv.spans) and step.kv.labels == (self.label,)
         bucket = self.bucket_for(rows) if (self.enabled and decode) else None
-        if bucket is None:
-            ctx = StepContext()
-        else:
-            ctx = StepContext(slot=self._next_slot, bucket=bucket)
-            self._next_slot = (self._next_slot + 1) % self.slots
+        ctx = StepContext() if bucket is None else StepContext(slot=self._next_slot, bucket=bucket)
         outcome = self.node.admit(step, ctx)
         if not outcome:
-            return Prepared(step, ctx, rows, None, outcome)
-        for r in self.node.resources:
-            ctx.plan_results[r.name] = r.plan(step, ctx)
+            return Prepared(step, ctx, rows, None, outcome, done=True)
+        self.node.plan(step, ctx)
+        if bucket is None:
+            return Prepared(step, ctx, rows)
+        # The slot advances only for a step that holds it: a refusal must not make the next
+        # graph step land in the slot the running step reads.
+        self._next_slot = (self._next_slot + 1) % self.slots
         # The plan went into this slot's static buffers and wrappers, which the graph captured
         # for (bucket, slot) reads.
-        graph = self._graphs[(bucket, ctx.slot)] if bucket is not None else None
-        return Prepared(step, ctx, rows, graph)
+        return Prepared(step, ctx, rows, self._graphs[(bucket, ctx.slot)])
 
     def launch(self, prep: Prepared, tokens: torch.Tensor) -> torch.Tensor:
         """Run a prepared step (replay or eager) and commit it. Returns logits ``[rows, vocab]``
-        (a view of the graph's static output: read it before this slot's next replay)."""
+        (a view of the graph's static output: read it before this slot's next replay). A step
+        launches once; an exception in its forward rolls its admit back."""
         if not prep.outcome:
             raise RuntimeError(f"launch of a refused step: {prep.outcome.reason()}")
+        if prep.done:
+            raise RuntimeError("launch of a step that was already launched or discarded")
+        prep.done = True
         g = prep.graph
-        if g is None:
-            out = self.forward(prep.ctx, tokens)
-        else:
-            g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
-            g.tokens[prep.rows:].zero_()
-            g.replay()
-            assert g.out is not None
-            out = g.out[: prep.rows]
-        for r in self.node.resources:
-            r.commit(prep.step, prep.ctx)
+        try:
+            if g is None:
+                out = self.forward(prep.ctx, tokens)
+            else:
+                g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
+                g.tokens[prep.rows:].zero_()
+                g.replay()
+                assert g.out is not None
+                out = g.out[: prep.rows]
+        except BaseException:
+            self.node.rollback_admit(prep.step, prep.ctx)
+            raise
+        self.node.commit(prep.step, prep.ctx)
         return out
 
     def discard(self, prep: Prepared) -> None:
-        """Give back what a prepared step reserved without running it (end of a pipelined loop)."""
-        if prep.outcome:
-            for r in reversed(self.node.resources):
-                r.rollback_admit(prep.step, prep.ctx)
+        """Give back what a prepared step reserved without running it (end of a pipelined loop).
+        Discarding a refused, launched or already discarded step does nothing."""
+        if prep.outcome and not prep.done:
+            prep.done = True
+            self.node.rollback_admit(prep.step, prep.ctx)
 
     def step(self, step: Step, tokens: torch.Tensor) -> torch.Tensor:
         return self.launch(self.prepare(step), tokens)

@@ -30,6 +30,34 @@ class BuildInfo:
     head_dim: int = 64
     built: Mapping[str, Resource] = field(default_factory=dict)
 
+    def dependency(self, name: str, owner: str) -> Resource:
+        """The already-built resource ``name`` that ``owner`` builds over."""
+        try:
+            return self.built[name]
+        except KeyError:
+            raise ValueError(f"{owner}.build: needs resource {name!r} built first; built so far: {sorted(self.built)}") from None
+
+
+_DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+
+
+def spec_required(spec: Mapping[str, Any], key: str, owner: str) -> Any:
+    """``spec[key]``, or an error naming the missing key and the keys given."""
+    if key not in spec:
+        raise ValueError(f"{owner}.build: spec needs {key!r}; got keys {sorted(spec)}")
+    return spec[key]
+
+
+def as_dtype(value: torch.dtype | str) -> torch.dtype:
+    """A dtype given as ``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"`` (config files
+    hold strings)."""
+    if isinstance(value, torch.dtype):
+        return value
+    name = str(value).removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ValueError(f"dtype {value!r} is not supported; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
 
 class Resource:
     """Base of every step resource. Subclasses override what they need."""

@@ -80,30 +80,65 @@ class Node:
             r.reset_request(rid, free)
 
     def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
-        """Admit every resource; on a refusal roll back what this step took and return it."""
+        """Admit every resource; on a refusal (or an exception) roll back what this step took.
+        A refusal is returned; an exception is re-raised after the rollback."""
         done: list[Resource] = []
-        for r in self.resources:
-            outcome = r.admit(step, ctx)
-            if not outcome:
-                for prev in reversed(done):
-                    prev.rollback_admit(step, ctx)
-                log.info("step refused by %s: %s", r.name, outcome.reason())
-                return outcome
-            done.append(r)
+        try:
+            for r in self.resources:
+                outcome = r.admit(step, ctx)
+                if not outcome:
+                    self._rollback(step, ctx, done)
+                    log.info("step refused by %s: %s", r.name, outcome.reason())
+                    return outcome
+                done.append(r)
+        except BaseException:
+            self._rollback(step, ctx, done)
+            raise
         return AdmitOutcome.ok()
 
+    def rollback_admit(self, step: Step, ctx: StepContext) -> None:
+        """Undo an admitted step that will not run (every resource, in reverse order)."""
+        self._rollback(step, ctx, self.resources)
+
+    @staticmethod
+    def _rollback(step: Step, ctx: StepContext, admitted: Sequence[Resource]) -> None:
+        for r in reversed(admitted):
+            r.rollback_admit(step, ctx)
+
+    def plan(self, step: Step, ctx: StepContext) -> None:
+        """Plan every resource into ``ctx.plan_results``; an exception rolls the admit back, so a
+        step that cannot be planned leaves nothing reserved."""
+        try:
+            for r in self.resources:
+                ctx.plan_results[r.name] = r.plan(step, ctx)
+        except BaseException:
+            self.rollback_admit(step, ctx)
+            raise
+
+    def commit(self, step: Step, ctx: StepContext) -> None:
+        for r in self.resources:
+            r.commit(step, ctx)
+
     def step(self, step: Step, forward: Callable[[StepContext], T]) -> StepResult[T]:
+        """admit -> plan -> forward -> commit. A refusal comes back in the result; an exception
+        in plan or forward rolls the admit back before it propagates."""
         ctx = StepContext(step_index=self._steps)
         outcome = self.admit(step, ctx)
         if not outcome:
             return StepResult(outcome, ctx, None)
-        for r in self.resources:
-            ctx.plan_results[r.name] = r.plan(step, ctx)
-        output = forward(ctx)
-        for r in self.resources:
-            r.commit(step, ctx)
+        self.plan(step, ctx)
+        try:
+            output = forward(ctx)
+        except BaseException:
+            self.rollback_admit(step, ctx)
+            raise
+        self.commit(step, ctx)
         self._steps += 1
         return StepResult(outcome, ctx, output)
+
+    def post_warmup_validate(self) -> None:
+        for r in self.resources:
+            r.post_warmup_validate()
 
     def cleanup(self) -> None:
         for r in reversed(self.resources):

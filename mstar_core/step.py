@@ -53,6 +53,10 @@ class KVStep:
     def request_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.request_id for s in self.spans))
 
+    def keys(self) -> tuple[tuple[str, str], ...]:
+        """The ``(request_id, label)`` streams this step touches, in packing order."""
+        return tuple((s.request_id, s.label) for s in self.spans)
+
 
 @dataclass(frozen=True)
 class AttentionStep:

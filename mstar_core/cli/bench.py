@@ -31,9 +31,10 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
                    help="replay decode steps from CUDA graphs captured at warm-up (default off)")
     p.add_argument("--preplan", action=argparse.BooleanOptionalAction, default=d.preplan,
-                   help="plan step N+1 while step N runs on the GPU (default off)")
+                   help="plan step N+1 while step N runs on the GPU (default off; only where every resource "
+                   "supports it -- paged attention does with --graphs -- else a warning and it stays off)")
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
-    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first (default {d.warmup})")
+    p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first, at least 1 (default {d.warmup})")
     p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")

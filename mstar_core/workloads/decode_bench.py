@@ -4,6 +4,7 @@ replayed from CUDA graphs, with or without pre-planning."""
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
@@ -18,6 +19,7 @@ from ..runner import Node
 from ..step import KVSpan, KVStep, Step
 
 LABEL = "text"
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -38,6 +40,15 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "auto"
 
+    def __post_init__(self) -> None:
+        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
+        if self.context < 0:
+            raise ValueError(f"bench: context must be >= 0, got {self.context}")
+        if self.qo_heads % self.kv_heads:
+            raise ValueError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+
 
 @dataclass(frozen=True)
 class BenchResult:
@@ -45,10 +56,10 @@ class BenchResult:
     device: str
     dtype: str
     graphs: bool  # graphs requested and actually used
-    preplan: bool
+    preplan: bool  # pre-planning requested and supported by every resource
     median_step_ms: float
     tokens_per_s: float
-    median_host_ms: float  # host time to admit + plan + launch one step
+    median_host_ms: float  # host time to admit + plan + launch one step (not waiting for the GPU)
     gpu_step_ms: float | None  # the step's kernels back to back (one graph replayed), CUDA only
     options: dict
 
@@ -112,7 +123,9 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
 
     runner = GraphRunner(node, forward, [o.batch], dev, LABEL)
     if o.graphs:
-        runner.warmup()
+        runner.warmup()  # validates every resource after capture
+    else:
+        node.post_warmup_validate()
     rids = [f"r{i}" for i in range(o.batch)]
     for r in rids:
         node.ingest_request(r)
@@ -131,19 +144,26 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
     cuda = dev.type == "cuda"
     tokens = torch.zeros(o.batch, dtype=torch.long, device=dev)
 
+    preplan = o.preplan and runner.supports_preplan
+    if o.preplan and not preplan:
+        blockers = [r.name for r in s.node.resources if not r.supports_preplan]
+        log.warning("pre-plan off: resources %s do not support planning ahead (eager paged attention "
+                    "plans into wrappers the running step reads; use --graphs)", blockers)
     host: list[float] = []
     marks: list[float | torch.cuda.Event] = []
-    prep = runner.prepare(decode) if o.preplan else None
+    prep = runner.prepare(decode) if preplan else None
     for i in range(o.warmup + o.steps):
-        t0 = time.perf_counter()
-        if not o.preplan:
+        if not preplan:
             if cuda:
                 torch.cuda.current_stream().synchronize()  # without pre-plan the host waits for step N
+            t0 = time.perf_counter()
             prep = runner.prepare(decode)
+        else:
+            t0 = time.perf_counter()
         assert prep is not None
         logits = runner.launch(prep, tokens)
         tokens = logits.argmax(-1)  # greedy, stays on the device: no sync
-        if o.preplan:
+        if preplan:
             prep = runner.prepare(decode)  # step N+1 planned while step N runs
         host.append(time.perf_counter() - t0)
         if cuda:
@@ -152,17 +172,19 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
             marks.append(ev)
         else:
             marks.append(time.perf_counter())
-    if prep is not None and o.preplan:
+    if prep is not None and preplan:
         runner.discard(prep)  # the step planned ahead of a loop that ends here
+    # A step's time is the interval between its mark and the previous one: the last warm-up
+    # step's mark opens the first of ``steps`` timed intervals (warmup >= 1).
     if cuda:
         torch.cuda.synchronize()
-        steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup + 1, len(marks))]  # type: ignore[union-attr]
+        steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup, len(marks))]  # type: ignore[union-attr]
     else:
-        steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup + 1, len(marks))]  # type: ignore[operator]
+        steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup, len(marks))]  # type: ignore[operator]
     step_ms = statistics.median(steps)
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
     return BenchResult(
-        s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, o.preplan, step_ms,
+        s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, preplan, step_ms,
         o.batch / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
     )
 

@@ -65,6 +65,32 @@ def test_graph_decode_matches_no_cache_forward_with_preplan():
 
 
 def test_graphs_off_when_a_resource_cannot_capture():
-    _, _, _, runner = build(graphs=False)
+    _, kv, _, runner = build(graphs=False)
+    free0 = kv.num_free_pages
     runner.warmup()
     assert not runner.enabled
+    assert kv.num_free_pages == free0 and kv.sink_page is None  # no graph buffers built for nothing
+
+
+def test_a_refused_graph_step_does_not_take_a_slot():
+    """Slots alternate between graph steps that run: a refusal in between must not make the
+    next step plan into the slot the running step's replay reads."""
+    _, kv, node, runner = build()
+    runner.warmup()
+    for r in ("a", "b"):
+        node.ingest_request(r)
+    runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 3), KVSpan("b", "text", 3))))),
+                  torch.tensor([1, 2, 3, 4, 5, 6]))
+    decode = Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1))))
+    first = runner.prepare(decode)
+    assert first.ctx.slot == 0
+    runner.launch(first, torch.tensor([1, 2]))
+    node.ingest_request("hog")
+    hog = node.step(Step(KVStep((KVSpan("hog", "text", 4 * kv.num_free_pages),))), lambda ctx: None)
+    assert hog.outcome and kv.num_free_pages == 0
+    # "a" is at 4 tokens with page size 4: its next token needs a page, so the step is refused
+    refused = runner.prepare(decode)
+    assert not refused.outcome and "request 'a'" in refused.outcome.reason()
+    node.remove_request("hog")
+    second = runner.prepare(decode)
+    assert second.outcome and second.ctx.slot == 1

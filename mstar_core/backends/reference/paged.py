@@ -83,6 +83,12 @@ class ReferencePrefillWrapper:
             out = q.new_zeros(q.shape)
             out[: self._total] = self.run(q[: self._total], kv_cache_layer)
             return out
+        want_kv = (2, self.page_size, self.num_kv_heads, self.head_dim)
+        if kv_cache_layer.dim() != 5 or tuple(kv_cache_layer.shape[1:]) != want_kv:
+            raise ValueError(
+                f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
+                f"[max_pages, {', '.join(map(str, want_kv))}] [pages, 2, page_size, Hkv, D]"
+            )
         pages, offs = self._slots
         k = kv_cache_layer[pages, 0, offs]  # [rows, max_k, Hkv, D]
         v = kv_cache_layer[pages, 1, offs]

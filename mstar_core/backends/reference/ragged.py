@@ -48,10 +48,14 @@ class ReferencePrefixedPrefillWrapper:
         if self._pad is None:
             raise RuntimeError("ReferencePrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens
-        if q.shape[0] != tq or k.shape[0] != tk or v.shape[0] != tk:
-            raise ValueError(
-                f"run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has {tq} queries and {tk} keys"
-            )
+        d = self.head_dim
+        for name, t, want in (("q", q, (tq, self.num_qo_heads, d)), ("k", k, (tk, self.num_kv_heads, d)),
+                              ("v", v, (tk, self.num_kv_heads, d))):
+            if tuple(t.shape) != want:
+                raise ValueError(
+                    f"ReferencePrefixedPrefillWrapper.run: {name} has shape {tuple(t.shape)}, expected {want} "
+                    f"[tokens, heads, head_dim] (the plan has {tq} queries and {tk} keys)"
+                )
         pad = self._pad
         row, col = self._k_at
         k_pad = k.new_zeros((pad.rows, pad.max_k, *k.shape[1:]))

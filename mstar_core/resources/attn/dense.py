@@ -151,7 +151,7 @@ class DenseAttentionManager(AttentionManager):
         """Build over ``info.built[spec.get("kv", "kv")]``. ``spec["wrapper_class"]`` (a class or
         ``"module:attr"``) wins; otherwise the registry picks the ``prefixed_ragged`` backend named
         by ``spec["backend"]`` (a name or "auto")."""
-        kv = info.built[spec.get("kv", "kv")]
+        kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         if not isinstance(kv, KVManager):
             raise TypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
         wrapper_class = spec.get("wrapper_class")

@@ -109,7 +109,7 @@ class PagedAttentionManager(AttentionManager):
         build over ``info.built["kv"]``."""
         from ...registry import select_backend  # the registry imports plugins: keep it lazy
 
-        kv = info.built[spec.get("kv", "kv")]
+        kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
         sel = select_backend(
             capabilities=PAGED_CAPABILITIES, requested=spec.get("backend"), device=info.device,
@@ -188,6 +188,9 @@ class PagedAttentionManager(AttentionManager):
         if declared is None:
             declared = getattr(self.wrapper_classes["paged_decode"], "graph_capturable", True)
         return self.accelerator_graph and (self.device.type == "cpu" or declared)
+
+    def depends_on(self) -> tuple[str, ...]:
+        return (self.kv.name,)
 
     @property
     def supports_preplan(self) -> bool:

@@ -22,6 +22,8 @@ class KVConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"KVConfig.{name} must be >= 1, got {getattr(self, name)}")
         q = self.qo_heads
+        if q < 1:
+            raise ValueError(f"KVConfig.num_qo_heads must be >= 1 (or None: as many as num_kv_heads), got {q}")
         if q % self.num_kv_heads:
             raise ValueError(
                 f"KVConfig: num_qo_heads ({q}) must be a multiple of num_kv_heads ({self.num_kv_heads})"

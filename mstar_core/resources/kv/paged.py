@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...distributed import check_same_across_ranks
-from ...resource import BuildInfo, Resource
+from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, Shortage, Step, StepContext
 from .config import KVConfig
 from .plan import KVPlan, LabelLayout, SpanLayout, token_arrays
@@ -62,6 +62,8 @@ class KVManager(Resource):
         self._staging: SlotStaging | None = None
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
+        # Streams with an admitted step not yet committed or rolled back.
+        self._in_flight: set[tuple[str, str]] = set()
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -70,10 +72,10 @@ class KVManager(Resource):
             num_kv_heads=info.num_kv_heads,
             head_dim=info.head_dim,
             page_size=int(spec.get("page_size", 16)),
-            max_pages=int(spec["max_pages"]),
+            max_pages=int(spec_required(spec, "max_pages", cls.__name__)),
             num_qo_heads=info.num_qo_heads,
         )
-        return cls(cfg, info.device, spec.get("dtype", info.dtype), name=spec.get("name", "kv"))
+        return cls(cfg, info.device, as_dtype(spec.get("dtype", info.dtype)), name=spec.get("name", "kv"))
 
     # -- requests ----------------------------------------------------------------------------
     @property
@@ -92,6 +94,7 @@ class KVManager(Resource):
 
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
+            self._in_flight.discard(key)
             s = self.streams[key]
             self.pool.give_back(s.pages)
             s.pages = []
@@ -158,8 +161,16 @@ class KVManager(Resource):
                 )
 
     def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
-        """Reserve the pages every span needs, all or nothing."""
+        """Reserve the pages every span needs, all or nothing. A stream may have one step in
+        flight: admitting it again before that step's ``commit`` or ``rollback_admit`` is an
+        error (both steps would plan the same positions)."""
         self._check_spans(step)
+        busy = [k for k in step.kv.keys() if k in self._in_flight]
+        if busy:
+            raise RuntimeError(
+                f"{self.name}: streams {busy} already have an admitted step that was neither committed "
+                "nor rolled back; commit (or discard) it before admitting the next"
+            )
         ps = self.config.page_size
         need: dict[tuple[str, str], int] = {}
         for s in step.kv.spans:
@@ -168,15 +179,17 @@ class KVManager(Resource):
             length = (stream.length if stream else 0) + s.num_tokens
             need[(s.request_id, s.label)] = max(0, _pages_for(length, ps) - have)
         total = sum(need.values())
-        if total > self.pool.num_free:
-            short = [
-                Shortage(self.name, "pages", n, self.pool.num_free, rid)
-                for (rid, _), n in need.items()
-                if n
-            ]
-            return AdmitOutcome.refuse(
-                Shortage(self.name, "pages", total, self.pool.num_free), *short
-            )
+        free = self.pool.num_free
+        if total > free:
+            # The step waits as a whole (all or nothing); name the requests that do not fit once
+            # the ones before them in the step that do fit have taken their pages.
+            short, taken_before = [], 0
+            for (rid, _), n in need.items():
+                if taken_before + n > free:
+                    short.append(Shortage(self.name, "pages", n, free - taken_before, rid))
+                else:
+                    taken_before += n
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short)
         taken: dict[tuple[str, str], list[int]] = {}
         created: list[tuple[str, str]] = []
         for key, n in need.items():
@@ -188,19 +201,26 @@ class KVManager(Resource):
                 self.streams[key].pages.extend(pages)
                 taken[key] = pages
         ctx.admitted[self.name] = (taken, created)
+        self._in_flight.update(need)
         return AdmitOutcome.ok()
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
-        """Return exactly the pages this step's admit took, and drop streams it created."""
+        """Return exactly the pages this step's admit took, and drop streams it created. A
+        stream reset or removed since the admit already gave its pages back: it is skipped."""
         taken, created = ctx.admitted.pop(self.name, ({}, []))
+        self._in_flight.difference_update(step.kv.keys())
         for key, pages in taken.items():
-            stream = self.streams[key]
-            # The step's pages are the tail of the stream's list: admit appended them.
-            assert stream.pages[-len(pages):] == pages, "pages changed between admit and rollback"
+            stream = self.streams.get(key)
+            # The step's pages are the tail of the stream's list: admit appended them. Anything
+            # else means a reset/remove in between returned them (and they may be reused).
+            if stream is None or stream.pages[-len(pages):] != pages:
+                log.debug("rollback_admit: stream %s was reset or removed after admit; nothing to return", key)
+                continue
             del stream.pages[-len(pages):]
             self.pool.give_back(pages)
         for key in created:
-            if not self.streams[key].pages:
+            stream = self.streams.get(key)
+            if stream is not None and not stream.pages and not stream.length:
                 del self.streams[key]
 
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
@@ -285,8 +305,9 @@ class KVManager(Resource):
         self._staging = SlotStaging(self.device, slots, {k: max_bs for k in ("write_pages", "write_offsets", "positions")})
 
     def can_capture(self) -> bool:
-        """Once graph buffers exist: graph steps plan into static per-slot buffers."""
-        return self._staging is not None
+        """Yes: graph steps plan into the static per-slot buffers that
+        ``build_accelerator_graph_buffers`` makes (a graph step before it is an error)."""
+        return True
 
     @property
     def supports_preplan(self) -> bool:
@@ -307,9 +328,17 @@ class KVManager(Resource):
         return self._current
 
     def commit(self, step: Step, ctx: StepContext) -> None:
+        """Advance ``commit=True`` spans' length and release pages held only for ``commit=False``
+        tokens. A span whose stream was reset or removed after the admit is dropped: its
+        pages went back to the pool with the reset, so there is nothing to commit to."""
         ps = self.config.page_size
+        self._in_flight.difference_update(step.kv.keys())
         for s in step.kv.spans:
-            stream = self.stream(s.request_id, s.label)
+            stream = self.streams.get((s.request_id, s.label))
+            if stream is None or len(stream.pages) < _pages_for(stream.length + s.num_tokens, ps):
+                log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
+                         s.request_id, s.label)
+                continue
             if s.commit:
                 stream.length += s.num_tokens
             keep = _pages_for(stream.length, ps)
@@ -353,10 +382,15 @@ class KVManager(Resource):
                 f"KVManager page accounting broken: {len(owned)} owned by streams "
                 f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
             )
+        ps = self.config.page_size
+        short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < _pages_for(s.length, ps)}
+        if short:
+            raise RuntimeError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
         check_same_across_ranks(f"{self.name} free pages", self.pool.num_free)
 
     def cleanup(self) -> None:
         self.streams.clear()
+        self._in_flight.clear()
         self._requests.clear()
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)

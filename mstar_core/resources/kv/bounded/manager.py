@@ -32,7 +32,7 @@ import torch
 
 from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from ....kernels.bounded_attention import table as tb
-from ....resource import BuildInfo, Resource
+from ....resource import BuildInfo, Resource, as_dtype, spec_required
 from ....step import AdmitOutcome, Shortage, Step, StepContext
 from .config import BoundedKVConfig, RowLayout
 from .plan import BoundedPlan, host_table
@@ -71,15 +71,15 @@ class BoundedKVManager(Resource):
         qw = spec.get("query_window")
         cfg = BoundedKVConfig(
             num_layers=int(spec.get("num_layers", info.num_layers)),
-            max_slots=int(spec["max_slots"]),
+            max_slots=int(spec_required(spec, "max_slots", cls.__name__)),
             rows=int(spec.get("rows", 1)),
             num_heads=int(spec.get("num_heads", info.num_kv_heads)),
             head_dim=int(spec.get("head_dim", info.head_dim)),
             sink=int(spec.get("sink", 0)),
-            window=int(spec["window"]),
+            window=int(spec_required(spec, "window", cls.__name__)),
             query_window=None if qw is None else int(qw),
         )
-        mgr = cls(cfg, info.device, spec.get("kv_dtype", info.dtype))
+        mgr = cls(cfg, info.device, as_dtype(spec.get("kv_dtype", info.dtype)))
         mgr.name = spec.get("name", cls.name)
         mgr.impl = spec.get("impl", "auto")
         mgr.sm_scale = spec.get("sm_scale")
