@@ -136,7 +136,7 @@ class Scenario:
             q = self._rand(B * c.rows, Hq, T, c.head_dim)
             k = self._rand(B * c.rows, c.num_heads, T, c.head_dim)
             v = self._rand(B * c.rows, c.num_heads, T, c.head_dim)
-            nb = (c.query_window + 1) if c.query_window is not None else self.rng.randint(1, c.window + T + 2)
+            nb = (c.window + 1) if c.query_window is not None else self.rng.randint(1, c.window + T + 2)
             bias = self._rand(B * c.rows, Hq, T, nb) if self.rel_bias else None
             src = self.source_t if self.sources else None
             rs = (self.row_store, row_slots) if self.row_source else None

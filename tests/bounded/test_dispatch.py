@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
@@ -11,9 +9,11 @@ from mstar_core.kernels import bounded_attention as pkg
 from mstar_core.kernels.bounded_attention import bounded_attention, pick_impl
 
 
-def test_registered_name_resolves():
-    mod, attr = "mstar_core.kernels.bounded_attention:bounded_attention".split(":")
-    assert getattr(importlib.import_module(mod), attr) is bounded_attention
+def test_the_registry_lists_the_kernel_under_bounded():
+    from mstar_core.registry import select_backend
+
+    sel = select_backend(capabilities=("bounded",), requested="auto", device=torch.device("cpu"))
+    assert sel.name == "reference" and sel.classes["bounded"] is bounded_attention
 
 
 def test_auto_is_reference_on_cpu_and_env_overrides(monkeypatch):
@@ -45,5 +45,5 @@ def test_shape_errors_name_expected_and_received():
     with pytest.raises(ValueError, match=r"cache must be \[slots, 1, 2, cap, 16\], got \(2, 1, 3, 5, 16\)"):
         bounded_attention(q, k, k, cache, table, sink=1, window=4)
     cache = torch.zeros(2, 1, 2, 5, 16)
-    with pytest.raises(ValueError, match=r"rel_bias is indexed by distance 0..2: last dim 3, got 5"):
-        bounded_attention(q, k, k, cache, table, sink=1, window=4, query_window=2, rel_bias=torch.zeros(2, 4, 3, 5))
+    with pytest.raises(ValueError, match=r"rel_bias is indexed by distance 0..window=4: last dim 5, got 3"):
+        bounded_attention(q, k, k, cache, table, sink=1, window=4, query_window=2, rel_bias=torch.zeros(2, 4, 3, 3))

@@ -56,7 +56,7 @@ def test_triton_matches_reference(case, ieee):
     cache = torch.randn(slots, rows, H, sink + window, 2 * D, device=DEV, dtype=dtype)
     q = torch.randn(B * rows, H * G, T, D, device=DEV, dtype=dtype)
     k, v = (torch.randn(B * rows, H, T, D, device=DEV, dtype=dtype) for _ in range(2))
-    nb = qw + 1 if qw is not None else window + T
+    nb = window + 1 if qw is not None else window + T
     kw = dict(sink=sink, window=window, query_window=qw,
               source=torch.randn(2, rows, H, 9, 2 * D, device=DEV, dtype=dtype) if sources else None,
               row_source=(torch.randn(B, rows, H, 5, 2 * D, device=DEV, dtype=dtype),
@@ -117,7 +117,8 @@ def test_cuda_graph_replay_follows_new_plans():
         return Step(KVStep(()), extra=(("bounded", BoundedStep(tuple(StreamPosition(r, 1) for r in rids))),))
 
     def prepare(m):
-        s, ctx = step(), StepContext()
+        # the captured manager's steps are graph steps: staged into slot 0's static table
+        s, ctx = step(), (StepContext(slot=0, bucket=4) if m is mgr else StepContext())
         assert m.admit(s, ctx)
         return s, ctx, m.plan(s, ctx)
 

@@ -83,10 +83,11 @@ def test_graph_buffers_grow_only_and_stage_padded_tables():
     for r in "ab":
         mgr.ingest_request(r)
     step = bstep(("a", 2), ("b", 1))
-    ctx = StepContext(step_index=3)
+    ctx = StepContext(slot=1, bucket=4)  # a graph step: staged into its slot's buffer
     assert mgr.admit(step, ctx)
     plan = mgr.plan(step, ctx)
     buf = mgr._graph_tables[1]
+    assert mgr._graph_tables[0][:2].tolist() == [list(tb.NOOP_ROW)] * 2  # the other slot untouched
     assert plan.table.data_ptr() == buf.data_ptr() and plan.table.shape[0] == 2
     assert buf[2:].tolist() == [list(tb.NOOP_ROW)] * 4
     assert torch.equal(mgr._retired[1][0][:2], plan.table)  # earlier captures see the step too
@@ -100,6 +101,72 @@ def test_graph_buffers_grow_only_and_stage_padded_tables():
 
     bounded_write(before, q[: 2 * CFG.rows], q[: 2 * CFG.rows], plan.table, sink=CFG.sink, window=CFG.window)
     assert torch.equal(mgr.layer(0), before)  # the padding rows wrote nothing
+
+
+def test_eager_plans_share_nothing_with_graph_buffers_or_each_other():
+    mgr = BoundedKVManager(CFG, "cpu")
+    mgr.build_accelerator_graph_buffers(2, 4, 64)
+    for r in "ab":
+        mgr.ingest_request(r)
+    s1, c1 = bstep(("a", 2)), StepContext()
+    assert mgr.admit(s1, c1)
+    p1 = mgr.plan(s1, c1)
+    mgr.commit(s1, c1)
+    s2, c2 = bstep(("b", 1)), StepContext()
+    assert mgr.admit(s2, c2)
+    p2 = mgr.plan(s2, c2)
+    graph_ptrs = {b.data_ptr() for b in mgr._graph_tables}
+    assert p1.table.data_ptr() != p2.table.data_ptr() and not {p1.table.data_ptr(), p2.table.data_ptr()} & graph_ptrs
+    assert p1.table[0, tb.NUM_TOKENS] == 2 and p2.table[0, tb.NUM_TOKENS] == 1  # the next plan left p1 alone
+    assert all(b.tolist() == [list(tb.NOOP_ROW)] * 4 for b in mgr._graph_tables)
+    with pytest.raises(ValueError, match="staging slot 2 out of range: 2 slots"):
+        mgr.plan(s2, StepContext(slot=2, bucket=4))
+    with pytest.raises(ValueError, match="bucket 8; the table buffers hold 4"):
+        mgr.plan(s2, StepContext(slot=0, bucket=8))
+
+
+def test_a_step_that_wrote_the_ring_must_commit_before_the_next_plan():
+    """attend writes the step's keys over the oldest ring entries; if the step is then dropped
+    (a later layer failed), the ring no longer matches the committed length: planning again
+    must fail loudly, and reset_request is the way out."""
+    mgr = BoundedKVManager(CFG, "cpu", kv_dtype=torch.float64)
+    mgr.ingest_request("a")
+    s = bstep(("a", 2))
+    q = torch.randn(CFG.rows, 2, 2, 8, dtype=torch.float64)
+    for abandon in (False, True):
+        ctx = StepContext()
+        assert mgr.admit(s, ctx)
+        mgr.attend(0, q, q, q, plan=mgr.plan(s, ctx))
+        if abandon:
+            mgr.rollback_admit(s, ctx)  # a later layer failed: the step is dropped after writing
+        else:
+            mgr.commit(s, ctx)
+    assert mgr.slot_of("a") is not None and mgr.length("a") == 2
+    with pytest.raises(RuntimeError, match=r"request 'a': a step from position 2 wrote its keys .* reset_request\('a'\)"):
+        mgr.plan(s, StepContext())
+    mgr.reset_request("a")
+    ctx = StepContext()
+    assert mgr.admit(s, ctx)
+    mgr.plan(s, ctx)
+    mgr.attend(0, q, q, q)
+    mgr.commit(s, ctx)
+    assert mgr.length("a") == 2
+    mgr.plan(bstep(("a", 1)), StepContext())  # committed: planning goes on
+
+
+def test_row_source_slots_out_of_range_are_refused():
+    mgr = BoundedKVManager(CFG, "cpu", kv_dtype=torch.float64)
+    mgr.ingest_request("a")
+    s = Step(KVStep(()), extra=(("bounded", BoundedStep((StreamPosition("a", 1, source=-1),))),))
+    ctx = StepContext()
+    assert mgr.admit(s, ctx)
+    plan = mgr.plan(s, ctx)
+    q = torch.randn(CFG.rows, 2, 1, 8, dtype=torch.float64)
+    store = torch.randn(2, CFG.rows, 2, 3, 16, dtype=torch.float64)
+    for bad in (-1, 2):
+        with pytest.raises(ValueError, match=rf"row_source slots\[0\] = {bad} is out of range: its storage holds 2"):
+            mgr.attend(0, q, q, q, plan=plan, row_source=(store, torch.tensor([bad])))
+    mgr.attend(0, q, q, q, plan=plan, row_source=(store, torch.tensor([1])))
 
 
 def test_build_and_cleanup():
@@ -133,6 +200,9 @@ def test_config_rejects_bad_geometry():
 
 
 def test_ieee_bit_identical_across_runs(bk):
+    """Run-to-run determinism of the whole manager path with ieee=True. On a CPU the reference
+    would be deterministic without the flag too; what the flag changes (no TF32, fixed-order
+    reductions in the Triton kernel) is checked on the GPU (test_gpu_bounded)."""
     def once():
         cfg = BoundedKVConfig(num_layers=2, max_slots=3, rows=2, num_heads=2, head_dim=16, sink=2, window=5, query_window=4)
         sc = bk.make(cfg, seed=11, ieee=True, gqa=2, rel_bias=True, sources=1, row_source=True)

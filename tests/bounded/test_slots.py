@@ -68,6 +68,26 @@ def test_rollback_frees_only_fresh_slots():
     assert mgr.length("a") == 8 and mgr.length("b") == 2
 
 
+def test_per_request_cycle_commit_keeps_other_requests_fresh_slots():
+    """Seed 004: admit may run for every request first, then plan -> forward -> commit per
+    request. Committing one request must not forget the slot another took fresh, so that a
+    rollback of the other still frees it."""
+    mgr = BoundedKVManager(CFG, "cpu")
+    gen = torch.Generator().manual_seed(2)
+    for r in "ab":
+        mgr.ingest_request(r)
+    ctx = StepContext()
+    sa, sb = bstep(("a", 3)), bstep(("b", 2))
+    assert mgr.admit(sa, ctx) and mgr.admit(sb, ctx) and mgr.num_free_slots == 0
+    mgr.plan(sa, ctx)
+    mgr.attend(0, *(torch.randn(1, 2, 3, 8, generator=gen) for _ in range(3)))
+    mgr.commit(sa, ctx)
+    mgr.rollback_admit(sb, ctx)  # b's turn never comes
+    assert mgr.slot_of("b") is None and mgr.num_free_slots == 1 and mgr.length("a") == 3
+    assert "bounded" not in ctx.admitted
+    mgr.post_warmup_validate()
+
+
 def test_remove_then_readmit_reuses_slot_without_stale_keys(bk):
     mgr = BoundedKVManager(CFG, "cpu")
     sc = bk.Scenario(CFG, mgr, bk.StreamOracle(CFG), seed=5)

@@ -41,7 +41,7 @@ def test_kernel_matches_reference(triton_interp, T, G, D, qw, bias):
     cache = torch.randn(slots, rows, H, sink + window, 2 * D, generator=gen)
     q = torch.randn(B * rows, H * G, T, D, generator=gen)
     k, v = (torch.randn(B * rows, H, T, D, generator=gen) for _ in range(2))
-    nb = qw + 1 if qw is not None else 9
+    nb = window + 1 if qw is not None else 9
     kw = dict(sink=sink, window=window, query_window=qw,
               source=torch.randn(2, rows, H, 7, 2 * D, generator=gen),
               row_source=(torch.randn(4, rows, H, 3, 2 * D, generator=gen), torch.tensor([3, 0, 2])),

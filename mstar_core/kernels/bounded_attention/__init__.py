@@ -25,9 +25,10 @@ given: rotary embeddings, if any, were applied by the caller at that position). 
 
 ``rel_bias`` ``[B * rows, Hq, T, NB]`` adds ``rel_bias[.., t, min(d, NB - 1)]`` (natural-log
 units, after ``sm_scale``) to the score of query ``t`` against a stream key at distance
-``d = p_query - p_key >= 0``; prefix keys get none. With a query window ``NB = w + 1`` and only
-the sinks can be farther (they take the last entry); without one, ``NB`` is the caller's choice
-and farther keys take the last entry.
+``d = p_query - p_key >= 0``; prefix keys get none. With a query window ``NB = window + 1``
+(seed 004): one entry per distance the ring spans, so a sink within ``window`` of the query gets
+its own distance's entry and only farther sinks take the last one; without a query window ``NB``
+is the caller's choice and farther keys take the last entry.
 
 Spans longer than the window. All of the step's keys are attended (causally, within the query
 window if any); then only positions below ``sink`` and the last ``window`` of the rest are
@@ -110,9 +111,9 @@ def _check(q, k, v, cache, tab, sink, window, query_window, source, row_source, 
     if rel_bias is not None:
         if rel_bias.dim() != 4 or rel_bias.shape[:3] != (BR, Hq, T):
             raise ValueError(f"rel_bias must be [{BR}, {Hq}, {T}, NB], got {tuple(rel_bias.shape)}")
-        if query_window is not None and rel_bias.shape[3] != query_window + 1:
-            raise ValueError(f"with query_window={query_window}, rel_bias is indexed by distance "
-                             f"0..{query_window}: last dim {query_window + 1}, got {rel_bias.shape[3]}")
+        if query_window is not None and rel_bias.shape[3] != window + 1:
+            raise ValueError(f"with a query window (query_window={query_window}), rel_bias is indexed by "
+                             f"distance 0..window={window}: last dim {window + 1}, got {rel_bias.shape[3]}")
 
 
 def bounded_attention(

@@ -65,6 +65,9 @@ class BoundedKVManager(Resource):
         # stay alive and keep being written, since graphs captured earlier read them.
         self._graph_tables: list[torch.Tensor] = []
         self._retired: list[list[torch.Tensor]] = []
+        # slot -> the start of a step whose keys ``attend`` wrote into the ring but which was never
+        # committed: the ring no longer holds the keys that slot's committed length says.
+        self._uncommitted_writes: dict[int, int] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
@@ -110,6 +113,7 @@ class BoundedKVManager(Resource):
     def _release(self, rid: str) -> None:
         slot = self._slot.pop(rid, None)
         if slot is not None:
+            self._uncommitted_writes.pop(slot, None)
             self._free.append(slot)
             self._free.sort(reverse=True)
         self._length.pop(rid, None)
@@ -123,6 +127,7 @@ class BoundedKVManager(Resource):
             self._requests.pop(rid, None)
         elif rid in self._length:
             self._length[rid] = 0
+            self._uncommitted_writes.pop(self._slot[rid], None)  # position 0 retains nothing
 
     def remove_request(self, rid: str) -> None:
         """Free the request's slot and forget it; an unknown ``rid`` is a no-op."""
@@ -180,6 +185,12 @@ class BoundedKVManager(Resource):
             if slot is None:
                 raise RuntimeError(f"{self.name}: plan before admit: request {p.request_id!r} holds no slot")
             length = self._length[p.request_id]
+            if slot in self._uncommitted_writes:
+                raise RuntimeError(
+                    f"{self.name}: request {p.request_id!r}: a step from position {self._uncommitted_writes[slot]} "
+                    f"wrote its keys into the ring and was never committed, so the ring no longer holds what "
+                    f"its committed length ({length}) says; reset_request({p.request_id!r}) and recompute"
+                )
             if p.start is not None and p.start != length:
                 raise ValueError(
                     f"{self.name}: request {p.request_id!r} declares start {p.start}, but its stream "
@@ -200,14 +211,24 @@ class BoundedKVManager(Resource):
         return plan
 
     def _stage(self, host: torch.Tensor, ctx: StepContext) -> torch.Tensor:
-        """The table on the device: in the graph buffer of this step's staging slot when one
-        is big enough (padded with no-op rows, so a replay for a larger batch does nothing
-        more), else a fresh tensor."""
+        """The table on the device. An eager step (``ctx.bucket`` None) gets a fresh tensor,
+        shared with no other plan. A graph step is staged into the table buffer of its staging
+        slot ``ctx.slot`` -- the one its graph was captured reading -- padded with no-op rows
+        (so a replay for a larger bucket does nothing more); it stays valid until the next
+        plan into that slot, which is why consecutive graph steps alternate slots."""
         B = host.shape[0]
-        if not self._graph_tables or B > self._graph_tables[0].shape[0]:
+        if ctx.bucket is None:
             return host.to(self.device)
-        i = ctx.step_index % len(self._graph_tables)
-        padded = torch.tensor(tb.NOOP_ROW, dtype=torch.int32).repeat(self._graph_tables[i].shape[0], 1)
+        if not self._graph_tables:
+            raise RuntimeError(f"{self.name}: a graph step (bucket {ctx.bucket}) needs build_accelerator_graph_buffers first")
+        if not 0 <= ctx.slot < len(self._graph_tables):
+            raise ValueError(f"{self.name}: staging slot {ctx.slot} out of range: {len(self._graph_tables)} slots")
+        i = ctx.slot
+        size = self._graph_tables[i].shape[0]
+        if max(B, ctx.bucket) > size:
+            raise ValueError(f"{self.name}: graph step of {B} requests for bucket {ctx.bucket}; the table buffers "
+                             f"hold {size} (build_accelerator_graph_buffers max_bs)")
+        padded = torch.tensor(tb.NOOP_ROW, dtype=torch.int32).repeat(size, 1)
         padded[:B] = host
         for buf in (*self._retired[i], self._graph_tables[i]):
             buf.copy_(padded[: buf.shape[0]].to(self.device, non_blocking=False))
@@ -222,10 +243,19 @@ class BoundedKVManager(Resource):
 
     def commit(self, step: Step, ctx: StepContext) -> None:
         """Record the step's consumption: committed streams advance by their tokens."""
-        for p in bounded_part(step).positions:
+        part = bounded_part(step)
+        for p in part.positions:
             if p.commit and p.request_id in self._length:
                 self._length[p.request_id] += p.num_tokens
-        ctx.admitted.pop(self.name, None)
+                self._uncommitted_writes.pop(self._slot[p.request_id], None)
+        # Only this step's requests: in the per-request cycle (seed 004's admit note) one
+        # context may still hold the fresh slots of requests whose turn has not come.
+        mine = set(part.request_ids)
+        rest = [r for r in ctx.admitted.get(self.name, []) if r not in mine]
+        if rest:
+            ctx.admitted[self.name] = rest
+        else:
+            ctx.admitted.pop(self.name, None)
 
     # -- data --------------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -249,7 +279,7 @@ class BoundedKVManager(Resource):
         picked by its ``StreamPosition.source``) and this step's own, then this step's keys into
         the slots. Returns ``[B * rows, T, H, D]``. ``plan`` defaults to the step's. ``rel_bias``
         is a per-distance score term (``kernels.bounded_attention``); with a query window it is
-        ``[B * rows, H, T, query_window + 1]``. Rows whose source is -1 read theirs from
+        ``[B * rows, H, T, window + 1]``. Rows whose source is -1 read theirs from
         ``row_source = (storage [slots, rows, H, L, 2D], slots [>= B])``. ``q`` may have a
         multiple of the cache's heads (GQA)."""
         plan = self.current if plan is None else plan
@@ -271,14 +301,28 @@ class BoundedKVManager(Resource):
             rel_bias=rel_bias, sm_scale=self.sm_scale, ieee=ieee, impl=self.impl,
         )
         bounded_write(layer, k, v, plan.table, **geo, impl=self.impl)
+        for slot, lay, _ in plan.rows:
+            if lay.commit and lay.num_tokens:
+                self._uncommitted_writes[slot] = lay.start  # cleared by this step's commit
         return out
 
     def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
                        row_source: tuple[torch.Tensor, torch.Tensor] | None) -> None:
-        # Host-side checks from the plan's mirror: the kernels trust the table.
-        for slot, lay, src in plan.rows:
+        # Host-side checks from the plan's mirror: the kernels trust the table. Row-source slot
+        # indices are checked when they are on the host; on the device, reading them would
+        # synchronise every layer (and cannot happen inside a graph capture), so they are trusted.
+        host_slots = None
+        if row_source is not None and row_source[1].device.type == "cpu":
+            host_slots = row_source[1].tolist()
+        for b, (slot, lay, src) in enumerate(plan.rows):
             if src == tb.NO_SOURCE:
                 continue
+            if src == tb.ROW_SOURCE and host_slots is not None and row_source is not None:
+                n = row_source[0].shape[0]
+                if b >= len(host_slots) or not 0 <= host_slots[b] < n:
+                    got = host_slots[b] if b < len(host_slots) else "none"
+                    raise ValueError(f"{self.name}.attend: row_source slots[{b}] = {got} is out of range: "
+                                     f"its storage holds {n} entries (0..{n - 1})")
             store = source if src >= 0 else (row_source[0] if row_source is not None else None)
             what = f"source[{src}]" if src >= 0 else "row_source"
             if store is None:
@@ -335,5 +379,6 @@ class BoundedKVManager(Resource):
         self._free = list(range(self.config.max_slots - 1, -1, -1))
         self._graph_tables.clear()
         self._retired.clear()
+        self._uncommitted_writes.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None
