@@ -6,17 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
-
-try:
-    import tomllib
-except ModuleNotFoundError:  # Python 3.10: the same parser as a package
-    import tomli as tomllib  # type: ignore[no-redef]
 
 from .device import as_device, describe
 from .registry import Registry, get_registry
@@ -76,34 +72,44 @@ def config_backend(config: Mapping[str, Any] | str | os.PathLike[str] | None) ->
         return None
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
-        with path.open("rb") as f:
-            config = tomllib.load(f)
+        try:
+            with path.open("rb") as f:
+                config = tomllib.load(f)
+        except FileNotFoundError:
+            raise ValueError(f"config file {str(path)!r} does not exist") from None
+        except tomllib.TOMLDecodeError as e:
+            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
     attention = config.get("attention") if isinstance(config, Mapping) else None
     if attention is None:
         return None
     if not isinstance(attention, Mapping):
-        raise TypeError(f"config 'attention' must be a table, got {type(attention).__name__}")
+        raise ValueError(f"config 'attention' must be a table, got {type(attention).__name__}")
     value = attention.get("backend")
     if value is not None and not isinstance(value, str):
-        raise TypeError(f"config attention.backend must be a string, got {value!r}")
+        raise ValueError(f"config attention.backend must be a string, got {value!r}")
     return value
 
 
 def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None) -> tuple[str, str]:
-    """(name, where it came from). The argument wins, then the environment, then config."""
+    """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
+    the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
+    the log says what it overrode; without it the argument wins, then config, then "auto"."""
     if requested is not None:
-        return requested.strip(), "argument"
-    from_config = config_backend(config)
+        configured: str | None = requested.strip()
+        where = "argument"
+    else:
+        configured, where = config_backend(config), "config"
+        configured = configured.strip() if configured is not None else None
     env = os.environ.get(ENV_BACKEND, "").strip()
     if env:
-        if from_config is not None and from_config != env:
-            log.warning("%s=%s overrides the config's attention.backend=%r", ENV_BACKEND, env, from_config)
+        if configured is not None and configured not in (env, AUTO):
+            log.warning("%s=%s overrides the %s's backend %r", ENV_BACKEND, env, where, configured)
         else:
-            log.info("%s=%s overrides the config (which names %s)", ENV_BACKEND, env,
-                     repr(from_config) if from_config else "no backend")
+            log.info("%s=%s overrides the %s (which names %s)", ENV_BACKEND, env, where,
+                     repr(configured) if configured else "no backend")
         return env, f"env {ENV_BACKEND}"
-    if from_config is not None:
-        return from_config.strip(), "config"
+    if configured is not None:
+        return configured, where
     return AUTO, "default"
 
 
@@ -164,8 +170,9 @@ def select_backend(
     registry: Registry | None = None,
 ) -> Selection:
     """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
-    those checks. ``requested`` None reads ``MSTAR_ATTENTION_BACKEND``, then ``config``'s
-    ``attention.backend``, then falls back to "auto". Raises ``BackendUnavailable``."""
+    those checks. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
+    ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
+    Raises ``BackendUnavailable``."""
     capabilities = tuple(capabilities)
     unknown = [c for c in capabilities if c not in CAPABILITIES]
     if unknown or not capabilities:

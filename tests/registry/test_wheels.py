@@ -21,7 +21,7 @@ def tree(tmp_path_factory) -> Path:
     ignore = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
     for pkg in PACKAGES:
         shutil.copytree(REPO / pkg, root / pkg, ignore=ignore)
-    shutil.copytree(REPO / "plugins", root / "plugins", ignore=ignore)
+    shutil.copytree(REPO / "plugins", root / "plugins", ignore=ignore, symlinks=True)  # links stay links
     (root / "mstar_core").mkdir()  # a decoy: the core must never ride along in a plugin wheel
     (root / "mstar_core" / "__init__.py").write_text("")
     return root
@@ -51,6 +51,32 @@ def test_wheel_holds_only_its_package(tree, tmp_path, build_wheel, plugin):
     else:  # FA3: any build providing flash_attn_interface; the known prebuilt is an extra
         assert 'Requires-Dist: tokenspeed-fa3; extra == "tokenspeed"' in metadata
     assert "[mstar.backends]" in entry_points and f"{plugin} = {package}.plugin" in entry_points
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("plugin", ["flashinfer", "fa3", "rocm"])
+def test_wheel_built_from_the_sdist_is_whole(tree, tmp_path, build_wheel, plugin):
+    """What `python -m build` does: an sdist first, then the wheel from the unpacked sdist. The
+    sdist must carry the package (not only the packaging), or that wheel would be empty."""
+    import subprocess
+    import sys
+    import tarfile
+
+    project = tree / "plugins" / plugin
+    out = tmp_path / "sdist"
+    code = "import sys; from setuptools import build_meta as b; print(b.build_sdist(sys.argv[1]))"
+    r = subprocess.run([sys.executable, "-c", code, str(out)], cwd=project, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    sdist = out / r.stdout.strip().splitlines()[-1]
+    with tarfile.open(sdist) as t:
+        t.extractall(tmp_path / "unpacked", filter="data")
+    (unpacked,) = (tmp_path / "unpacked").iterdir()
+    wheel = build_wheel(unpacked, tmp_path / "wheel")
+    package = f"mstar_{plugin}"
+    with zipfile.ZipFile(wheel) as z:
+        names = set(z.namelist())
+    expected = {p.relative_to(tree).as_posix() for p in (tree / package).rglob("*") if p.is_file()}
+    assert {n for n in names if n.startswith(package + "/")} == expected
 
 
 @pytest.mark.slow
