@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -14,6 +15,7 @@ import torch
 
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.device import as_device, describe, device_arch
+from mstar_core.registry.selection import ENV_BACKEND
 from mstar_core.registry.spec import dtype_name
 
 
@@ -87,6 +89,9 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "failed_plugins": [{"entry_point": f.entry_point, "distribution": f.distribution, "version": f.version,
                             "stage": f.stage, "error": f.error} for f in registry.failures],
         "allowlist": sorted(registry.allowlist) if registry.allowlist is not None else None,
+        # what every selection gets instead of its configured name (auto's picks above are what
+        # it would choose without the override)
+        "env_override": os.environ.get(ENV_BACKEND, "").strip() or None,
     }
 
 
@@ -106,6 +111,9 @@ def render(data: dict[str, Any]) -> str:
         lines.append(f"  {cap:<16} {a['pick'] or '(none: no backend can run it here)'}")
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
+    if data["env_override"]:
+        lines += ["", f"{ENV_BACKEND}={data['env_override']}: every selection uses it, overriding config and "
+                      "constructor arguments"]
     if data["allowlist"] is not None:
         lines += ["", f"MSTAR_PLUGINS allowlist: {', '.join(data['allowlist']) or '(empty: built-ins only)'}"]
     if data["failed_plugins"]:

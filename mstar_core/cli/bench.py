@@ -27,7 +27,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--batch", type=int, default=d.batch, help=f"requests decoding together (default {d.batch})")
     p.add_argument("--context", type=int, default=d.context, help=f"tokens each request holds before the loop (default {d.context})")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size in tokens (default {d.page_size})")
-    p.add_argument("--backend", default=None, help="backend name or 'auto' (default: $MSTAR_ATTENTION_BACKEND, else auto)")
+    p.add_argument("--backend", default=None, help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
                    help="replay decode steps from CUDA graphs captured at warm-up (default off)")
     p.add_argument("--preplan", action=argparse.BooleanOptionalAction, default=d.preplan,

@@ -18,7 +18,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="text: continuous batching (prefill, mixed, decode steps); "
                         "denoise: a frozen prefix and commit=False denoise steps on the dense path")
     p.add_argument("--backend", default=None,
-                   help="backend name or 'auto' (default: $MSTAR_ATTENTION_BACKEND, else auto)")
+                   help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and data seed (default: 0)")
     p.set_defaults(func=run)

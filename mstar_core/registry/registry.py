@@ -7,6 +7,7 @@ import logging
 import threading
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
 import pluggy
 import torch
@@ -42,6 +43,9 @@ class Registry:
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
         self._probe_cache: dict[tuple[str, str], tuple[str, ...]] = {}
+        # Answers derived from probes (dense_or_flashinfer's selections): they live and die with
+        # this registry and are forgotten with the probe cache.
+        self.derived: dict[Any, Any] = {}
         self._lock = threading.Lock()
         if discover:
             self.discover()
@@ -158,8 +162,10 @@ class Registry:
         return reasons
 
     def clear_probe_cache(self) -> None:
+        """Forget probe results and what was derived from them (after installing a kernel library)."""
         with self._lock:
             self._probe_cache.clear()
+            self.derived.clear()
 
     def device_reasons(self, name: str, device: torch.device | str | None = None) -> list[str]:
         """Reasons from the device alone: kind, availability, architecture, then the probe."""

@@ -14,18 +14,15 @@ import pytest
 import torch
 
 from mstar_core.registry import GROUP, reset_registry
-from mstar_core.resources.attn import ragged as dense_rule
 
 
 @pytest.fixture(autouse=True)
 def clean_env(monkeypatch):
     for var in ("MSTAR_PLUGINS", "MSTAR_STRICT_PLUGINS", "MSTAR_ATTENTION_BACKEND"):
         monkeypatch.delenv(var, raising=False)
-    reset_registry()
-    dense_rule.clear_cache()
+    reset_registry()  # a new registry also starts with no cached dense selection
     yield
     reset_registry()
-    dense_rule.clear_cache()
 
 
 def _make_ep(name: str, value: str, dist: str = "mstar-fake", version: str = "1.0") -> md.EntryPoint:

@@ -46,8 +46,15 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
     assert "mstar_broken_plugin_xyz" in data["failed_plugins"][0]["error"]
 
 
+def test_table_says_when_the_env_forces_a_backend(registry, capsys, monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+    args = _args("--device", "cpu")
+    assert args.func(args) == 0
+    assert "MSTAR_ATTENTION_BACKEND=reference: every selection uses it" in capsys.readouterr().out
+
+
 def test_table(registry, capsys):
-    args = _args("--head-dim", "64")
+    args = _args("--head-dim", "64", "--device", "cpu")  # without --device a CUDA machine judges cuda
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "attention backends on cpu" in out and "head_dim 64" in out

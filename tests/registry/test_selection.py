@@ -236,7 +236,7 @@ def test_env_overrides_config_and_says_so(reg, monkeypatch, caplog):
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
     sel = select_backend(PAGED, device="cpu", config={"attention": {"backend": "flashinfer"}}, registry=reg)
     assert sel.name == "reference" and sel.source == "env MSTAR_ATTENTION_BACKEND"
-    assert "MSTAR_ATTENTION_BACKEND=reference overrides the config's attention.backend='flashinfer'" in caplog.text
+    assert "MSTAR_ATTENTION_BACKEND=reference overrides the config's backend 'flashinfer'" in caplog.text
 
 
 def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
@@ -245,9 +245,24 @@ def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
         select_backend(PAGED, device="cpu", registry=reg)
 
 
-def test_argument_beats_env(reg, monkeypatch):
+def test_env_overrides_the_constructor_argument_too(reg, monkeypatch, caplog):
+    """Issue 3 counts the constructor argument (a manager spec's "backend") as config: an
+    operator's MSTAR_ATTENTION_BACKEND wins over it, and the log says what it overrode."""
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+    sel = select_backend(PAGED, requested="flashinfer", device="cpu", registry=reg)
+    assert (sel.name, sel.source) == ("reference", "env MSTAR_ATTENTION_BACKEND")
+    assert "MSTAR_ATTENTION_BACKEND=reference overrides the argument's backend 'flashinfer'" in caplog.text
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "nope")
-    assert select_backend(PAGED, requested="reference", device="cpu", registry=reg).source == "argument"
+    with pytest.raises(BackendUnavailable, match=r"'nope' \(from env MSTAR_ATTENTION_BACKEND\) is unknown"):
+        select_backend(PAGED, requested="reference", device="cpu", registry=reg)
+
+
+def test_argument_without_env_beats_config(reg, monkeypatch):
+    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+    sel = select_backend(PAGED, requested="reference", device="cpu", config={"attention": {"backend": "fa3"}},
+                         registry=reg)
+    assert (sel.name, sel.source) == ("reference", "argument")
 
 
 def test_config_mapping_and_toml_file(reg, tmp_path):
@@ -260,6 +275,29 @@ def test_config_mapping_and_toml_file(reg, tmp_path):
     path.write_text('[attention]\nbackend = "auto"\n')
     assert select_backend(PAGED, device="cpu", config=str(path), registry=reg).requested == "auto"
     assert select_backend(PAGED, device="cpu", config={"model": {}}, registry=reg).source == "default"
+
+
+def test_bad_config_files_and_values_are_named(reg, tmp_path):
+    missing = tmp_path / "nope.toml"
+    with pytest.raises(ValueError, match=r"config file '.*nope.toml' does not exist"):
+        select_backend(PAGED, device="cpu", config=missing, registry=reg)
+    broken = tmp_path / "broken.toml"
+    broken.write_text("[attention\nbackend = 1\n")
+    with pytest.raises(ValueError, match=r"config file '.*broken.toml' is not valid TOML"):
+        select_backend(PAGED, device="cpu", config=broken, registry=reg)
+    with pytest.raises(ValueError, match=r"config attention.backend must be a string, got 3"):
+        select_backend(PAGED, device="cpu", config={"attention": {"backend": 3}}, registry=reg)
+
+
+def test_clear_probe_cache_also_forgets_the_dense_rule(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed({})
+    assert dense_selection("cuda", registry=reg).name == "reference"
+    fake_installed(ALL_LIBS)  # a kernel library installed at run time
+    fa3_kernel([])
+    assert dense_selection("cuda", registry=reg).name == "reference"  # cached
+    reg.clear_probe_cache()
+    assert dense_selection("cuda", registry=reg).name == "fa3"
 
 
 def test_unknown_capability_is_refused(reg):
@@ -283,7 +321,9 @@ def test_dense_or_flashinfer(reg, fake_gpu, fake_installed, fa3_kernel, arch, li
     fa3_kernel([])
     sel = dense_selection("cuda", registry=reg)
     assert sel.name == expected
-    assert dense_or_flashinfer("cuda", registry=reg) is ReferencePrefixedPrefillWrapper  # remapped here
+    # every backend is remapped onto the reference classes here, so the class says nothing: the
+    # log line says which backend dense_or_flashinfer itself chose
+    dense_or_flashinfer("cuda", registry=reg)
     assert f"dense_or_flashinfer(cuda:0): {expected}" in caplog.text
 
 

@@ -23,7 +23,6 @@ log = logging.getLogger("mstar.registry")
 
 CAPABILITY = "prefixed_ragged"
 
-_cache: dict[tuple[str, torch.dtype | None, int | None, int], Selection] = {}
 _lock = threading.Lock()
 
 
@@ -37,9 +36,11 @@ def dense_selection(
     ``dtype``/``head_dim`` None judge the device alone."""
     device = as_device(device)
     registry = registry or get_registry()
-    key = (device_key(device), dtype, head_dim, id(registry))
+    # Cached on the registry itself: a new registry (reset_registry) or clear_probe_cache() starts
+    # afresh, and no id() of a dead registry can alias a live one.
+    key = (CAPABILITY, device_key(device), dtype, head_dim)
     with _lock:
-        hit = _cache.get(key)
+        hit = registry.derived.get(key)
     if hit is not None:
         return hit
     # requested="auto" on purpose: this is the rule itself; a named backend goes through
@@ -49,7 +50,7 @@ def dense_selection(
     log.info("dense_or_flashinfer(%s): %s (%s)%s", device_key(device), sel.name, sel.backend.label,
              f"; passed over {format_rejected(sel.rejected)}" if sel.rejected else "")
     with _lock:
-        _cache[key] = sel
+        registry.derived[key] = sel
     return sel
 
 
@@ -64,6 +65,9 @@ def dense_or_flashinfer(
     return dense_selection(device, dtype, head_dim, registry).classes[CAPABILITY]
 
 
-def clear_cache() -> None:
+def clear_cache(registry: Registry | None = None) -> None:
+    """Forget the cached dense selections of ``registry`` (the process-wide one by default)."""
+    registry = registry or get_registry()
     with _lock:
-        _cache.clear()
+        for key in [k for k in registry.derived if k[0] == CAPABILITY]:
+            del registry.derived[key]
