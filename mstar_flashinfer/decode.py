@@ -90,7 +90,7 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
             if self._arange.shape[0] < rows + 1:
                 self._arange = np.arange(2 * rows + 2, dtype=np.int32)
             qo = self._arange[: rows + 1]
-            self._keep(qo, indptr, indices, last, lens)
+            keep = (qo, indptr, indices, last, lens)
             if self._bufs is not None:
                 self._check_graph_fit(rows, rows, indices.shape[0])
                 qo, indptr, indices, last, lens = pad_rows(
@@ -101,10 +101,12 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
             lens_s = None if lens is None else st.put("kv_lens", lens)
             indices_s = self._stage_indices(indices, self._bufs)
             self._fence.wait()
-            self._inner.plan(
-                indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size,
-                window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
-            )
+            with self._replacing_plan():
+                self._inner.plan(
+                    indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                    self.page_size, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
+                )
+            self._keep(*keep)
             self._fence.record()
             st.end()
 

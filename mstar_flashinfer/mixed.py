@@ -118,10 +118,14 @@ class FlashInferMixedWrapper:
                     f"{name}.plan: {lay.prompt_rows} prompt rows (rows of more than one token) exceed "
                     f"max_prefill_rows={self.max_prefill_rows}; plan such a step with the prefill wrapper"
                 )
-            self._dec.plan(lay.dec_indptr, lay.dec_indices, lay.dec_last, dtype=dtype, kv_lens=lay.dec_lens,
-                           window_left=window_left, **kwargs)
-            self._pre.plan(lay.pre_qo, lay.pre_indptr, lay.pre_indices, lay.pre_last, causal=causal, dtype=dtype,
-                           kv_lens=lay.pre_lens, window_left=window_left, **kwargs)
+            try:
+                self._dec.plan(lay.dec_indptr, lay.dec_indices, lay.dec_last, dtype=dtype, kv_lens=lay.dec_lens,
+                               window_left=window_left, **kwargs)
+                self._pre.plan(lay.pre_qo, lay.pre_indptr, lay.pre_indices, lay.pre_last, causal=causal,
+                               dtype=dtype, kv_lens=lay.pre_lens, window_left=window_left, **kwargs)
+            except BaseException:
+                self._state = None  # one half may hold the new plan, the other the old: run neither
+                raise
             st = self._staging
             st.begin()
             self._row_token.copy_(st.put("row_token", lay.row_token, torch.int64), non_blocking=True)

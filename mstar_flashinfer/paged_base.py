@@ -9,6 +9,8 @@ wrote. The same wrapper object must be used at capture and at every replay.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -158,6 +160,17 @@ class PagedWrapperBase:
         view = bufs["kv_indices"][: indices.shape[0]]
         view.copy_(staged, non_blocking=True)
         return view
+
+    @contextlib.contextmanager
+    def _replacing_plan(self) -> Iterator[None]:
+        """Around FlashInfer's own ``plan``: a plan refused by our checks before it leaves the
+        previous plan whole (FlashInfer still holds it); one that fails inside it may have
+        changed FlashInfer's state, so ours is dropped and ``run`` says "before plan"."""
+        try:
+            yield
+        except BaseException:
+            self._state = None
+            raise
 
     def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
               kv_lens: np.ndarray | None) -> None:

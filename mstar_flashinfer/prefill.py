@@ -93,7 +93,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             qo, indptr = host_i32(qo_indptr), host_i32(paged_kv_indptr)
             indices, last = host_i32(paged_kv_indices), host_i32(paged_kv_last_page_len)
             lens = None if kv_lens is None else host_i32(kv_lens)
-            self._keep(qo, indptr, indices, last, lens)
+            keep = (qo, indptr, indices, last, lens)
             if self._bufs is not None:
                 self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices.shape[0])
                 qo, indptr, indices, last, lens = pad_rows(
@@ -104,10 +104,13 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             lens_s = None if lens is None else st.put("kv_lens", lens)
             indices_s = self._stage_indices(indices, self._bufs)
             self._fence.wait()
-            self._inner.plan(
-                qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
-            )
+            with self._replacing_plan():
+                self._inner.plan(
+                    qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                    self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
+                    **extras,
+                )
+            self._keep(*keep)
             self._fence.record()
             st.end()
 

@@ -31,7 +31,9 @@ def check_page_size(page_size: int) -> None:
 
 
 def check_geometry(num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
-    if num_kv_heads < 1 or num_qo_heads % num_kv_heads:
+    if head_dim < 1:
+        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+    if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
         raise ValueError(
             f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )

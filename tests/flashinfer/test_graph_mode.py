@@ -109,14 +109,35 @@ def test_per_slot_staging_keeps_the_previous_plans_arrays():
     """Plan N+1 stages into the other slot, so the host buffer plan N's async copy reads from is
     untouched while that copy may still be in flight."""
     w = _prefill()
-    seen = []
+    staged = []
     for i, (q, p) in enumerate([((2, 3), (1, 4)), ((4, 1, 1), (0, 8, 2)), ((1,), (30,))]):
         d = C.make_paged(case(q, p, seed=i), "cpu", F32)
         w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32)
-        seen.append((w._staging.slot, w._staging.buffer(w._staging.slot, "kv_indptr")[: 5].tolist()))
-    assert [s for s, _ in seen] == [0, 1, 0]
-    # after plan 2 (slot 1), slot 0 still holds plan 1's arrays until plan 3 reuses it
-    assert seen[0][1] != seen[1][1]
+        slot = w._staging.slot
+        n = d.kv_indptr.numel()
+        assert w._staging.buffer(slot, "kv_indptr")[:n].tolist() == d.kv_indptr.tolist()
+        staged.append((slot, d.kv_indptr.tolist()))
+        if i == 1:
+            # plan 2 went to slot 1 and left slot 0 -- plan 1's copy source -- exactly as it was
+            s0, want = staged[0]
+            assert s0 == 0 and w._staging.buffer(0, "kv_indptr")[: len(want)].tolist() == want
+    assert [s for s, _ in staged] == [0, 1, 0]
+
+
+def test_a_plan_refused_by_our_checks_leaves_the_previous_plan_whole():
+    """A refused plan leaves nothing of itself behind: the token count and write locations are
+    still those of the previous plan, which FlashInfer still holds."""
+    w = _prefill(batch=2, tokens=8, pages=8)
+    d = C.make_paged(case((3, 2), (2, 0)), "cpu", F32)
+    w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32)
+    before = w.kv_write_locations()
+    big = C.make_paged(case((9,), (0,)), "cpu", F32)
+    with pytest.raises(ValueError, match="max_total_tokens=8"):
+        w.plan(big.qo_indptr, big.kv_indptr, big.kv_indices, big.last_page_len, dtype=F32)
+    assert w.planned_tokens == 5
+    after = w.kv_write_locations()
+    assert torch.equal(after.pages, before.pages) and torch.equal(after.offsets, before.offsets)
+    assert err(w.run(d.q, d.layer), oracle(case((3, 2), (2, 0)), d)) < 2e-5
 
 
 def test_eager_plans_then_run_and_write_locations():

@@ -32,7 +32,15 @@ def test_other_head_dims_are_refused_on_cuda_only(d):
 
 
 def test_supported_set_is_what_the_sm90_kernels_assert():
-    assert SUPPORTED_HEAD_DIMS == (64, 128, 256)
+    """Of every head_dim up to 512, CUDA accepts exactly the three the kernels are built for."""
+    accepted = []
+    for d in range(1, 513):
+        try:
+            check_flashinfer_head_dim(d, "cuda")
+            accepted.append(d)
+        except ValueError:
+            pass
+    assert accepted == [64, 128, 256] == list(SUPPORTED_HEAD_DIMS)
 
 
 @pytest.mark.parametrize("build", [
@@ -66,3 +74,8 @@ def test_page_size_refused(ps):
 def test_heads_must_group():
     with pytest.raises(ValueError, match=r"num_qo_heads \(6\) must be a positive multiple of num_kv_heads \(4\)"):
         FlashInferDecodeWrapper(WS, 6, 4, 64, 16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"num_qo_heads \(0\) must be a positive multiple of num_kv_heads \(2\)"):
+        FlashInferDecodeWrapper(WS, 0, 2, 64, 16, device=torch.device("cpu"))
+    with pytest.raises(ValueError, match="head_dim must be >= 1, got 0"):
+        FlashInferPrefillWrapper(WS, 4, 2, 0, 16, device=torch.device("cpu"))
+

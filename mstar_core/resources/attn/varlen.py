@@ -43,11 +43,13 @@ class VarlenPrefixedWrapper:
         workspace_buffer: torch.Tensor | None = None,
         backend: str = "auto",
     ) -> None:
-        if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
-        if head_dim % self.head_dim_multiple or head_dim > self.max_head_dim:
+        if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
+            raise ValueError(
+                f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
+        if head_dim < 1 or head_dim % self.head_dim_multiple or head_dim > self.max_head_dim:
             rule = f"a multiple of {self.head_dim_multiple} and " if self.head_dim_multiple > 1 else ""
-            raise ValueError(f"{self.library} varlen attention needs head_dim {rule}<= {self.max_head_dim}, got {head_dim}")
+            raise ValueError(f"{self.library} varlen attention needs head_dim {rule}in 1..{self.max_head_dim}, "
+                             f"got {head_dim}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         # Imported here, not at module import: the plugin must load where the library is not installed.
