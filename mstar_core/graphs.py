@@ -5,8 +5,9 @@ Warm-up captures, for every bucket and slot, one graph of the model's forward ov
 requests (one token each), sized through every resource's ``build_accelerator_graph_buffers``;
 the dummies are cleared with ``reset_request(free=True)`` afterwards and every resource's
 ``post_warmup_validate`` runs. A step is replayed when it is decode-only, every resource
-``can_capture()`` and a bucket holds its rows; any other step (prefill, mixed, the dense
-manager) runs eagerly through the same resources.
+``can_capture()``, a bucket holds its rows and its mask parameters (``AttentionStep``) are the
+ones captured; any other step (prefill, mixed, the dense manager, another window) runs eagerly
+through the same resources.
 
 Slots alternate between consecutive graph steps: step N+1 is planned into the other slot's
 buffers and wrappers, so nothing step N's replay reads is overwritten (seed 000's
@@ -23,7 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .runner import Node
-from .step import AdmitOutcome, KVSpan, KVStep, Step, StepContext
+from .step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -69,7 +70,8 @@ class GraphRunner:
     """Decode steps of one label through captured graphs, others eagerly."""
 
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
-                 label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16) -> None:
+                 label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
+                 attn: AttentionStep = AttentionStep()) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
         double = [r.name for r in node.resources if r.force_double_buffer]
@@ -85,6 +87,9 @@ class GraphRunner:
         self.label = label
         self.slots = slots
         self.max_seq_len = max_seq_len
+        # The mask parameters the graphs are captured with: a replay reuses the kernel arguments
+        # recorded at capture, so only steps with these exact parameters are replayed.
+        self.attn = attn
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._next_slot = 0
         self.enabled = False
@@ -115,7 +120,7 @@ class GraphRunner:
         try:
             for d in dummies:
                 self.node.ingest_request(d)
-            step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)))
+            step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)), self.attn)
             ctx = StepContext(slot=slot, bucket=bucket)
             outcome = self.node.admit(step, ctx)
             if not outcome:
@@ -143,6 +148,9 @@ class GraphRunner:
         """Admit and plan ``step`` (host work: this is what overlaps step N's replay)."""
         rows = len(step.kv.spans)
         decode = all(s.num_tokens == 1 for s in step.kv.spans) and step.kv.labels == (self.label,)
+        if self.enabled and decode and step.attn != self.attn:
+            log.debug("decode step with %s runs eagerly: graphs were captured with %s", step.attn, self.attn)
+            decode = False
         bucket = self.bucket_for(rows) if (self.enabled and decode) else None
         ctx = StepContext() if bucket is None else StepContext(slot=self._next_slot, bucket=bucket)
         outcome = self.node.admit(step, ctx)

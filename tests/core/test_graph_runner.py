@@ -94,3 +94,21 @@ def test_a_refused_graph_step_does_not_take_a_slot():
     node.remove_request("hog")
     second = runner.prepare(decode)
     assert second.outcome and second.ctx.slot == 1
+
+
+def test_a_decode_step_with_other_mask_parameters_runs_eagerly():
+    """A replay reuses the kernel arguments recorded at capture: a step asking for another
+    window must not be replayed with the captured one."""
+    from mstar_core import AttentionStep
+
+    model, kv, node, runner = build()
+    runner.warmup()
+    for r in ("a", "b"):
+        node.ingest_request(r)
+    runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 3), KVSpan("b", "text", 3))))),
+                  torch.tensor([1, 2, 3, 4, 5, 6]))
+    windowed = Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1))), AttentionStep(window_left=1))
+    prep = runner.prepare(windowed)
+    assert prep.graph is None and prep.ctx.bucket is None
+    runner.launch(prep, torch.tensor([7, 8]))
+    assert runner.prepare(Step(windowed.kv)).graph is not None  # the captured parameters replay
