@@ -96,8 +96,9 @@ class GraphRunner:
 
     @property
     def supports_preplan(self) -> bool:
-        """Whether every resource lets the host plan step N+1 while step N is in flight."""
-        return all(r.supports_preplan for r in self.node.resources)
+        """Whether the host may plan step N+1 while step N is in flight: graphs are captured (a
+        graph step plans into its own slot) and every resource says it supports it."""
+        return self.enabled and all(r.supports_preplan for r in self.node.resources)
 
     def warmup(self) -> None:
         """Capture every (bucket, slot) graph, or none when a resource cannot be captured; then

@@ -72,7 +72,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     for cap in CAPABILITIES:
         try:
             sel = select_backend(capabilities=(cap,), requested="auto", device=device, dtype=dtype,
-                                 head_dim=head_dim, registry=registry)
+                                 head_dim=head_dim, registry=registry, honor_env=False)
             auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
         except BackendUnavailable as e:
             auto[cap] = {"pick": None, "rejected": e.reasons}

@@ -90,7 +90,8 @@ def config_backend(config: Mapping[str, Any] | str | os.PathLike[str] | None) ->
     return value
 
 
-def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None) -> tuple[str, str]:
+def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None,
+                      honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
     the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
     the log says what it overrode; without it the argument wins, then config, then "auto"."""
@@ -100,7 +101,7 @@ def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | o
     else:
         configured, where = config_backend(config), "config"
         configured = configured.strip() if configured is not None else None
-    env = os.environ.get(ENV_BACKEND, "").strip()
+    env = os.environ.get(ENV_BACKEND, "").strip() if honor_env else ""
     if env:
         if configured is not None and configured not in (env, AUTO):
             log.warning("%s=%s overrides the %s's backend %r", ENV_BACKEND, env, where, configured)
@@ -168,18 +169,20 @@ def select_backend(
     head_dim: int | None = 64,
     config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     registry: Registry | None = None,
+    honor_env: bool = True,
 ) -> Selection:
     """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
     those checks. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
     ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
-    Raises ``BackendUnavailable``."""
+    ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
+    the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
     capabilities = tuple(capabilities)
     unknown = [c for c in capabilities if c not in CAPABILITIES]
     if unknown or not capabilities:
         raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(capabilities)}")
     registry = registry or get_registry()
     device = as_device(device)
-    name, source = resolve_requested(requested, config)
+    name, source = resolve_requested(requested, config, honor_env)
     if name == AUTO:
         return _select_auto(registry, capabilities, device, dtype, head_dim, source)
     return _select_named(registry, name, source, capabilities, device, dtype, head_dim)

@@ -147,8 +147,9 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
     preplan = o.preplan and runner.supports_preplan
     if o.preplan and not preplan:
         blockers = [r.name for r in s.node.resources if not r.supports_preplan]
-        log.warning("pre-plan off: resources %s do not support planning ahead (eager paged attention "
-                    "plans into wrappers the running step reads; use --graphs)", blockers)
+        why = f"resources {blockers} do not support it" if blockers else "graphs were not captured"
+        log.warning("pre-plan off: %s (eager paged attention plans into the wrappers the running step "
+                    "reads; use --graphs)", why)
     host: list[float] = []
     marks: list[float | torch.cuda.Event] = []
     prep = runner.prepare(decode) if preplan else None

@@ -88,6 +88,32 @@ def test_per_request_cycle_commit_keeps_other_requests_fresh_slots():
     mgr.post_warmup_validate()
 
 
+def test_a_step_committed_after_its_request_was_reset_is_dropped():
+    """Reset between admit and commit: the stream restarts at 0 and the stale step's tokens do
+    not count (the paged manager drops such a span too, so the two stay in agreement)."""
+    mgr = BoundedKVManager(CFG, "cpu")
+    gen = torch.Generator().manual_seed(3)
+    mgr.ingest_request("a")
+    run(mgr, bstep(("a", 3)), gen)
+    s, ctx = bstep(("a", 1)), StepContext()
+    assert mgr.admit(s, ctx)
+    mgr.plan(s, ctx)
+    mgr.reset_request("a")
+    mgr.commit(s, ctx)
+    assert mgr.length("a") == 0 and "bounded" not in ctx.admitted
+    mgr.remove_request("a")  # and after remove + re-admit, an old rollback frees nothing
+    mgr.ingest_request("a")
+    old, c_old = bstep(("a", 1)), StepContext()
+    assert mgr.admit(old, c_old)
+    slot = mgr.slot_of("a")
+    mgr.remove_request("a")
+    mgr.ingest_request("a")
+    assert mgr.admit(bstep(("a", 1)), StepContext()) and mgr.slot_of("a") == slot
+    mgr.rollback_admit(old, c_old)
+    assert mgr.slot_of("a") == slot and mgr.num_free_slots == 1
+    mgr.post_warmup_validate()
+
+
 def test_remove_then_readmit_reuses_slot_without_stale_keys(bk):
     mgr = BoundedKVManager(CFG, "cpu")
     sc = bk.Scenario(CFG, mgr, bk.StreamOracle(CFG), seed=5)

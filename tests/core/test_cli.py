@@ -50,3 +50,20 @@ def test_bench_help_documents_every_option():
     for opt in ("--layers", "--qo-heads", "--kv-heads", "--head-dim", "--batch", "--context", "--backend",
                 "--graphs", "--preplan", "--json"):
         assert opt in text
+
+
+def test_bench_preplan_without_graphs_stays_off_and_says_why(capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    assert main(["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--preplan", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["preplan"] is False and res["graphs"] is False
+    assert "pre-plan off: resources ['attn'] do not support it" in caplog.text
+
+
+def test_bench_options_are_checked_by_name(capsys):
+    assert main(["bench", "--batch", "0"]) == 2
+    assert "bench: batch must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "--qo-heads", "6", "--kv-heads", "4"]) == 2
+    assert "qo_heads (6) must be a multiple of kv_heads (4)" in capsys.readouterr().err

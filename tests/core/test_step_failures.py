@@ -77,6 +77,35 @@ def test_rollback_and_commit_skip_streams_reset_or_removed_after_admit():
     kv.post_warmup_validate()
 
 
+def test_a_stale_step_after_reset_and_readmit_touches_nothing_of_the_new_one():
+    """Step A is admitted, the request is reset and step B admitted on the fresh stream (often
+    on the very pages A had): A's late commit or rollback must leave B alone."""
+    kv = small_kv(max_pages=8, page_size=4)
+    kv.ingest_request("r")
+
+    def step(n):
+        return Step(KVStep((KVSpan("r", "t", n),)))
+
+    for late in ("commit", "rollback"):
+        kv.reset_request("r")
+        s0, c0 = step(4), StepContext()
+        assert kv.admit(s0, c0)
+        kv.commit(s0, c0)
+        a, ca = step(1), StepContext()
+        assert kv.admit(a, ca)
+        kv.reset_request("r")
+        b, cb = step(5), StepContext()
+        assert kv.admit(b, cb)
+        b_pages = list(kv.stream("r", "t").pages)
+        getattr(kv, "commit" if late == "commit" else "rollback_admit")(a, ca)
+        assert kv.stream("r", "t").pages == b_pages and kv.stream("r", "t").length == 0, late
+        with pytest.raises(RuntimeError, match="neither committed nor rolled back"):
+            kv.admit(step(1), StepContext())  # B is still in flight
+        kv.commit(b, cb)
+        assert kv.stream("r", "t").length == 5 and kv.num_free_pages == 8 - 2, late
+        kv.post_warmup_validate()
+
+
 def test_a_stream_cannot_be_admitted_twice_before_commit():
     kv = small_kv()
     kv.ingest_request("a")

@@ -289,6 +289,13 @@ def test_bad_config_files_and_values_are_named(reg, tmp_path):
         select_backend(PAGED, device="cpu", config={"attention": {"backend": 3}}, registry=reg)
 
 
+def test_dense_rule_is_the_rule_whatever_the_env_says(reg, monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "fa3")
+    assert dense_selection("cpu", registry=reg).name == "reference"
+    with pytest.raises(BackendUnavailable, match="from env MSTAR_ATTENTION_BACKEND"):
+        select_backend(("prefixed_ragged",), device="cpu", registry=reg)  # a manager's selection obeys it
+
+
 def test_clear_probe_cache_also_forgets_the_dense_rule(reg, fake_gpu, fake_installed, fa3_kernel):
     fake_gpu("sm90")
     fake_installed({})

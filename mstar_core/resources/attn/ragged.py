@@ -43,10 +43,10 @@ def dense_selection(
         hit = registry.derived.get(key)
     if hit is not None:
         return hit
-    # requested="auto" on purpose: this is the rule itself; a named backend goes through
-    # select_backend with the name.
+    # requested="auto", env ignored, on purpose: this is the rule itself. A named backend, and the
+    # operator's MSTAR_ATTENTION_BACKEND, apply where a manager selects (DenseAttentionManager.build).
     sel = select_backend(capabilities=(CAPABILITY,), requested="auto", device=device, dtype=dtype,
-                         head_dim=head_dim, registry=registry)
+                         head_dim=head_dim, registry=registry, honor_env=False)
     log.info("dense_or_flashinfer(%s): %s (%s)%s", device_key(device), sel.name, sel.backend.label,
              f"; passed over {format_rejected(sel.rejected)}" if sel.rejected else "")
     with _lock:

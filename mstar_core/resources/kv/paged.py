@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -26,6 +27,17 @@ from .streams import CacheStream
 from ...staging import SlotStaging
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class _Admitted:
+    """What one step's admit did (kept in ``ctx.admitted``): the pages it took per stream, the
+    streams it created, and the stream objects it admitted (a reset replaces the object, so a
+    stale commit or rollback is recognised by identity)."""
+
+    taken: dict[tuple[str, str], list[int]]
+    created: list[tuple[str, str]]
+    streams: dict[tuple[str, str], CacheStream]
 
 
 def i32(values: list[int]) -> torch.Tensor:
@@ -62,8 +74,9 @@ class KVManager(Resource):
         self._staging: SlotStaging | None = None
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
-        # Streams with an admitted step not yet committed or rolled back.
-        self._in_flight: set[tuple[str, str]] = set()
+        # Streams with an admitted step not yet committed or rolled back (the stream object
+        # that step admitted: a reset replaces it).
+        self._in_flight: dict[tuple[str, str], CacheStream] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -94,12 +107,11 @@ class KVManager(Resource):
 
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
-            self._in_flight.discard(key)
-            s = self.streams[key]
-            self.pool.give_back(s.pages)
-            s.pages = []
-            s.length = 0
-            s.generation = next(self._generations)
+            self._in_flight.pop(key, None)
+            self.pool.give_back(self.streams[key].pages)
+            # A new object, not the old one emptied: a step admitted before the reset holds the
+            # old one, and its commit or rollback recognise by identity that it is stale.
+            self.streams[key] = CacheStream(*key, generation=next(self._generations))
 
     def reset_request(self, rid: str, free: bool = False) -> None:
         """Return the request's pages to the pool, set its streams' length to 0 and bump their
@@ -200,28 +212,48 @@ class KVManager(Resource):
                 pages = self.pool.take(n)
                 self.streams[key].pages.extend(pages)
                 taken[key] = pages
-        ctx.admitted[self.name] = (taken, created)
-        self._in_flight.update(need)
+            self._in_flight[key] = self.streams[key]
+        ctx.admitted[self.name] = _Admitted(taken, created, {k: self.streams[k] for k in need})
         return AdmitOutcome.ok()
+
+    def _live(self, ctx: StepContext, key: tuple[str, str]) -> CacheStream | None:
+        """The stream ``key`` if it is still the one this step admitted (not reset, removed or
+        re-created since); None otherwise. Without an admit record: the stream as it is."""
+        rec: _Admitted | None = ctx.admitted.get(self.name)
+        if rec is None:
+            return self.streams.get(key)
+        stream = rec.streams.get(key)
+        return stream if stream is not None and self.streams.get(key) is stream else None
+
+    def _land(self, ctx: StepContext, keys: tuple[tuple[str, str], ...]) -> None:
+        """The step is over (committed or rolled back): its streams are no longer in flight."""
+        for key in keys:
+            live = self._live(ctx, key)
+            if live is not None and self._in_flight.get(key) is live:
+                del self._in_flight[key]
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Return exactly the pages this step's admit took, and drop streams it created. A
         stream reset or removed since the admit already gave its pages back: it is skipped."""
-        taken, created = ctx.admitted.pop(self.name, ({}, []))
-        self._in_flight.difference_update(step.kv.keys())
-        for key, pages in taken.items():
-            stream = self.streams.get(key)
-            # The step's pages are the tail of the stream's list: admit appended them. Anything
-            # else means a reset/remove in between returned them (and they may be reused).
-            if stream is None or stream.pages[-len(pages):] != pages:
+        rec: _Admitted | None = ctx.admitted.get(self.name)
+        if rec is None:
+            return
+        self._land(ctx, step.kv.keys())
+        for key, pages in rec.taken.items():
+            stream = self._live(ctx, key)
+            if stream is None:
+                # reset or removed after the admit: its pages went back then (and may be reused)
                 log.debug("rollback_admit: stream %s was reset or removed after admit; nothing to return", key)
                 continue
+            # The step's pages are the tail of the stream's list: admit appended them.
+            assert stream.pages[-len(pages):] == pages, f"stream {key}: pages changed between admit and rollback"
             del stream.pages[-len(pages):]
             self.pool.give_back(pages)
-        for key in created:
-            stream = self.streams.get(key)
+        for key in rec.created:
+            stream = self._live(ctx, key)
             if stream is not None and not stream.pages and not stream.length:
                 del self.streams[key]
+        del ctx.admitted[self.name]
 
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
         self._check_spans(step)
@@ -332,9 +364,9 @@ class KVManager(Resource):
         tokens. A span whose stream was reset or removed after the admit is dropped: its
         pages went back to the pool with the reset, so there is nothing to commit to."""
         ps = self.config.page_size
-        self._in_flight.difference_update(step.kv.keys())
+        self._land(ctx, step.kv.keys())
         for s in step.kv.spans:
-            stream = self.streams.get((s.request_id, s.label))
+            stream = self._live(ctx, (s.request_id, s.label))
             if stream is None or len(stream.pages) < _pages_for(stream.length + s.num_tokens, ps):
                 log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
                          s.request_id, s.label)

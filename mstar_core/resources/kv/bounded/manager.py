@@ -24,8 +24,10 @@ few are free); ``rollback_admit`` frees exactly those; ``plan`` builds the table
 
 from __future__ import annotations
 
+import itertools
 import logging
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +43,15 @@ from .positions import BoundedStep, bounded_part
 log = logging.getLogger(__name__)
 
 __all__ = ["BoundedKVManager", "BoundedPlan"]
+
+
+@dataclass
+class _Admitted:
+    """What admits into one context did: the requests that took a slot fresh, and each admitted
+    request's epoch (to recognise a reset or re-admission before commit / rollback)."""
+
+    fresh: list[str] = field(default_factory=list)
+    epochs: dict[str, int] = field(default_factory=dict)
 
 
 class BoundedKVManager(Resource):
@@ -68,6 +79,10 @@ class BoundedKVManager(Resource):
         # slot -> the start of a step whose keys ``attend`` wrote into the ring but which was never
         # committed: the ring no longer holds the keys that slot's committed length says.
         self._uncommitted_writes: dict[int, int] = {}
+        # rid -> a manager-wide unique number, new whenever the request takes a slot or is reset:
+        # a step admitted before that is recognised as stale at its commit / rollback.
+        self._epoch: dict[str, int] = {}
+        self._epochs = itertools.count(1)
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
@@ -111,6 +126,7 @@ class BoundedKVManager(Resource):
         self._requests.setdefault(rid, dict(overrides or {}))
 
     def _release(self, rid: str) -> None:
+        self._epoch.pop(rid, None)
         slot = self._slot.pop(rid, None)
         if slot is not None:
             self._uncommitted_writes.pop(slot, None)
@@ -127,6 +143,7 @@ class BoundedKVManager(Resource):
             self._requests.pop(rid, None)
         elif rid in self._length:
             self._length[rid] = 0
+            self._epoch[rid] = next(self._epochs)
             self._uncommitted_writes.pop(self._slot[rid], None)  # position 0 retains nothing
 
     def remove_request(self, rid: str) -> None:
@@ -159,21 +176,40 @@ class BoundedKVManager(Resource):
         for rid in fresh:
             self._slot[rid] = self._free.pop()
             self._length[rid] = 0
-        ctx.admitted.setdefault(self.name, []).extend(fresh)
+            self._epoch[rid] = next(self._epochs)
+        # One context may gather several admits (seed 004's per-request cycle): merge.
+        rec = ctx.admitted.setdefault(self.name, _Admitted())
+        rec.fresh.extend(fresh)
+        rec.epochs.update({rid: self._epoch[rid] for rid in part.request_ids})
         return AdmitOutcome.ok()
+
+    def _current_epoch(self, ctx: StepContext, rid: str) -> bool:
+        """Whether ``rid`` is still as this context's admit found it (not reset or removed and
+        re-admitted since). Without an admit record: yes."""
+        rec: _Admitted | None = ctx.admitted.get(self.name)
+        return rec is None or rid not in rec.epochs or rec.epochs[rid] == self._epoch.get(rid)
+
+    def _forget_admitted(self, ctx: StepContext, rids: set[str]) -> None:
+        rec: _Admitted | None = ctx.admitted.get(self.name)
+        if rec is None:
+            return
+        rec.fresh[:] = [r for r in rec.fresh if r not in rids]
+        for r in rids:
+            rec.epochs.pop(r, None)
+        if not rec.fresh and not rec.epochs:
+            del ctx.admitted[self.name]
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Free the slots this step's admit took fresh; a slot a request already held stays
         with it."""
         mine = set(bounded_part(step).request_ids)
-        taken = ctx.admitted.get(self.name, [])
-        for rid in [r for r in taken if r in mine]:
-            self._release(rid)
-        rest = [r for r in taken if r not in mine]
-        if rest:
-            ctx.admitted[self.name] = rest
-        else:
-            ctx.admitted.pop(self.name, None)
+        rec: _Admitted | None = ctx.admitted.get(self.name)
+        for rid in [r for r in (rec.fresh if rec else []) if r in mine]:
+            if self._current_epoch(ctx, rid):
+                self._release(rid)
+            else:  # reset or re-admitted since: the slot is no longer this step's to give back
+                log.debug("%s: rollback_admit: request %r changed since admit; its slot stays", self.name, rid)
+        self._forget_admitted(ctx, mine)
 
     def plan(self, step: Step, ctx: StepContext) -> BoundedPlan:
         """The step's table (ret is immutable and opaque to the runner; it only goes to
@@ -245,17 +281,16 @@ class BoundedKVManager(Resource):
         """Record the step's consumption: committed streams advance by their tokens."""
         part = bounded_part(step)
         for p in part.positions:
+            if not self._current_epoch(ctx, p.request_id):
+                log.info("%s: commit: request %r was reset or removed after admit; its span is dropped",
+                         self.name, p.request_id)
+                continue
             if p.commit and p.request_id in self._length:
                 self._length[p.request_id] += p.num_tokens
                 self._uncommitted_writes.pop(self._slot[p.request_id], None)
         # Only this step's requests: in the per-request cycle (seed 004's admit note) one
         # context may still hold the fresh slots of requests whose turn has not come.
-        mine = set(part.request_ids)
-        rest = [r for r in ctx.admitted.get(self.name, []) if r not in mine]
-        if rest:
-            ctx.admitted[self.name] = rest
-        else:
-            ctx.admitted.pop(self.name, None)
+        self._forget_admitted(ctx, set(part.request_ids))
 
     # -- data --------------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -380,5 +415,6 @@ class BoundedKVManager(Resource):
         self._graph_tables.clear()
         self._retired.clear()
         self._uncommitted_writes.clear()
+        self._epoch.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None
