@@ -74,12 +74,12 @@ class GraphRunner:
                  attn: AttentionStep = AttentionStep()) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
+        if slots < 1:
+            raise ValueError(f"GraphRunner: slots must be >= 1, got {slots}")
         double = [r.name for r in node.resources if r.force_double_buffer]
-        if slots < 1 or (double and slots < 2):
+        if double and slots < 2:
             raise ValueError(
-                f"GraphRunner: slots={slots}; resources {double} force double-buffered staging, so at least 2"
-                if double else f"GraphRunner: slots must be >= 1, got {slots}"
-            )
+                f"GraphRunner: slots={slots}; resources {double} force double-buffered staging, so at least 2")
         self.node = node
         self.forward = forward
         self.buckets = sorted(set(buckets))

@@ -35,6 +35,11 @@ def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[st
             "q_data_type": dtype, "kv_data_type": kv_dtype}
 
 
+# A plan's host arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
+# kv_indices, last_page_len, kv_lens (None: derived from the pages).
+HostPlan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+
+
 @dataclass
 class PlanState:
     """A plan's host arrays (the caller's rows, before any padding), for write locations."""
@@ -162,15 +167,23 @@ class PagedWrapperBase:
         return view
 
     @contextlib.contextmanager
-    def _replacing_plan(self) -> Iterator[None]:
-        """Around FlashInfer's own ``plan``: a plan refused by our checks before it leaves the
-        previous plan whole (FlashInfer still holds it); one that fails inside it may have
-        changed FlashInfer's state, so ours is dropped and ``run`` says "before plan"."""
+    def _plan_slot(self, keep: HostPlan) -> Iterator[Staging]:
+        """One plan's staging slot, around staging the host arrays and FlashInfer's own ``plan``.
+        On success the plan's host arrays ``keep`` become this wrapper's state. A plan refused by
+        our checks before this leaves the previous plan whole (FlashInfer still holds it); one that
+        fails in here may have changed FlashInfer's state, so ours is dropped and ``run`` says
+        "before plan". Either way the copies already issued from the slot are fenced."""
+        st = self._staging
+        st.begin()
         try:
-            yield
+            yield st
+            self._keep(*keep)
         except BaseException:
             self._state = None
             raise
+        finally:
+            self._fence.record()
+            st.end()
 
     def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
               kv_lens: np.ndarray | None) -> None:

@@ -98,25 +98,17 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices.shape[0])
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
-            st = self._staging
-            st.begin()
-            try:
+            with self._plan_slot(keep) as st:
                 qo_s, indptr_s = st.put("qo_indptr", qo), st.put("kv_indptr", indptr)
                 last_s = st.put("last_page_len", last)
                 lens_s = None if lens is None else st.put("kv_lens", lens)
                 indices_s = self._stage_indices(indices, self._bufs)
                 self._fence.wait()
-                with self._replacing_plan():
-                    self._inner.plan(
-                        qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                        self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
-                        **extras,
-                    )
-                self._keep(*keep)
-            finally:
-                # even after a failed plan: fence the copies already issued from this slot
-                self._fence.record()
-                st.end()
+                self._inner.plan(
+                    qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                    self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
+                    **extras,
+                )
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
         """Run planned batched prefill attention.

@@ -6,8 +6,8 @@ from __future__ import annotations
 import logging
 import threading
 import warnings
-from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any, TypeVar
 
 import pluggy
 import torch
@@ -18,6 +18,7 @@ from .discovery import LoadedPlugin, PluginError, PluginFailure
 from .spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")
+T = TypeVar("T")
 
 
 class Registry:
@@ -44,8 +45,8 @@ class Registry:
             None if allowlist is None else frozenset(allowlist))
         self._probe_cache: dict[tuple[str, str], tuple[str, ...]] = {}
         # Answers derived from probes (dense_or_flashinfer's selections): they live and die with
-        # this registry and are forgotten with the probe cache.
-        self.derived: dict[Any, Any] = {}
+        # this registry and are forgotten with the probe cache (see ``derived``).
+        self._derived: dict[Any, Any] = {}
         self._lock = threading.Lock()
         if discover:
             self.discover()
@@ -161,11 +162,21 @@ class Registry:
             self._probe_cache[key] = reasons
         return reasons
 
+    def derived(self, key: Any, compute: Callable[[], T]) -> T:
+        """``compute()``'s answer, cached with the probe results it is derived from (computed
+        outside the lock: it may probe)."""
+        with self._lock:
+            if key in self._derived:
+                return self._derived[key]
+        value = compute()
+        with self._lock:
+            return self._derived.setdefault(key, value)
+
     def clear_probe_cache(self) -> None:
         """Forget probe results and what was derived from them (after installing a kernel library)."""
         with self._lock:
             self._probe_cache.clear()
-            self.derived.clear()
+            self._derived.clear()
 
     def device_reasons(self, name: str, device: torch.device | str | None = None) -> list[str]:
         """Reasons from the device alone: kind, availability, architecture, then the probe."""

@@ -13,6 +13,7 @@ import torch
 
 from ..graphs import GraphRunner
 from ..model import TinyDecoder, TinyDecoderConfig
+from ..resource import as_dtype
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
 from ..resources.kv import KVConfig, KVManager
 from ..runner import Node
@@ -77,10 +78,7 @@ class BenchResult:
 def _dtype(name: str, device: torch.device) -> torch.dtype:
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-    if name not in table:
-        raise ValueError(f"--dtype {name!r} is not supported; choose one of {['auto', *table]}")
-    return table[name]
+    return as_dtype(name)
 
 
 @dataclass

@@ -72,16 +72,22 @@ def test_graphs_off_when_a_resource_cannot_capture():
     assert kv.num_free_pages == free0 and kv.sink_page is None  # no graph buffers built for nothing
 
 
-def test_a_refused_graph_step_does_not_take_a_slot():
-    """Slots alternate between graph steps that run: a refusal in between must not make the
-    next step plan into the slot the running step's replay reads."""
+def warm_with_two_prompts():
+    """Graphs captured; requests "a" and "b" hold 3 prompt tokens each. Returns (kv, node,
+    runner, the decode step of both)."""
     _, kv, node, runner = build()
     runner.warmup()
     for r in ("a", "b"):
         node.ingest_request(r)
     runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 3), KVSpan("b", "text", 3))))),
                   torch.tensor([1, 2, 3, 4, 5, 6]))
-    decode = Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1))))
+    return kv, node, runner, Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1))))
+
+
+def test_a_refused_graph_step_does_not_take_a_slot():
+    """Slots alternate between graph steps that run: a refusal in between must not make the
+    next step plan into the slot the running step's replay reads."""
+    kv, node, runner, decode = warm_with_two_prompts()
     first = runner.prepare(decode)
     assert first.ctx.slot == 0
     runner.launch(first, torch.tensor([1, 2]))
@@ -101,13 +107,8 @@ def test_a_decode_step_with_other_mask_parameters_runs_eagerly():
     window must not be replayed with the captured one."""
     from mstar_core import AttentionStep
 
-    model, kv, node, runner = build()
-    runner.warmup()
-    for r in ("a", "b"):
-        node.ingest_request(r)
-    runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 3), KVSpan("b", "text", 3))))),
-                  torch.tensor([1, 2, 3, 4, 5, 6]))
-    windowed = Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1))), AttentionStep(window_left=1))
+    _, _, runner, decode = warm_with_two_prompts()
+    windowed = Step(decode.kv, AttentionStep(window_left=1))
     prep = runner.prepare(windowed)
     assert prep.graph is None and prep.ctx.bucket is None
     runner.launch(prep, torch.tensor([7, 8]))

@@ -10,7 +10,6 @@ head_dim). ``AttentionManager.build`` passes the returned class.
 from __future__ import annotations
 
 import logging
-import threading
 from typing import Any
 
 import torch
@@ -23,8 +22,6 @@ log = logging.getLogger("mstar.registry")
 
 CAPABILITY = "prefixed_ragged"
 
-_lock = threading.Lock()
-
 
 def dense_selection(
     device: torch.device | str | None,
@@ -36,22 +33,19 @@ def dense_selection(
     ``dtype``/``head_dim`` None judge the device alone."""
     device = as_device(device)
     registry = registry or get_registry()
-    # Cached on the registry itself: a new registry (reset_registry) or clear_probe_cache() starts
-    # afresh, and no id() of a dead registry can alias a live one.
-    key = (CAPABILITY, device_key(device), dtype, head_dim)
-    with _lock:
-        hit = registry.derived.get(key)
-    if hit is not None:
-        return hit
-    # requested="auto", env ignored, on purpose: this is the rule itself. A named backend, and the
-    # operator's MSTAR_ATTENTION_BACKEND, apply where a manager selects (DenseAttentionManager.build).
-    sel = select_backend(capabilities=(CAPABILITY,), requested="auto", device=device, dtype=dtype,
-                         head_dim=head_dim, registry=registry, honor_env=False)
-    log.info("dense_or_flashinfer(%s): %s (%s)%s", device_key(device), sel.name, sel.backend.label,
-             f"; passed over {format_rejected(sel.rejected)}" if sel.rejected else "")
-    with _lock:
-        registry.derived[key] = sel
-    return sel
+
+    def select() -> Selection:
+        # requested="auto", env ignored, on purpose: this is the rule itself. A named backend, and
+        # the operator's MSTAR_ATTENTION_BACKEND, apply where a manager selects
+        # (DenseAttentionManager.build).
+        sel = select_backend(capabilities=(CAPABILITY,), requested="auto", device=device, dtype=dtype,
+                             head_dim=head_dim, registry=registry, honor_env=False)
+        log.info("dense_or_flashinfer(%s): %s (%s)%s", device_key(device), sel.name, sel.backend.label,
+                 f"; passed over {format_rejected(sel.rejected)}" if sel.rejected else "")
+        return sel
+
+    # Cached on the registry: a new registry (reset_registry) or clear_probe_cache() starts afresh.
+    return registry.derived((CAPABILITY, device_key(device), dtype, head_dim), select)
 
 
 def dense_or_flashinfer(
@@ -64,10 +58,3 @@ def dense_or_flashinfer(
     """The prefixed ragged wrapper class for ``device`` (see the module doc for the rule)."""
     return dense_selection(device, dtype, head_dim, registry).classes[CAPABILITY]
 
-
-def clear_cache(registry: Registry | None = None) -> None:
-    """Forget the cached dense selections of ``registry`` (the process-wide one by default)."""
-    registry = registry or get_registry()
-    with _lock:
-        for key in [k for k in registry.derived if k[0] == CAPABILITY]:
-            del registry.derived[key]

@@ -74,9 +74,6 @@ class KVManager(Resource):
         self._staging: SlotStaging | None = None
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
-        # Streams with an admitted step not yet committed or rolled back (the stream object
-        # that step admitted: a reset replaces it).
-        self._in_flight: dict[tuple[str, str], CacheStream] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -107,7 +104,6 @@ class KVManager(Resource):
 
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
-            self._in_flight.pop(key, None)
             self.pool.give_back(self.streams[key].pages)
             # A new object, not the old one emptied: a step admitted before the reset holds the
             # old one, and its commit or rollback recognise by identity that it is stale.
@@ -177,7 +173,7 @@ class KVManager(Resource):
         flight: admitting it again before that step's ``commit`` or ``rollback_admit`` is an
         error (both steps would plan the same positions)."""
         self._check_spans(step)
-        busy = [k for k in step.kv.keys() if k in self._in_flight]
+        busy = [k for k in step.kv.keys() if k in self.streams and self.streams[k].in_flight]
         if busy:
             raise RuntimeError(
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
@@ -212,7 +208,7 @@ class KVManager(Resource):
                 pages = self.pool.take(n)
                 self.streams[key].pages.extend(pages)
                 taken[key] = pages
-            self._in_flight[key] = self.streams[key]
+            self.streams[key].in_flight = True
         ctx.admitted[self.name] = _Admitted(taken, created, {k: self.streams[k] for k in need})
         return AdmitOutcome.ok()
 
@@ -229,8 +225,8 @@ class KVManager(Resource):
         """The step is over (committed or rolled back): its streams are no longer in flight."""
         for key in keys:
             live = self._live(ctx, key)
-            if live is not None and self._in_flight.get(key) is live:
-                del self._in_flight[key]
+            if live is not None:
+                live.in_flight = False
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Return exactly the pages this step's admit took, and drop streams it created. A
@@ -422,7 +418,6 @@ class KVManager(Resource):
 
     def cleanup(self) -> None:
         self.streams.clear()
-        self._in_flight.clear()
         self._requests.clear()
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)

@@ -19,3 +19,6 @@ class CacheStream:
     pages: list[int] = field(default_factory=list)
     length: int = 0  # committed tokens
     generation: int = 0  # unique across the manager: a re-created stream never repeats one
+    # An admitted step is neither committed nor rolled back. A reset replaces the object, so the
+    # mark goes with the stream it was set on.
+    in_flight: bool = False

@@ -79,6 +79,7 @@ class BoundedKVManager(Resource):
         # slot -> the start of a step whose keys ``attend`` wrote into the ring but which was never
         # committed: the ring no longer holds the keys that slot's committed length says.
         self._uncommitted_writes: dict[int, int] = {}
+        self._marked: BoundedPlan | None = None  # the plan whose writes were last marked (once, not per layer)
         # rid -> a manager-wide unique number, new whenever the request takes a slot or is reset:
         # a step admitted before that is recognised as stale at its commit / rollback.
         self._epoch: dict[str, int] = {}
@@ -183,7 +184,7 @@ class BoundedKVManager(Resource):
         rec.epochs.update({rid: self._epoch[rid] for rid in part.request_ids})
         return AdmitOutcome.ok()
 
-    def _current_epoch(self, ctx: StepContext, rid: str) -> bool:
+    def _unchanged_since_admit(self, ctx: StepContext, rid: str) -> bool:
         """Whether ``rid`` is still as this context's admit found it (not reset or removed and
         re-admitted since). Without an admit record: yes."""
         rec: _Admitted | None = ctx.admitted.get(self.name)
@@ -205,7 +206,7 @@ class BoundedKVManager(Resource):
         mine = set(bounded_part(step).request_ids)
         rec: _Admitted | None = ctx.admitted.get(self.name)
         for rid in [r for r in (rec.fresh if rec else []) if r in mine]:
-            if self._current_epoch(ctx, rid):
+            if self._unchanged_since_admit(ctx, rid):
                 self._release(rid)
             else:  # reset or re-admitted since: the slot is no longer this step's to give back
                 log.debug("%s: rollback_admit: request %r changed since admit; its slot stays", self.name, rid)
@@ -281,7 +282,7 @@ class BoundedKVManager(Resource):
         """Record the step's consumption: committed streams advance by their tokens."""
         part = bounded_part(step)
         for p in part.positions:
-            if not self._current_epoch(ctx, p.request_id):
+            if not self._unchanged_since_admit(ctx, p.request_id):
                 log.info("%s: commit: request %r was reset or removed after admit; its span is dropped",
                          self.name, p.request_id)
                 continue
@@ -336,9 +337,10 @@ class BoundedKVManager(Resource):
             rel_bias=rel_bias, sm_scale=self.sm_scale, ieee=ieee, impl=self.impl,
         )
         bounded_write(layer, k, v, plan.table, **geo, impl=self.impl)
-        for slot, lay, _ in plan.rows:
-            if lay.commit and lay.num_tokens:
-                self._uncommitted_writes[slot] = lay.start  # cleared by this step's commit
+        if plan is not self._marked:  # every layer writes the same slots: mark them at the first
+            self._marked = plan
+            self._uncommitted_writes.update(
+                (slot, lay.start) for slot, lay, _ in plan.rows if lay.commit and lay.num_tokens)
         return out
 
     def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
@@ -415,6 +417,7 @@ class BoundedKVManager(Resource):
         self._graph_tables.clear()
         self._retired.clear()
         self._uncommitted_writes.clear()
+        self._marked = None
         self._epoch.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None
