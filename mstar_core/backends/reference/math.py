@@ -1,8 +1,32 @@
-"""Vectorised attention over padded rows: the reference backend's one piece of arithmetic.
+"""Attention over padded rows: the reference backend's one piece of arithmetic.
 
-Rows are padded to the longest query and key length of the batch; masks remove the padding,
-apply the causal mask aligned bottom-right (query i of a row with q_len queries and kv_len keys
-sits at position ``kv_len - q_len + i``) and ``window_left``. No Python loop over tokens.
+Rows are padded to the longest query and key length of their *row chunk*; masks remove the
+padding, apply the causal mask aligned bottom-right (query i of a row with q_len queries and
+kv_len keys sits at position ``kv_len - q_len + i``) and ``window_left``. No Python loop over
+tokens: one vectorised pass per scores block.
+
+Non-finite values (the rule every reference caller gets):
+
+- a key slot ``j >= kv_len`` of a row (padding, a freed page, another row's page) never
+  influences that row, whatever it holds;
+- a query that sees no key returns zeros (whatever the query holds);
+- a NaN/inf in a query, or in the K or V of a key that query sees (inside its causal/window
+  mask), makes that query's output NaN for the heads reading it, never a silent 0;
+- a non-finite key of the row that a query does not see (causal future, outside its window)
+  does not affect that query. (Masked scores are filled with -inf, non-finite V is zeroed for
+  the product, and the queries that see a non-finite K/V, or hold a non-finite value, are then
+  set to NaN explicitly.)
+
+Memory: :func:`build_padding` splits the rows into consecutive chunks and, where one row is
+too long, its queries into blocks, so that one block's scores (``rows x Hq x queries x keys``)
+plus its padded queries/outputs hold at most ``SCORES_BUDGET`` elements (each lives in a few
+temporaries: scores, probabilities) and one chunk's gathered K/V at most ``SCORES_BUDGET``
+elements too, unless one row's keys alone exceed it. So extra memory beyond the inputs is at
+most about ``SCORES_BUDGET`` scores plus one row chunk's gathered K/V; a single query row over
+max_k keys (all heads) is the floor. No ``[rows, max_q, max_k]`` mask is kept: each block's
+mask is computed from per-row q_len/kv_len, causal and window when it runs. A batch that fits
+the budget is one block, as fast as a single padded pass. Results are exact (a full softmax per
+query), accumulated in float32 (float64 for float64 inputs) and returned in ``q``'s dtype.
 """
 
 from __future__ import annotations
@@ -12,82 +36,232 @@ from dataclasses import dataclass
 
 import torch
 
+# Elements one scores block (plus its padded queries/outputs) may hold, and one row chunk's
+# gathered K/V. Read by build_padding at plan time; tests monkeypatch it.
+SCORES_BUDGET = 1 << 24
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """Rows ``r0:r1`` (tokens ``t0:t1`` of the packed queries), padded to ``max_q`` queries and
+    ``max_k`` keys, computed ``q_step`` queries at a time. All tensors on the compute device."""
+
+    r0: int
+    r1: int
+    t0: int
+    t1: int
+    max_q: int
+    max_k: int
+    q_step: int
+    row_of: torch.Tensor | None  # [t1 - t0] row within the chunk; None when every row has max_q queries
+    within: torch.Tensor | None  # [t1 - t0] query index within its row
+    kv_lens: torch.Tensor  # [rows, 1, 1] int64
+    q_start: torch.Tensor  # [rows, 1, 1] int64: position of each row's query 0 (kv_len - q_len)
+    qi: torch.Tensor  # [1, max_q, 1] int64 arange
+    kj: torch.Tensor  # [1, 1, max_k] int64 arange
+
+    @property
+    def rows(self) -> int:
+        return self.r1 - self.r0
+
 
 @dataclass(frozen=True)
 class Padding:
-    """Where each packed query token sits in the padded ``[rows, max_q]`` grid, and the mask
-    every layer of the step reuses. All on the compute device."""
+    """Where each packed query token sits, and how the batch is cut into row chunks and query
+    blocks. Holds per-token and per-row index tensors only (no mask, nothing of size
+    ``max_q * max_k``). All on the compute device."""
 
     row_of: torch.Tensor  # [tokens] int64
     within: torch.Tensor  # [tokens] int64
-    mask: torch.Tensor  # [rows, 1, 1, max_q, max_k] bool: True where a query may attend
+    q_lens: torch.Tensor  # [rows] int64
+    kv_lens: torch.Tensor  # [rows] int64
     rows: int
     max_q: int
     max_k: int
+    causal: bool
+    window_left: int
+    heads: tuple[int, int, int]  # (Hq, Hkv, D) the chunking was sized for
+    chunks: tuple[Chunk, ...]
+
+
+def _row_chunks(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int, budget: int
+                ) -> list[tuple[int, int, int, int]]:
+    """``(r0, r1, max_q, max_k)`` of consecutive row chunks within the budget (see the module
+    docstring). A row without queries counts no keys: nothing of it is computed."""
+    rows = len(q_lens)
+    keys = [k if q else 0 for q, k in zip(q_lens, kv_lens)]
+
+    def fits(n: int, m: int, k: int) -> bool:
+        return n * m * hq * (k + d) <= budget and n * k * 2 * hkv * d <= budget
+
+    if rows == 0:
+        return []
+    if fits(rows, max(q_lens), max(keys)):
+        return [(0, rows, max(q_lens), max(keys))]
+    out = []
+    r0 = 0
+    while r0 < rows:
+        m, k, r1 = q_lens[r0], keys[r0], r0 + 1
+        while r1 < rows:
+            m2, k2 = max(m, q_lens[r1]), max(k, keys[r1])
+            if not fits(r1 + 1 - r0, m2, k2):
+                break
+            m, k, r1 = m2, k2, r1 + 1
+        out.append((r0, r1, m, k))
+        r0 = r1
+    return out
 
 
 def build_padding(
-    q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, window_left: int, device: torch.device
+    q_lens: torch.Tensor, kv_lens: torch.Tensor, causal: bool, window_left: int, device: torch.device, *,
+    num_qo_heads: int, num_kv_heads: int, head_dim: int, budget: int | None = None,
 ) -> Padding:
-    """``q_lens``/``kv_lens``: int64 host tensors, one entry per row."""
-    q_lens = q_lens.to(device=device, dtype=torch.int64)
-    kv_lens = kv_lens.to(device=device, dtype=torch.int64)
-    rows = int(q_lens.numel())
-    max_q = int(q_lens.max()) if rows else 0
-    max_k = int(kv_lens.max()) if rows else 0
-    qo_indptr = torch.zeros(rows + 1, dtype=torch.int64, device=device)
-    qo_indptr[1:] = torch.cumsum(q_lens, 0)
-    total = int(qo_indptr[-1]) if rows else 0
+    """``q_lens``/``kv_lens``: int64 host tensors, one entry per row. The heads and head dim
+    size the chunks; ``budget`` defaults to the module's ``SCORES_BUDGET``."""
+    device = torch.device(device)
+    budget = SCORES_BUDGET if budget is None else int(budget)
+    ql_host = q_lens.cpu().to(torch.int64)
+    kl_host = kv_lens.cpu().to(torch.int64)
+    ql, kl = ql_host.tolist(), kl_host.tolist()
+    rows = len(ql)
+    max_q = max(ql, default=0)
+    max_k = max(kl, default=0)
+    q_lens = ql_host.to(device)
+    kv_lens = kl_host.to(device)
+    qo_host = [0]
+    for n in ql:
+        qo_host.append(qo_host[-1] + n)
+    qo_indptr = torch.tensor(qo_host, dtype=torch.int64, device=device)
     row_of = torch.repeat_interleave(torch.arange(rows, device=device), q_lens)
-    within = torch.arange(total, device=device) - qo_indptr[row_of]
-    qi = torch.arange(max_q, device=device)[None, :, None]
-    kj = torch.arange(max_k, device=device)[None, None, :]
-    mask = kj < kv_lens[:, None, None]
-    qpos = (kv_lens - q_lens)[:, None, None] + qi
+    within = torch.arange(qo_host[-1], device=device) - qo_indptr[row_of]
+    q_start = kv_lens - q_lens
+    chunks = []
+    for r0, r1, m, k in _row_chunks(ql, kl, num_qo_heads, num_kv_heads, head_dim, budget):
+        if m == 0:
+            continue  # no queries: nothing to compute
+        n = r1 - r0
+        t0, t1 = qo_host[r0], qo_host[r1]
+        step = min(m, max(1, budget // (n * num_qo_heads * (k + head_dim))))
+        uniform = all(x == m for x in ql[r0:r1])
+        if uniform:
+            c_row_of = c_within = None
+        elif n == rows:
+            c_row_of, c_within = row_of, within
+        else:
+            c_row_of, c_within = row_of[t0:t1] - r0, within[t0:t1]
+        chunks.append(Chunk(
+            r0, r1, t0, t1, m, k, step, c_row_of, c_within,
+            kv_lens[r0:r1, None, None], q_start[r0:r1, None, None],
+            torch.arange(m, device=device)[None, :, None], torch.arange(k, device=device)[None, None, :],
+        ))
+    return Padding(row_of, within, q_lens, kv_lens, rows, max_q, max_k, causal, window_left,
+                   (num_qo_heads, num_kv_heads, head_dim), tuple(chunks))
+
+
+def _block_mask(c: Chunk, a: int, b: int, causal: bool, window_left: int) -> torch.Tensor:
+    """``[rows, b - a, max_k]`` bool: True where query ``a..b-1`` of each row of ``c`` may attend."""
+    mask = c.kj < c.kv_lens  # [rows, 1, K]
+    qpos = c.q_start + c.qi[:, a:b]  # [rows, qb, 1]
     if causal:
-        mask = mask & (kj <= qpos)
+        mask = mask & (c.kj <= qpos)
     if window_left >= 0:
-        mask = mask & (kj >= qpos - window_left)
-    return Padding(row_of, within, mask[:, None, None], rows, max_q, max_k)
+        mask = mask & (c.kj >= qpos - window_left)
+    return mask.expand(c.rows, b - a, c.max_k)
 
 
 def attend_padded(
-    q: torch.Tensor, k_pad: torch.Tensor, v_pad: torch.Tensor, pad: Padding, sm_scale: float | None
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Padding, sm_scale: float | None,
+    slots: tuple[tuple[torch.Tensor, ...], ...] | None = None,
 ) -> torch.Tensor:
-    """``q`` packed ``[tokens, Hq, D]``; ``k_pad``/``v_pad`` ``[rows, max_k, Hkv, D]``.
-    Returns ``[tokens, Hq, D]`` in ``q``'s dtype; a query that sees no key gets zeros."""
+    """``q`` packed ``[tokens, Hq, D]``. Keys: with ``slots`` None, ``k``/``v`` are padded
+    ``[rows, >= max_k, Hkv, D]``; otherwise ``k[slots[i]]`` / ``v[slots[i]]`` is chunk i's
+    ``[chunk rows, chunk max_k, Hkv, D]`` (see :func:`gather_paged_slots`,
+    :func:`gather_ragged_slots`). Returns ``[tokens, Hq, D]`` in ``q``'s dtype; a query that sees
+    no key gets zeros; non-finite values follow the module docstring's rule."""
     tokens, hq, d = q.shape
-    hkv = k_pad.shape[2]
+    hkv = k.shape[-2]
     g = hq // hkv
+    if (hq, hkv, d) != pad.heads:
+        raise ValueError(f"attend_padded: q/k give (Hq, Hkv, D) = {(hq, hkv, d)}, the plan was built for {pad.heads}")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    q_pad = q.new_zeros((pad.rows, pad.max_q, hq, d), dtype=acc)
-    q_pad[pad.row_of, pad.within] = q.to(acc)
-    # [rows, Hkv, G, max_q, D] x [rows, Hkv, 1, D, max_k]: query head h reads kv head h // G.
-    qh = q_pad.view(pad.rows, pad.max_q, hkv, g, d).permute(0, 2, 3, 1, 4)
-    kh = k_pad.to(acc).permute(0, 2, 3, 1)[:, :, None]
-    vh = v_pad.to(acc).permute(0, 2, 1, 3)[:, :, None]
-    scores = torch.matmul(qh, kh) * scale
-    scores = scores.masked_fill(~pad.mask, float("-inf"))
-    probs = torch.softmax(scores, dim=-1)
-    probs = torch.nan_to_num(probs, nan=0.0)  # rows that see no key: all -inf -> NaN -> 0
-    out = torch.matmul(probs, vh)  # [rows, Hkv, G, max_q, D]
-    out = out.permute(0, 3, 1, 2, 4).reshape(pad.rows, pad.max_q, hq, d)
-    return out[pad.row_of, pad.within].to(q.dtype)
+    out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
+    for i, c in enumerate(pad.chunks):
+        n, m = c.rows, c.max_q
+        if slots is None:
+            k_c, v_c = k[c.r0:c.r1, :c.max_k], v[c.r0:c.r1, :c.max_k]
+        else:
+            k_c, v_c = k[slots[i]], v[slots[i]]
+        k_c, v_c = k_c.to(acc), v_c.to(acc)
+        # [rows, K, Hkv]: keys whose K or V holds a NaN/inf; V zeroed there so that probability 0
+        # times it stays 0, the queries that see them are set to NaN below.
+        bad_kv = (~(torch.isfinite(k_c).all(-1) & torch.isfinite(v_c).all(-1))).to(acc)
+        kh = k_c.permute(0, 2, 3, 1)[:, :, None]  # [rows, Hkv, 1, D, K]
+        vh = torch.nan_to_num(v_c, nan=0.0, posinf=0.0, neginf=0.0).permute(0, 2, 1, 3)[:, :, None]
+        if c.row_of is None:
+            q_c = q[c.t0:c.t1].view(n, m, hq, d)
+            o_c = out[c.t0:c.t1].view(n, m, hq, d)
+        else:
+            q_c = q.new_zeros((n, m, hq, d), dtype=acc)
+            q_c[c.row_of, c.within] = q[c.t0:c.t1].to(acc)
+            o_c = None
+        for a in range(0, m, c.q_step):
+            b = min(m, a + c.q_step)
+            qb = b - a
+            q_blk = q_c[:, a:b].to(acc)
+            mask = _block_mask(c, a, b, pad.causal, pad.window_left)
+            # [rows, Hkv, G, qb, D] x [rows, Hkv, 1, D, K]: query head h reads kv head h // G.
+            qh = q_blk.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4)
+            scores = torch.matmul(qh, kh).mul_(scale)
+            scores.masked_fill_(~mask[:, None, None], float("-inf"))
+            probs = torch.softmax(scores, dim=-1)
+            del scores
+            o = torch.matmul(probs, vh).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
+            del probs
+            seen = mask.any(-1)  # [rows, qb]
+            poison = ~torch.isfinite(q_blk).all(-1).view(n, qb, hkv, g)
+            poison |= (torch.matmul(mask.to(acc), bad_kv) > 0)[..., None]  # sees a bad key
+            o = o.masked_fill(poison[..., None], float("nan"))
+            o = o.masked_fill(~seen[:, :, None, None, None], 0.0).reshape(n, qb, hq, d)
+            if o_c is not None:
+                o_c[:, a:b] = o
+            else:
+                out[c.t0:c.t1] = o[c.row_of, c.within]
+    return out
 
 
 def gather_paged_slots(
-    kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor, page_size: int, max_k: int,
-    device: torch.device,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Page id and in-page offset of key j of each row, ``[rows, max_k]`` each (padding reads
-    page ``kv_indices[0]`` or 0; the mask hides it)."""
+    pad: Padding, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, page_size: int,
+) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+    """Per chunk of ``pad``: page id and in-page offset of key j of each of its rows,
+    ``[chunk rows, chunk max_k]`` and ``[1, chunk max_k]``, to index a ``[pages, page_size, ...]``
+    view. Slots past a row's kv_len read page ``kv_indices[0]``; they never influence it."""
+    device = pad.kv_lens.device
     kv_indptr = kv_indptr.to(device=device, dtype=torch.int64)
     kv_indices = kv_indices.to(device=device, dtype=torch.int64)
-    rows = kv_indptr.numel() - 1
-    j = torch.arange(max_k, device=device)[None, :]
-    page_slot = kv_indptr[:-1, None] + j // page_size
-    valid = j < kv_lens.to(device=device, dtype=torch.int64)[:, None]
-    page_slot = torch.where(valid, page_slot, torch.zeros_like(page_slot))
-    pages = kv_indices[page_slot] if kv_indices.numel() else torch.zeros((rows, max_k), dtype=torch.int64, device=device)
-    return pages, (j % page_size).expand(rows, max_k)
+    out = []
+    for c in pad.chunks:
+        j = c.kj[0]  # [1, K]
+        page_slot = kv_indptr[c.r0:c.r1, None] + j // page_size
+        valid = j < c.kv_lens[:, :, 0]
+        page_slot = torch.where(valid, page_slot, torch.zeros_like(page_slot))
+        if kv_indices.numel():
+            pages = kv_indices[page_slot]
+        else:
+            pages = torch.zeros((c.rows, c.max_k), dtype=torch.int64, device=device)
+        out.append((pages, j % page_size))
+    return tuple(out)
+
+
+def gather_ragged_slots(pad: Padding, cu_k: torch.Tensor) -> tuple[tuple[torch.Tensor], ...]:
+    """Per chunk of ``pad``: the index into packed ``[total keys, ...]`` K/V of key j of each of
+    its rows, ``[chunk rows, chunk max_k]`` (``cu_k`` the rows' key offsets, ``rows + 1``
+    entries). Slots past a row's kv_len read key ``cu_k[0]``; they never influence it."""
+    device = pad.kv_lens.device
+    cu_k = cu_k.to(device=device, dtype=torch.int64)
+    out = []
+    for c in pad.chunks:
+        j = c.kj[0]  # [1, K]
+        idx = cu_k[c.r0:c.r1, None] + j
+        out.append((torch.where(j < c.kv_lens[:, :, 0], idx, cu_k[:1, None]),))
+    return tuple(out)

@@ -1,6 +1,7 @@
 """Reference paged wrappers: seed 001's constructor, ``plan`` and ``run`` signatures, in plain
-PyTorch on any device. ``plan`` does every index computation once; ``run`` (per layer) gathers
-the keys and computes."""
+PyTorch on any device. ``plan`` does every index computation once (row chunks, query blocks and
+each chunk's page slots, see :mod:`.math`); ``run`` (per layer) gathers each chunk's keys and
+computes, with no host sync."""
 
 from __future__ import annotations
 
@@ -48,7 +49,7 @@ class ReferencePrefillWrapper:
         self.accelerator_graph = accelerator_graph
         self.batch_size = batch_size
         self._pad: Padding | None = None
-        self._slots: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._slots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         self._sm_scale: float | None = None
 
     def plan(
@@ -67,8 +68,9 @@ class ReferencePrefillWrapper:
         indptr = paged_kv_indptr.cpu().to(torch.int64)
         lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)
         q_lens = qo_indptr[1:] - qo_indptr[:-1]
-        self._pad = build_padding(q_lens, lens, causal, window_left, self.device)
-        self._slots = gather_paged_slots(indptr, paged_kv_indices, lens, self.page_size, self._pad.max_k, self.device)
+        self._pad = build_padding(q_lens, lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
+                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        self._slots = gather_paged_slots(self._pad, indptr, paged_kv_indices, self.page_size)
         self._sm_scale = kwargs.get("sm_scale")
         self._total = int(qo_indptr[-1])
 
@@ -89,10 +91,8 @@ class ReferencePrefillWrapper:
                 f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
                 f"[max_pages, {', '.join(map(str, want_kv))}] [pages, 2, page_size, Hkv, D]"
             )
-        pages, offs = self._slots
-        k = kv_cache_layer[pages, 0, offs]  # [rows, max_k, Hkv, D]
-        v = kv_cache_layer[pages, 1, offs]
-        return attend_padded(q, k, v, self._pad, self._sm_scale)
+        # [pages, page_size, Hkv, D] views; each chunk gathers its own keys through its slots
+        return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], self._pad, self._sm_scale, self._slots)
 
 
 class ReferenceDecodeWrapper(ReferencePrefillWrapper):

@@ -1,11 +1,12 @@
 """Reference prefixed ragged prefill: queries are each segment's fresh tokens, keys are
-[frozen prefix | fresh], packed by ``cu_k``."""
+[frozen prefix | fresh], packed by ``cu_k``. ``plan`` cuts the rows into chunks and computes each
+chunk's key index once; ``run`` gathers one chunk's keys at a time (see :mod:`.math`)."""
 
 from __future__ import annotations
 
 import torch
 
-from .math import Padding, attend_padded, build_padding
+from .math import Padding, attend_padded, build_padding, gather_ragged_slots
 
 
 class ReferencePrefixedPrefillWrapper:
@@ -23,6 +24,7 @@ class ReferencePrefixedPrefillWrapper:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self._pad: Padding | None = None
+        self._slots: tuple[tuple[torch.Tensor], ...] | None = None
 
     def plan(
         self,
@@ -38,9 +40,9 @@ class ReferencePrefixedPrefillWrapper:
         cu_q = torch.as_tensor(cu_q).cpu().to(torch.int64)
         cu_k = torch.as_tensor(cu_k).cpu().to(torch.int64)
         q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-        self._pad = build_padding(q_lens, k_lens, causal, window_left, self.device)
-        krow = torch.repeat_interleave(torch.arange(len(k_lens)), k_lens)
-        self._k_at = (krow.to(self.device), (torch.arange(int(cu_k[-1])) - cu_k[krow]).to(self.device))
+        self._pad = build_padding(q_lens, k_lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
+                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+        self._slots = gather_ragged_slots(self._pad, cu_k)
         self._sm_scale = sm_scale
         self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
 
@@ -56,10 +58,4 @@ class ReferencePrefixedPrefillWrapper:
                     f"ReferencePrefixedPrefillWrapper.run: {name} has shape {tuple(t.shape)}, expected {want} "
                     f"[tokens, heads, head_dim] (the plan has {tq} queries and {tk} keys)"
                 )
-        pad = self._pad
-        row, col = self._k_at
-        k_pad = k.new_zeros((pad.rows, pad.max_k, *k.shape[1:]))
-        v_pad = v.new_zeros((pad.rows, pad.max_k, *v.shape[1:]))
-        k_pad[row, col] = k
-        v_pad[row, col] = v
-        return attend_padded(q, k_pad, v_pad, pad, self._sm_scale)
+        return attend_padded(q, k, v, self._pad, self._sm_scale, self._slots)

@@ -6,7 +6,7 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mstar_core.backends.reference.math import attend_padded, build_padding, gather_paged_slots
+from mstar_core.backends.reference.math import attend_padded, build_padding, gather_paged_slots, gather_ragged_slots
 
 from .page import get_seq_lens
 
@@ -71,11 +71,12 @@ def paged_attention(
         k_cache, v_cache = k_cache.transpose(1, 2), v_cache.transpose(1, 2)
     page_size = k_cache.shape[1]
     kv_lens = get_seq_lens(indptr, last, page_size)
-    pad = build_padding(qo[1:] - qo[:-1], kv_lens, causal, window_left, q.device)
-    pages, offs = gather_paged_slots(indptr, kv_indices[: int(indptr[-1])], kv_lens, page_size, pad.max_k, q.device)
+    pad = build_padding(qo[1:] - qo[:-1], kv_lens, causal, window_left, q.device, num_qo_heads=q.shape[1],
+                        num_kv_heads=k_cache.shape[2], head_dim=q.shape[2])
+    slots = gather_paged_slots(pad, indptr, kv_indices[: int(indptr[-1])], page_size)
     a, b = int(qo[0]), int(qo[-1])
     if b > a:
-        out[a:b] = attend_padded(q[a:b], k_cache[pages, offs], v_cache[pages, offs], pad, sm_scale)
+        out[a:b] = attend_padded(q[a:b], k_cache, v_cache, pad, sm_scale, slots)
     return out
 
 
@@ -85,14 +86,10 @@ def ragged_attention(
 ) -> torch.Tensor:
     qo, kv = qo_indptr.cpu().long(), kv_indptr.cpu().long()
     k_lens = kv[1:] - kv[:-1]
-    pad = build_padding(qo[1:] - qo[:-1], k_lens, causal, window_left, q.device)
-    rows = torch.repeat_interleave(torch.arange(k_lens.numel()), k_lens)
-    cols = torch.arange(int(kv[-1]) - int(kv[0])) + kv[0] - kv[rows]
-    k_pad = k.new_zeros((pad.rows, pad.max_k, *k.shape[1:]))
-    v_pad = v.new_zeros((pad.rows, pad.max_k, *v.shape[1:]))
-    k_pad[rows.to(q.device), cols.to(q.device)] = k[int(kv[0]):int(kv[-1])]
-    v_pad[rows.to(q.device), cols.to(q.device)] = v[int(kv[0]):int(kv[-1])]
+    pad = build_padding(qo[1:] - qo[:-1], k_lens, causal, window_left, q.device, num_qo_heads=q.shape[1],
+                        num_kv_heads=k.shape[1], head_dim=q.shape[2])
+    slots = gather_ragged_slots(pad, kv)  # absolute indices into k/v
     a, b = int(qo[0]), int(qo[-1])
     if b > a:
-        out[a:b] = attend_padded(q[a:b], k_pad, v_pad, pad, sm_scale)
+        out[a:b] = attend_padded(q[a:b], k, v, pad, sm_scale, slots)
     return out
