@@ -119,10 +119,13 @@ def test_eager_plans_share_nothing_with_graph_buffers_or_each_other():
     assert p1.table.data_ptr() != p2.table.data_ptr() and not {p1.table.data_ptr(), p2.table.data_ptr()} & graph_ptrs
     assert p1.table[0, tb.NUM_TOKENS] == 2 and p2.table[0, tb.NUM_TOKENS] == 1  # the next plan left p1 alone
     assert all(b.tolist() == [list(tb.NOOP_ROW)] * 4 for b in mgr._graph_tables)
+    # Plan needs this context's admit: the admitted eager context, re-aimed at a graph slot.
+    c2.slot, c2.bucket = 2, 4
     with pytest.raises(ValueError, match="staging slot 2 out of range: 2 slots"):
-        mgr.plan(s2, StepContext(slot=2, bucket=4))
+        mgr.plan(s2, c2)
+    c2.slot, c2.bucket = 0, 8
     with pytest.raises(ValueError, match="bucket 8; the table buffers hold 4"):
-        mgr.plan(s2, StepContext(slot=0, bucket=8))
+        mgr.plan(s2, c2)
 
 
 def test_a_step_that_wrote_the_ring_must_commit_before_the_next_plan():
@@ -142,8 +145,11 @@ def test_a_step_that_wrote_the_ring_must_commit_before_the_next_plan():
         else:
             mgr.commit(s, ctx)
     assert mgr.slot_of("a") is not None and mgr.length("a") == 2
+    ctx = StepContext()
+    assert mgr.admit(s, ctx)
     with pytest.raises(RuntimeError, match=r"request 'a': a step from position 2 wrote its keys .* reset_request\('a'\)"):
-        mgr.plan(s, StepContext())
+        mgr.plan(s, ctx)
+    mgr.rollback_admit(s, ctx)  # what Node does when plan raises
     mgr.reset_request("a")
     ctx = StepContext()
     assert mgr.admit(s, ctx)
@@ -151,7 +157,9 @@ def test_a_step_that_wrote_the_ring_must_commit_before_the_next_plan():
     mgr.attend(0, q, q, q)
     mgr.commit(s, ctx)
     assert mgr.length("a") == 2
-    mgr.plan(bstep(("a", 1)), StepContext())  # committed: planning goes on
+    nxt, ctx = bstep(("a", 1)), StepContext()
+    assert mgr.admit(nxt, ctx)
+    mgr.plan(nxt, ctx)  # committed: planning goes on
 
 
 def test_row_source_slots_out_of_range_are_refused():

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -26,6 +27,13 @@ class BoundedKVConfig:
     query_window: int | None = None
 
     def __post_init__(self) -> None:
+        for name in ("num_layers", "max_slots", "rows", "num_heads", "head_dim", "sink", "window", "query_window"):
+            value = getattr(self, name)
+            if value is None and name == "query_window":
+                continue
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+                raise TypeError(f"BoundedKVConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+            object.__setattr__(self, name, int(value))  # e.g. a numpy integer: stored as int
         for name in ("num_layers", "max_slots", "rows", "num_heads", "head_dim", "window"):
             if getattr(self, name) < 1:
                 raise ValueError(f"BoundedKVConfig.{name} must be >= 1, got {getattr(self, name)}")

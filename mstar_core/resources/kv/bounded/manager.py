@@ -20,12 +20,30 @@ and its last ``window`` positions: the others would be overwritten within the st
 Lifecycle: ``admit`` takes slots for requests new to the pool (refusing, as a value, when too
 few are free); ``rollback_admit`` frees exactly those; ``plan`` builds the table; ``attend``
 (every layer) computes attention then writes the step's keys; ``commit`` advances each stream.
+
+What a step took is recorded in its ``StepContext`` and released exactly once:
+
+- ``admit`` records, per request, the request's epoch (a manager-wide number, new whenever the
+  request takes a slot or is reset) and whether it took its slot fresh. It is all or nothing:
+  an admit that raises (bad input, or any exception midway) leaves slots, lengths, epochs and
+  marks as they were. One context may gather admits of several different requests (seed 004's
+  per-request cycle), then plan / commit them request by request.
+- A request has at most one step in flight (admitted, neither committed nor rolled back):
+  admitting it again, in another context or the same one, is an error. A reset or remove ends
+  it (the stale step's commit then drops its span, its rollback gives back nothing).
+- ``plan`` needs this context's live admit of every request it plans. ``commit`` consumes the
+  record of its requests and raises where there is none (never admitted, committed already,
+  rolled back); ``rollback_admit`` without a record does nothing (a runner may roll back twice).
+- ``attend`` marks a slot whose ring it overwrote until the step commits; a mark is set only
+  where the plan's request still holds that slot in the plan's epoch, and taking, resetting or
+  freeing a slot clears it, so a mark never outlives its request.
 """
 
 from __future__ import annotations
 
 import itertools
 import logging
+import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -48,7 +66,8 @@ __all__ = ["BoundedKVManager", "BoundedPlan"]
 @dataclass
 class _Admitted:
     """What admits into one context did: the requests that took a slot fresh, and each admitted
-    request's epoch (to recognise a reset or re-admission before commit / rollback)."""
+    request's epoch (to recognise a reset or re-admission before commit / rollback). A request
+    is in ``epochs`` from its admit until its commit or rollback consumes the record."""
 
     fresh: list[str] = field(default_factory=list)
     epochs: dict[str, int] = field(default_factory=dict)
@@ -84,6 +103,8 @@ class BoundedKVManager(Resource):
         # a step admitted before that is recognised as stale at its commit / rollback.
         self._epoch: dict[str, int] = {}
         self._epochs = itertools.count(1)
+        # rid -> the epoch of its step in flight (admitted, neither committed nor rolled back).
+        self._in_flight: dict[str, int] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
@@ -128,6 +149,7 @@ class BoundedKVManager(Resource):
 
     def _release(self, rid: str) -> None:
         self._epoch.pop(rid, None)
+        self._in_flight.pop(rid, None)
         slot = self._slot.pop(rid, None)
         if slot is not None:
             self._uncommitted_writes.pop(slot, None)
@@ -145,6 +167,7 @@ class BoundedKVManager(Resource):
         elif rid in self._length:
             self._length[rid] = 0
             self._epoch[rid] = next(self._epochs)
+            self._in_flight.pop(rid, None)  # a step admitted before is stale: it no longer blocks
             self._uncommitted_writes.pop(self._slot[rid], None)  # position 0 retains nothing
 
     def remove_request(self, rid: str) -> None:
@@ -165,33 +188,56 @@ class BoundedKVManager(Resource):
 
     def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
         """Take a slot for each request new to the pool, all or nothing; a refusal names the
-        shortage (total, then each request that would need a slot)."""
+        shortage (total, then each request that would need a slot). Raises for a request that
+        already has a step in flight. An exception leaves the manager and ``ctx`` as they were:
+        the new state is built on copies and swapped in at the end."""
         part = self._part(step)
-        fresh = [rid for rid in part.request_ids if rid not in self._slot]
+        rids = part.request_ids
+        busy = [r for r in rids if r in self._in_flight]
+        if busy:
+            raise RuntimeError(
+                f"{self.name}: request(s) {busy} already have a step in flight (admitted, neither committed "
+                f"nor rolled back); commit or roll back that step before admitting again"
+            )
+        fresh = [rid for rid in rids if rid not in self._slot]
         free = len(self._free)
         if len(fresh) > free:
             return AdmitOutcome.refuse(
                 Shortage(self.name, "slots", len(fresh), free),
                 *(Shortage(self.name, "slots", 1, free, rid) for rid in fresh),
             )
+        old = self._record(ctx)
+        free_slots, slots, lengths, epochs = list(self._free), dict(self._slot), dict(self._length), dict(self._epoch)
+        marks, in_flight = dict(self._uncommitted_writes), dict(self._in_flight)
+        rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs))
         for rid in fresh:
-            self._slot[rid] = self._free.pop()
-            self._length[rid] = 0
-            self._epoch[rid] = next(self._epochs)
-        # One context may gather several admits (seed 004's per-request cycle): merge.
-        rec = ctx.admitted.setdefault(self.name, _Admitted())
-        rec.fresh.extend(fresh)
-        rec.epochs.update({rid: self._epoch[rid] for rid in part.request_ids})
+            slot = free_slots.pop()
+            slots[rid], lengths[rid], epochs[rid] = slot, 0, next(self._epochs)
+            marks.pop(slot, None)  # a fresh slot starts clean, whatever happened to it before
+        for rid in rids:
+            in_flight[rid] = rec.epochs[rid] = epochs[rid]
+        # One context may gather several admits (seed 004's per-request cycle): merge. A request
+        # removed and taken fresh again since an earlier admit here is listed once.
+        rec.fresh = [r for r in rec.fresh if r not in fresh] + fresh
+        ctx.admitted[self.name] = rec  # the one write that may fail (ctx is the caller's): first
+        self._free, self._slot, self._length, self._epoch = free_slots, slots, lengths, epochs
+        self._uncommitted_writes, self._in_flight = marks, in_flight
         return AdmitOutcome.ok()
 
-    def _unchanged_since_admit(self, ctx: StepContext, rid: str) -> bool:
-        """Whether ``rid`` is still as this context's admit found it (not reset or removed and
-        re-admitted since). Without an admit record: yes."""
-        rec: _Admitted | None = ctx.admitted.get(self.name)
-        return rec is None or rid not in rec.epochs or rec.epochs[rid] == self._epoch.get(rid)
+    def _record(self, ctx: StepContext) -> _Admitted | None:
+        rec = ctx.admitted.get(self.name)
+        if rec is not None and not isinstance(rec, _Admitted):
+            raise TypeError(f"{self.name}: ctx.admitted[{self.name!r}] is a {type(rec).__name__}, not this "
+                            f"manager's admit record: two resources share the name {self.name!r}?")
+        return rec
+
+    def _live(self, rec: _Admitted, rid: str) -> bool:
+        """Whether ``rid`` is still as the admit recorded in ``rec`` found it (not reset, or
+        removed and re-admitted, since)."""
+        return rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
 
     def _forget_admitted(self, ctx: StepContext, rids: set[str]) -> None:
-        rec: _Admitted | None = ctx.admitted.get(self.name)
+        rec = self._record(ctx)
         if rec is None:
             return
         rec.fresh[:] = [r for r in rec.fresh if r not in rids]
@@ -201,25 +247,45 @@ class BoundedKVManager(Resource):
             del ctx.admitted[self.name]
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
-        """Free the slots this step's admit took fresh; a slot a request already held stays
-        with it."""
-        mine = set(bounded_part(step).request_ids)
-        rec: _Admitted | None = ctx.admitted.get(self.name)
-        for rid in [r for r in (rec.fresh if rec else []) if r in mine]:
-            if self._unchanged_since_admit(ctx, rid):
+        """Free the slots this step's admit took fresh (a slot a request already held stays with
+        it) and end the step's time in flight. Without an admit record (never admitted, already
+        committed or rolled back): nothing to do."""
+        rec = self._record(ctx)
+        if rec is None:
+            return
+        mine = {r for r in bounded_part(step).request_ids if r in rec.epochs}
+        for rid in [r for r in rec.epochs if r in mine]:
+            if not self._live(rec, rid):  # reset or removed since: nothing of it is this step's now
+                log.debug("%s: rollback_admit: request %r changed since admit; nothing to give back", self.name, rid)
+            elif rid in rec.fresh:
                 self._release(rid)
-            else:  # reset or re-admitted since: the slot is no longer this step's to give back
-                log.debug("%s: rollback_admit: request %r changed since admit; its slot stays", self.name, rid)
+            else:
+                self._in_flight.pop(rid, None)
         self._forget_admitted(ctx, mine)
 
     def plan(self, step: Step, ctx: StepContext) -> BoundedPlan:
         """The step's table (ret is immutable and opaque to the runner; it only goes to
-        ``ctx.plan_results``)."""
+        ``ctx.plan_results``). Every request must have been admitted in ``ctx`` and be
+        unchanged since (not reset or removed)."""
         part = self._part(step)
+        rec = self._record(ctx)
+        missing = [r for r in part.request_ids if rec is None or r not in rec.epochs]
+        if missing:
+            raise RuntimeError(
+                f"{self.name}: plan before admit: request(s) {missing} have no admit in this context "
+                f"(never admitted here, or that step was already committed or rolled back)"
+            )
+        assert rec is not None
+        stale = [r for r in part.request_ids if not self._live(rec, r)]
+        if stale:
+            raise RuntimeError(
+                f"{self.name}: request(s) {stale} were reset or removed after this step's admit; "
+                f"roll the step back and admit it again"
+            )
         rows: list[tuple[int, RowLayout, int]] = []
         for p in part.positions:
             slot = self._slot.get(p.request_id)
-            if slot is None:
+            if slot is None:  # cannot happen for a live admit; kept as a loud guard
                 raise RuntimeError(f"{self.name}: plan before admit: request {p.request_id!r} holds no slot")
             length = self._length[p.request_id]
             if slot in self._uncommitted_writes:
@@ -243,6 +309,7 @@ class BoundedKVManager(Resource):
             max_span=max((lay.num_tokens for _, lay, _ in frozen), default=0),
             reads_source=any(src >= 0 for _, _, src in frozen),
             reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
+            owners=tuple((r, rec.epochs[r]) for r in part.request_ids),
         )
         self._current = plan
         return plan
@@ -273,22 +340,39 @@ class BoundedKVManager(Resource):
 
     @property
     def current(self) -> BoundedPlan:
-        """The latest plan (what ``attend`` uses when given none)."""
+        """What ``attend`` uses when given none: the plan of the step whose forward a runner is
+        running (:meth:`Node.bound`), else the latest plan."""
+        bound = self.bound_plan()
+        if bound is not None:
+            return bound
         if self._current is None:
             raise RuntimeError(f"{self.name}: no plan yet: call plan(step, ctx) first")
         return self._current
 
     def commit(self, step: Step, ctx: StepContext) -> None:
-        """Record the step's consumption: committed streams advance by their tokens."""
+        """Record the step's consumption: committed streams advance by their tokens. Consumes the
+        admit record of the step's requests; a request without one (never admitted, committed
+        already or rolled back) is an error, raised before anything changes. A request reset or
+        removed since its admit has its span dropped."""
         part = bounded_part(step)
+        rec = self._record(ctx)
+        missing = [r for r in part.request_ids if rec is None or r not in rec.epochs]
+        if missing:
+            raise RuntimeError(
+                f"{self.name}: commit of request(s) {missing} without a live admit in this context "
+                f"(never admitted, committed already, or rolled back): a step commits once, after its admit"
+            )
+        assert rec is not None or not part.positions
         for p in part.positions:
-            if not self._unchanged_since_admit(ctx, p.request_id):
+            rid = p.request_id
+            if rec is None or not self._live(rec, rid):
                 log.info("%s: commit: request %r was reset or removed after admit; its span is dropped",
-                         self.name, p.request_id)
+                         self.name, rid)
                 continue
-            if p.commit and p.request_id in self._length:
-                self._length[p.request_id] += p.num_tokens
-                self._uncommitted_writes.pop(self._slot[p.request_id], None)
+            self._in_flight.pop(rid, None)
+            if p.commit:
+                self._length[rid] += p.num_tokens
+                self._uncommitted_writes.pop(self._slot[rid], None)
         # Only this step's requests: in the per-request cycle (seed 004's admit note) one
         # context may still hold the fresh slots of requests whose turn has not come.
         self._forget_admitted(ctx, set(part.request_ids))
@@ -296,7 +380,31 @@ class BoundedKVManager(Resource):
     # -- data --------------------------------------------------------------------------------
     def layer(self, layer_idx: int) -> torch.Tensor:
         """One layer's slots, ``[max_slots, rows, H, cap, 2D]``."""
-        return self.storage[layer_idx]
+        return self.storage[self._layer_index(layer_idx, "layer")]
+
+    def _layer_index(self, layer_idx: object, where: str) -> int:
+        """``layer_idx`` checked: an int in ``0 .. num_layers - 1`` (no negative indexing: -1 must
+        not silently address the last layer)."""
+        n = self.config.num_layers
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+            raise TypeError(f"{self.name}.{where}: layer_idx must be an int in 0..{n - 1}, "
+                            f"got {type(layer_idx).__name__} {layer_idx!r}")
+        i = int(layer_idx)
+        if not 0 <= i < n:
+            raise IndexError(f"{self.name}.{where}: layer_idx {i} out of range: {n} layers (0..{n - 1})")
+        return i
+
+    def _check_tensors(self, **tensors: torch.Tensor | None) -> None:
+        """Each given tensor is a tensor on the cache's device."""
+        dev = self.storage.device
+        for name, t in tensors.items():
+            if t is None and name not in ("q", "k", "v"):
+                continue
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"{self.name}.attend: {name} must be a torch.Tensor, got {type(t).__name__}")
+            if t.device != dev:
+                raise ValueError(f"{self.name}.attend: {name} is on {t.device}, the cache on {dev}: "
+                                 f"q, k, v, source, row_source storage and rel_bias must be on the cache's device")
 
     def attend(
         self,
@@ -318,6 +426,13 @@ class BoundedKVManager(Resource):
         ``[B * rows, H, T, window + 1]``. Rows whose source is -1 read theirs from
         ``row_source = (storage [slots, rows, H, L, 2D], slots [>= B])``. ``q`` may have a
         multiple of the cache's heads (GQA)."""
+        layer_idx = self._layer_index(layer_idx, "attend")
+        if plan is not None and not isinstance(plan, BoundedPlan):
+            raise TypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
+        if row_source is not None and (not isinstance(row_source, tuple) or len(row_source) != 2):
+            raise TypeError(f"{self.name}.attend: row_source must be a (storage, slots) tuple, got {type(row_source).__name__}")
+        self._check_tensors(q=q, k=k, v=v, source=source, rel_bias=rel_bias,
+                            row_source_storage=None if row_source is None else row_source[0])
         plan = self.current if plan is None else plan
         cfg = self.config
         B = plan.batch
@@ -339,8 +454,11 @@ class BoundedKVManager(Resource):
         bounded_write(layer, k, v, plan.table, **geo, impl=self.impl)
         if plan is not self._marked:  # every layer writes the same slots: mark them at the first
             self._marked = plan
-            self._uncommitted_writes.update(
-                (slot, lay.start) for slot, lay, _ in plan.rows if lay.commit and lay.num_tokens)
+            # Only where the row's request still holds that slot in the plan's epoch: a request
+            # reset or removed since (its slot maybe free, or another's) gets no mark.
+            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners):
+                if lay.commit and lay.num_tokens and self._slot.get(rid) == slot and self._epoch.get(rid) == epoch:
+                    self._uncommitted_writes[slot] = lay.start
         return out
 
     def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
@@ -405,6 +523,12 @@ class BoundedKVManager(Resource):
         stray = [r for r in self._slot if r not in self._requests]
         if stray:
             raise RuntimeError(f"{self.name}: slots held by requests never ingested: {stray}")
+        loose = sorted(set(self._uncommitted_writes) - set(held))
+        if loose:
+            raise RuntimeError(f"{self.name}: uncommitted-write marks on slots no request holds: {loose}")
+        adrift = [r for r, e in self._in_flight.items() if self._epoch.get(r) != e]
+        if adrift:
+            raise RuntimeError(f"{self.name}: steps in flight for requests reset or without a slot: {adrift}")
         sizes = {b.shape[0] for b in self._graph_tables}
         if len(sizes) > 1:
             raise RuntimeError(f"{self.name}: graph table buffers differ in size: {sorted(sizes)}")
@@ -419,5 +543,6 @@ class BoundedKVManager(Resource):
         self._uncommitted_writes.clear()
         self._marked = None
         self._epoch.clear()
+        self._in_flight.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None

@@ -19,7 +19,10 @@ class BoundedPlan(NamedTuple):
     SOURCE code, -1 row source, -2 none). ``max_retained`` bounds the retained keys of any
     request, ``max_span`` its tokens this step (the ``T`` the step's tensors must cover);
     ``reads_source`` / ``reads_row_source`` say whether ``attend`` needs ``source`` /
-    ``row_source``."""
+    ``row_source``. ``owners`` is ``(request_id, epoch)`` per row, as the step's admit recorded
+    them: ``attend`` marks a row's slot as written-but-uncommitted only while that request still
+    holds the slot in that epoch (not reset or removed since), so a mark never outlives the
+    request. Rows past ``owners`` (padding) are never marked."""
 
     table: torch.Tensor
     rows: tuple[tuple[int, RowLayout, int], ...]
@@ -27,6 +30,7 @@ class BoundedPlan(NamedTuple):
     max_span: int
     reads_source: bool
     reads_row_source: bool
+    owners: tuple[tuple[str, int], ...] = ()
 
     def retained(self) -> torch.Tensor:
         """Each row's retained keys before its step, ``[rows]`` int32 on the device."""

@@ -8,6 +8,7 @@ A step carries it as ``Step(kv=..., extra=(("bounded", BoundedStep(...)),))``;
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from ....step import Step
@@ -36,12 +37,15 @@ class StreamPosition:
     commit: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"StreamPosition({self.request_id!r}): num_tokens must be >= 0, got {self.num_tokens}")
-        if self.source is not None and self.source < ROW_SOURCE:
-            raise ValueError(f"StreamPosition({self.request_id!r}): source must be None, -1 or >= 0, got {self.source}")
-        if self.source_len is not None and self.source_len < 0:
-            raise ValueError(f"StreamPosition({self.request_id!r}): source_len must be >= 0, got {self.source_len}")
+        who = f"StreamPosition({self.request_id!r})"
+        if not isinstance(self.request_id, str):
+            raise TypeError(f"{who}: request_id must be a str, got {type(self.request_id).__name__} {self.request_id!r}")
+        _set_int(self, who, "num_tokens", low=0, what=">= 0")
+        _set_int(self, who, "start", low=0, what="None or >= 0", optional=True)
+        _set_int(self, who, "source", low=ROW_SOURCE, what="None, -1 (row source) or >= 0", optional=True)
+        _set_int(self, who, "source_len", low=0, what="None or >= 0", optional=True)
+        if not isinstance(self.commit, bool):
+            raise TypeError(f"{who}: commit must be a bool, got {type(self.commit).__name__} {self.commit!r}")
 
     @property
     def source_code(self) -> int:
@@ -57,6 +61,12 @@ class BoundedStep:
     positions: tuple[StreamPosition, ...]
 
     def __post_init__(self) -> None:
+        if not isinstance(self.positions, (tuple, list)):
+            raise TypeError(f"BoundedStep: positions must be a tuple of StreamPosition, got {type(self.positions).__name__}")
+        object.__setattr__(self, "positions", tuple(self.positions))  # a list is taken, stored as a tuple
+        for i, p in enumerate(self.positions):
+            if not isinstance(p, StreamPosition):
+                raise TypeError(f"BoundedStep: positions[{i}] must be a StreamPosition, got {type(p).__name__} {p!r}")
         ids = [p.request_id for p in self.positions]
         if len(ids) != len(set(ids)):
             raise ValueError(f"BoundedStep: a request appears more than once: {ids}")
@@ -68,12 +78,30 @@ class BoundedStep:
 
 def bounded_part(step: Step) -> BoundedStep:
     """The step's bounded part, or one derived from its kv spans."""
+    if not isinstance(step, Step):
+        raise TypeError(f"expected a Step, got {type(step).__name__}")
     part = step.part(PART)
     if part is not None:
         if not isinstance(part, BoundedStep):
             raise TypeError(f"step part {PART!r} must be a BoundedStep, got {type(part).__name__}")
         return part
-    try:
-        return BoundedStep(tuple(StreamPosition(s.request_id, s.num_tokens, commit=s.commit) for s in step.kv.spans))
-    except ValueError as e:
-        raise ValueError(f"step has no {PART!r} part and its kv spans do not name one span per request: {e}") from None
+    ids = [s.request_id for s in step.kv.spans]
+    if len(ids) != len(set(ids)):
+        raise ValueError(f"step has no {PART!r} part and its kv spans do not name one span per request: "
+                         f"request ids {ids}")
+    return BoundedStep(tuple(StreamPosition(s.request_id, s.num_tokens, commit=s.commit) for s in step.kv.spans))
+
+
+def _set_int(obj: object, who: str, name: str, low: int, what: str, optional: bool = False) -> None:
+    """Check that field ``name`` is an integer ``>= low`` and store it as a plain ``int`` (a numpy
+    integer is taken; a bool, a float, a string or a tensor is not: a 0-d tensor would make
+    lengths tensors); ``optional`` allows None."""
+    value = getattr(obj, name)
+    if value is None and optional:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, got {type(value).__name__} {value!r}")
+    value = int(value)
+    if value < low:
+        raise ValueError(f"{who}: {name} must be {what}, got {value}")
+    object.__setattr__(obj, name, value)
