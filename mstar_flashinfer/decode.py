@@ -9,7 +9,6 @@ import torch
 
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
-from .staging import host_i32
 
 # FlashInfer's tensor-core decode (its prefill kernel with one query per row) wins once a KV head
 # serves several query heads; below that its CUDA-core decode kernel is the faster one.
@@ -83,19 +82,20 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
         with self._nvtx("plan"):
             self._check_dtype(dtype)
             extras = plan_extras(kwargs, dtype, type(self).__name__)
-            indptr, indices = host_i32(paged_kv_indptr), host_i32(paged_kv_indices)
-            last = host_i32(paged_kv_last_page_len)
-            lens = None if kv_lens is None else host_i32(kv_lens)
+            _, indptr, indices, last, lens, max_page = self._check_plan(
+                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens, window_left)
             rows = indptr.shape[0] - 1
             if self._arange.shape[0] < rows + 1:
                 self._arange = np.arange(2 * rows + 2, dtype=np.int32)
             qo = self._arange[: rows + 1]
             keep = (qo, indptr, indices, last, lens)
             if self._bufs is not None:
-                self._check_graph_fit(rows, rows, indices.shape[0])
+                self._check_graph_fit(rows, rows, indices, max_page)
+                if rows < self.batch_size:
+                    max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
-            with self._plan_slot(keep) as st:
+            with self._plan_slot(keep, max_page) as st:
                 indptr_s, last_s = st.put("kv_indptr", indptr), st.put("last_page_len", last)
                 lens_s = None if lens is None else st.put("kv_lens", lens)
                 indices_s = self._stage_indices(indices, self._bufs)

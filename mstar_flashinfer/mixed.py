@@ -11,9 +11,9 @@ from .decode import FlashInferDecodeWrapper
 from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from .mixed_layout import split_mixed
 from .nvtx import Nvtx
-from .paged_base import PlanState
+from .paged_base import PlanState, check_run_cache, plan_extras
 from .prefill import FlashInferPrefillWrapper
-from .staging import Staging, host_i32
+from .staging import Staging
 
 
 class FlashInferMixedWrapper:
@@ -101,17 +101,27 @@ class FlashInferMixedWrapper:
         rows; ``causal`` applies to the prompt rows (a one-token row sees all its keys either way).
         Inputs may be on CPU, which is preferred."""
         with self._nvtx("plan"):
-            qo, indptr = host_i32(qo_indptr), host_i32(paged_kv_indptr)
-            indices, last = host_i32(paged_kv_indices), host_i32(paged_kv_last_page_len)
-            lens = kv_lens_from_pages(indptr, last, self.page_size).astype("int32") if kv_lens is None else host_i32(kv_lens)
-            rows, n = qo.shape[0] - 1, int(qo[-1])
             name = type(self).__name__
+            who = f"{name}.plan"
+            # Every refusal comes before either half is planned, so a refused plan keeps the previous one.
+            validate.check_dtype(dtype, self.device)
+            plan_extras(kwargs, dtype, name)  # unknown keywords and a bad sm_scale: refused now, not half-way
+            validate.check_window_and_scale(who, window_left, None)
+            qo = validate.host_index("qo_indptr", qo_indptr, who)
+            indptr = validate.host_index("kv_indptr", paged_kv_indptr, who)
+            indices = validate.host_index("kv_indices", paged_kv_indices, who)
+            last = validate.host_index("last_page_len", paged_kv_last_page_len, who)
+            given = None if kv_lens is None else validate.host_index("kv_lens", kv_lens, who)
+            max_page = validate.check_paged_plan(who, indptr, indices, last, self.page_size, qo=qo, kv_lens=given)
+            lens = kv_lens_from_pages(indptr, last, self.page_size).astype("int32") if given is None else given
+            rows, n = qo.shape[0] - 1, int(qo[-1])
             if rows > self.batch_size:
                 raise ValueError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size}")
             if not 0 < n <= self.max_total_tokens:
                 raise ValueError(f"{name}.plan: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
             if indices.shape[0] > self.max_num_pages:
                 raise ValueError(f"{name}.plan: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
+            validate.check_page_range(who, indices, max_page, self.max_num_pages)
             lay = split_mixed(qo, indptr, indices, last, lens, self.SINK_PAGE, self.batch_size)
             if lay.prompt_rows > self.max_prefill_rows:
                 raise ValueError(
@@ -132,7 +142,8 @@ class FlashInferMixedWrapper:
             self._perm[:n].copy_(st.put("perm", lay.perm, torch.int64), non_blocking=True)
             self._gather[:n].copy_(st.put("gather", lay.gather, torch.int64), non_blocking=True)
             st.end()
-            self._state = PlanState(qo, indptr, indices, lens, n)
+            # padding rows and the decode half's prompt rows read the sink page
+            self._state = PlanState(qo, indptr, indices, lens, n, max_page=max(max_page, self.SINK_PAGE))
             self.prompt_rows = lay.prompt_rows
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
@@ -146,10 +157,8 @@ class FlashInferMixedWrapper:
             raise ValueError(
                 f"{type(self).__name__}.run: q has {n} rows, expected {st.tokens} (planned) or "
                 f"{self.max_total_tokens} (static)")
-        if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != self.page_size:
-            raise ValueError(
-                f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
-                f"[max_pages, 2, {self.page_size}, {self.num_kv_heads}, {self.head_dim}]")
+        check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
+                        self.num_kv_heads, self.head_dim)
         b = self.batch_size
         # One output buffer: decode rows first, then the prefill rows; one gather restores order.
         buf = q.new_empty((b + n, q.shape[1], q.shape[2]))

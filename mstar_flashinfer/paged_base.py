@@ -30,6 +30,7 @@ def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[st
     unknown = set(kwargs) - set(PLAN_KWARGS)
     if unknown:
         raise TypeError(f"{who}.plan got unexpected keyword arguments {sorted(unknown)}; it accepts {list(PLAN_KWARGS)}")
+    validate.check_window_and_scale(f"{who}.plan", -1, kwargs.get("sm_scale"))
     kv_dtype = kwargs.get("kv_data_type") or dtype
     return {"sm_scale": kwargs.get("sm_scale"), "logits_soft_cap": kwargs.get("logits_soft_cap"),
             "q_data_type": dtype, "kv_data_type": kv_dtype}
@@ -50,6 +51,9 @@ class PlanState:
     kv_lens: np.ndarray
     tokens: int
     locations: KVWriteLocations | None = field(default=None)
+    # The largest page index the plan (padding included) reads, -1 for none: ``run`` refuses a
+    # cache with fewer pages (one int compare, no device sync).
+    max_page: int = -1
 
 
 def pad_rows(
@@ -135,9 +139,25 @@ class PagedWrapperBase:
             validate.check_dtype(dtype, self.device)
             self._dtype_checked = dtype
 
-    def _check_graph_fit(self, rows: int, tokens: int, pages: int) -> None:
+    def _check_plan(self, indptr: Any, indices: Any, last: Any, kv_lens: Any, window_left: Any,
+                    qo: Any = None) -> tuple[np.ndarray, ...]:
+        """The plan's index arrays as host int32 arrays, refused (before anything is staged, so a
+        refused plan keeps the previous one) where a kernel would read out of bounds. Returns
+        ``(qo or None, indptr, indices, last, kv_lens or None, max_page)``."""
+        who = f"{type(self).__name__}.plan"
+        validate.check_window_and_scale(who, window_left, None)
+        qo_a = None if qo is None else validate.host_index("qo_indptr", qo, who)
+        indptr_a = validate.host_index("kv_indptr", indptr, who)
+        indices_a = validate.host_index("kv_indices", indices, who)
+        last_a = validate.host_index("last_page_len", last, who)
+        lens_a = None if kv_lens is None else validate.host_index("kv_lens", kv_lens, who)
+        top = validate.check_paged_plan(who, indptr_a, indices_a, last_a, self.page_size, qo=qo_a, kv_lens=lens_a)
+        return qo_a, indptr_a, indices_a, last_a, lens_a, top
+
+    def _check_graph_fit(self, rows: int, tokens: int, indices: np.ndarray, max_page: int) -> None:
         """Refuse a plan the static buffers cannot hold, naming the limit (FlashInfer's own
-        errors do not say which buffer or by how much)."""
+        errors do not say which buffer or by how much), then a page index past them."""
+        pages = indices.shape[0]
         name = type(self).__name__
         assert self.batch_size is not None and self.max_num_pages is not None
         if rows > self.batch_size:
@@ -152,6 +172,7 @@ class PagedWrapperBase:
             raise ValueError(
                 f"{name}.plan: {tokens} tokens exceed max_total_tokens={self.max_total_tokens} of the static buffers"
             )
+        validate.check_page_range(f"{name}.plan", indices, max_page, self.max_num_pages)
 
     def _stage_indices(self, indices: np.ndarray, bufs: dict[str, torch.Tensor] | None) -> torch.Tensor:
         """The page indices as FlashInfer's plan should receive them. In graph mode they are
@@ -167,7 +188,7 @@ class PagedWrapperBase:
         return view
 
     @contextlib.contextmanager
-    def _plan_slot(self, keep: HostPlan) -> Iterator[Staging]:
+    def _plan_slot(self, keep: HostPlan, max_page: int) -> Iterator[Staging]:
         """One plan's staging slot, around staging the host arrays and FlashInfer's own ``plan``.
         On success the plan's host arrays ``keep`` become this wrapper's state. A plan refused by
         our checks before this leaves the previous plan whole (FlashInfer still holds it); one that
@@ -177,7 +198,7 @@ class PagedWrapperBase:
         st.begin()
         try:
             yield st
-            self._keep(*keep)
+            self._keep(*keep, max_page=max_page)
         except BaseException:
             self._state = None
             raise
@@ -186,9 +207,9 @@ class PagedWrapperBase:
             st.end()
 
     def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
-              kv_lens: np.ndarray | None) -> None:
+              kv_lens: np.ndarray | None, max_page: int = -1) -> None:
         lens = kv_lens if kv_lens is not None else kv_lens_from_pages(indptr, last, self.page_size)
-        self._state = PlanState(qo, indptr, indices, lens, int(qo[-1]) - int(qo[0]))
+        self._state = PlanState(qo, indptr, indices, lens, int(qo[-1]) - int(qo[0]), max_page=max_page)
 
     # -- outputs -------------------------------------------------------------------------------
     def kv_write_locations(self) -> KVWriteLocations:
@@ -217,8 +238,23 @@ class PagedWrapperBase:
             want = (f"{self._static_q} (static)" if self._static_only else f"{st.tokens}" if self._static_q is None
                     else f"{st.tokens} (planned) or {self._static_q} (static)")
             raise ValueError(f"{type(self).__name__}.run: q has {n} rows, expected {want}")
-        if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != self.page_size:
-            raise ValueError(
-                f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
-                f"[max_pages, 2, {self.page_size}, {self.num_kv_heads}, {self.head_dim}]"
-            )
+        check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
+                        self.num_kv_heads, self.head_dim)
+
+
+def check_run_cache(name: str, device: torch.device, q: torch.Tensor, kv_cache_layer: torch.Tensor, max_page: int,
+                    page_size: int, num_kv_heads: int, head_dim: int) -> None:
+    """``run``'s cheap checks of the cache: its layout, q on its device, and enough pages for the
+    largest index the plan reads (kept from plan: an int compare, no device sync)."""
+    who = f"{name}.run"
+    validate.check_same_device(who, device, kv_cache_layer=kv_cache_layer, q=q)
+    if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != page_size:
+        raise ValueError(
+            f"{who}: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
+            f"[max_pages, 2, {page_size}, {num_kv_heads}, {head_dim}]"
+        )
+    if max_page >= kv_cache_layer.shape[0]:
+        raise ValueError(
+            f"{who}: the plan reads page {max_page} but kv_cache_layer has {kv_cache_layer.shape[0]} pages "
+            f"(page indices must be < {kv_cache_layer.shape[0]}); plan with this cache's page indices"
+        )

@@ -8,7 +8,6 @@ import torch
 
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
-from .staging import host_i32
 
 
 class FlashInferPrefillWrapper(PagedWrapperBase):
@@ -90,15 +89,16 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         with self._nvtx("plan"):
             self._check_dtype(dtype)
             extras = plan_extras(kwargs, dtype, type(self).__name__)
-            qo, indptr = host_i32(qo_indptr), host_i32(paged_kv_indptr)
-            indices, last = host_i32(paged_kv_indices), host_i32(paged_kv_last_page_len)
-            lens = None if kv_lens is None else host_i32(kv_lens)
+            qo, indptr, indices, last, lens, max_page = self._check_plan(
+                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens, window_left, qo=qo_indptr)
             keep = (qo, indptr, indices, last, lens)
             if self._bufs is not None:
-                self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices.shape[0])
+                self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices, max_page)
+                if qo.shape[0] - 1 < self.batch_size:  # type: ignore[operator]
+                    max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
-            with self._plan_slot(keep) as st:
+            with self._plan_slot(keep, max_page) as st:
                 qo_s, indptr_s = st.put("qo_indptr", qo), st.put("kv_indptr", indptr)
                 last_s = st.put("last_page_len", last)
                 lens_s = None if lens is None else st.put("kv_lens", lens)

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import torch
 
+from mstar_core.resources.attn.varlen import check_same_device, check_varlen_plan
+
 from . import validate
 from .library import flashinfer
 from .nvtx import Nvtx
-from .staging import Fence, Staging, host_i32
+from .staging import Fence, Staging
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -62,9 +64,8 @@ class FlashInferPrefixedPrefillWrapper:
         if dtype is not self._dtype_checked:
             validate.check_dtype(dtype, self.device)
             self._dtype_checked = dtype
-        q_arr, k_arr = host_i32(cu_q), host_i32(cu_k)
-        if q_arr.shape != k_arr.shape:
-            raise ValueError(f"plan: cu_q has {q_arr.shape[0]} entries and cu_k {k_arr.shape[0]}; they must match")
+        q_t, k_t = check_varlen_plan(f"{type(self).__name__}.plan", cu_q, cu_k, max_q, max_k, sm_scale, window_left)
+        q_arr, k_arr = q_t.numpy(), k_t.numpy()
         st = self._staging
         st.begin()
         q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)
@@ -82,8 +83,10 @@ class FlashInferPrefixedPrefillWrapper:
         if self._tokens is None:
             raise RuntimeError("FlashInferPrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens
+        check_same_device(f"{type(self).__name__}.run", self.device, q=q, k=k, v=v)
         if q.shape[0] != tq or k.shape[0] != tk or v.shape[0] != tk:
             raise ValueError(
-                f"run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has {tq} queries and {tk} keys"
+                f"{type(self).__name__}.run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has "
+                f"{tq} queries and {tk} keys (cu_q[-1], cu_k[-1])"
             )
         return self._inner.run(q, k, v)

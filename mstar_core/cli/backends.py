@@ -124,6 +124,8 @@ def render(data: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.head_dim < 1:
+        raise ValueError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
     device = as_device(args.device) if args.device else _default_device()
     data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim)
     print(json.dumps(data, indent=2) if args.json else render(data))

@@ -41,9 +41,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def check_options(o: BenchOptions) -> None:
+    """What the tiny model itself needs beyond BenchOptions' own checks, refused before anything
+    is built (the model would otherwise fail deep inside its first forward)."""
+    if o.head_dim % 2:
+        raise ValueError(f"bench: --head-dim {o.head_dim} is odd; the tiny model's rotary embedding rotates pairs "
+                         "of dimensions, so the head dim must be even (e.g. 64)")
+
+
 def run(args: argparse.Namespace) -> int:
     fields = BenchOptions.__dataclass_fields__
-    opts = BenchOptions(**{k: getattr(args, k) for k in fields})
+    opts = BenchOptions(**{k: getattr(args, k) for k in fields})  # each count >= 1, context >= 0
+    check_options(opts)
     res = run_decode_bench(opts)
     if args.json:
         print(json.dumps(asdict(res), indent=2))

@@ -24,7 +24,18 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+# What torch.Generator().manual_seed takes without wrapping a negative value around: 0 .. 2**64 - 1.
+SEED_MAX = 2**64 - 1
+
+
+def check_seed(seed: int) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
+        raise ValueError(f"demo: --seed {seed} is out of range; a torch seed is an integer from 0 to {SEED_MAX} "
+                         "(2**64 - 1)")
+
+
 def run(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
     if args.workload == "denoise":
         from ..workloads import denoise
 

@@ -47,8 +47,30 @@ class PluginError(RuntimeError):
     """Raised in strict mode for a failure that is not itself an exception (a duplicate name)."""
 
 
+# The values a boolean environment variable may take (case-insensitive; unset or empty is off).
+TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
+FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
+
+
+def env_flag(name: str) -> bool:
+    """A boolean environment variable: one of ``TRUE_VALUES`` / ``FALSE_VALUES`` in any case,
+    surrounding blanks ignored. Anything else raises: a typo (``MSTAR_STRICT_PLUGINS=ture``)
+    silently read as off is the one mistake a user cannot see."""
+    raw = os.environ.get(name)
+    if raw is None:
+        return False
+    value = raw.strip().lower()
+    if value in TRUE_VALUES:
+        return True
+    if value in FALSE_VALUES:
+        return False
+    raise ValueError(
+        f"{name}={raw!r} is not a boolean: use one of {', '.join(TRUE_VALUES)} (on) or "
+        f"{', '.join(v for v in FALSE_VALUES if v)} or empty (off), in any case")
+
+
 def strict_from_env() -> bool:
-    return os.environ.get(ENV_STRICT, "").strip().lower() in ("1", "true", "yes", "on")
+    return env_flag(ENV_STRICT)
 
 
 def allowlist_from_env() -> frozenset[str] | None:

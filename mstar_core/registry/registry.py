@@ -40,7 +40,13 @@ class Registry:
         self._backends: dict[str, BackendSpec] = {}
         self.failures: list[PluginFailure] = []
         self.plugins: list[LoadedPlugin] = []
+        if strict is not None and not isinstance(strict, bool):
+            raise TypeError(f"Registry(strict=...) takes True, False or None (read {discovery.ENV_STRICT}), "
+                            f"got {strict!r}")
         self.strict = discovery.strict_from_env() if strict is None else strict
+        if isinstance(allowlist, str):
+            raise TypeError(f"Registry(allowlist=...) takes an iterable of plugin names, got the string {allowlist!r} "
+                            f"(write [{allowlist!r}])")
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
         self._probe_cache: dict[tuple[str, str], tuple[str, ...]] = {}

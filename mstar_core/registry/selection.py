@@ -5,6 +5,7 @@ one error that says why not and which backends can run here."""
 from __future__ import annotations
 
 import logging
+import numbers
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -66,28 +67,58 @@ class Selection:
         return tuple(c for c in self.classes if c in self.backend.capturable)
 
 
+CONFIG_SHAPE = '{"attention": {"backend": NAME}}'
+
+
+def _read_config_file(path: Path) -> Mapping[str, Any]:
+    try:
+        with path.open("rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ValueError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"config file {str(path)!r} is not UTF-8 text (TOML files must be UTF-8): byte "
+            f"{data[e.start:e.start + 1]!r} at offset {e.start} cannot be decoded ({e.reason})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
 def config_backend(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> str | None:
     """``attention.backend`` from a mapping or a TOML file holding the same table."""
     if config is None:
         return None
+    where = "config"
     if isinstance(config, (str, os.PathLike)):
         path = Path(config)
-        try:
-            with path.open("rb") as f:
-                config = tomllib.load(f)
-        except FileNotFoundError:
-            raise ValueError(f"config file {str(path)!r} does not exist") from None
-        except tomllib.TOMLDecodeError as e:
-            raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-    attention = config.get("attention") if isinstance(config, Mapping) else None
+        config = _read_config_file(path)
+        where = f"config file {str(path)!r}"
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"{where} must be a table (a mapping) shaped {CONFIG_SHAPE}, or the path of a TOML file holding one; "
+            f"got {type(config).__name__} {_short(config)}")
+    attention = config.get("attention")
     if attention is None:
         return None
     if not isinstance(attention, Mapping):
-        raise ValueError(f"config 'attention' must be a table, got {type(attention).__name__}")
+        raise ValueError(f"{where}: 'attention' must be a table shaped {CONFIG_SHAPE}, got "
+                         f"{type(attention).__name__} {_short(attention)}")
     value = attention.get("backend")
     if value is not None and not isinstance(value, str):
-        raise ValueError(f"config attention.backend must be a string, got {value!r}")
+        prefix = "config" if where == "config" else f"{where}:"
+        raise ValueError(f"{prefix} attention.backend must be a string, got {value!r} (a backend name or {AUTO!r})")
     return value
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None,
@@ -96,6 +127,9 @@ def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | o
     the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
     the log says what it overrode; without it the argument wins, then config, then "auto"."""
     if requested is not None:
+        if not isinstance(requested, str):
+            raise TypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
+                            f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
         configured: str | None = requested.strip()
         where = "argument"
     else:
@@ -176,6 +210,19 @@ def select_backend(
     ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
+    if isinstance(capabilities, str):
+        raise TypeError(f"capabilities must be a sequence of capability names, got the string {capabilities!r} "
+                        f"(write ({capabilities!r},)); known: {list(CAPABILITIES)}")
+    if requested is not None and not isinstance(requested, str):
+        raise TypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
+                        f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
+                        f"{_short(dtype)}")
+    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral)):
+        raise TypeError(f"head_dim must be an int or None, got {type(head_dim).__name__} {_short(head_dim)}")
+    if registry is not None and not isinstance(registry, Registry):
+        raise TypeError(f"registry must be a Registry or None, got {type(registry).__name__}")
     capabilities = tuple(capabilities)
     unknown = [c for c in capabilities if c not in CAPABILITIES]
     if unknown or not capabilities:

@@ -6,16 +6,118 @@ Segment i's queries ``q[cu_q[i]:cu_q[i+1]]`` attend keys ``k[cu_k[i]:cu_k[i+1]]`
 prefix needs. ``plan`` moves ``cu_q``/``cu_k`` to the device once per step; ``run`` (per layer)
 is one kernel call. Library versions differ in what the function returns (``out`` alone, or
 ``(out, lse)``): both are accepted.
+
+``plan`` refuses, before it changes anything (a refused plan keeps the previous one), ``cu``
+arrays a kernel would index out of bounds with -- empty, not 1-D, not integers, not starting at
+0, decreasing, a different segment count for q and k -- and ``max_q``/``max_k`` below the
+longest segment, a bad ``window_left`` or ``sm_scale``. ``run`` refuses q/k/v whose token
+counts are not the plan's ``cu[-1]`` or that sit on different devices. The FlashInfer ragged
+wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_device`).
 """
 
 from __future__ import annotations
 
 import importlib
+import math
+import numbers
 from typing import Any, ClassVar
 
+import numpy as np
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+
+
+_INT32_MAX = 2**31 - 1
+
+
+def _host_cu(name: str, cu: Any, who: str) -> torch.Tensor:
+    """``cu`` as a 1-D int32 CPU tensor, refusing what is not one (a device tensor is copied to
+    the host here, which synchronises: pass host arrays)."""
+    if isinstance(cu, np.ndarray):
+        t = torch.from_numpy(cu)
+    elif isinstance(cu, torch.Tensor):
+        t = cu
+    else:
+        try:
+            t = torch.as_tensor(cu)
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise TypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(cu).__name__} "
+                            f"({e})") from None
+    if t.dim() != 1 or t.numel() < 1:
+        raise ValueError(f"{who}: {name} must be 1-D with at least one entry (segment starts, then the total: "
+                         f"[0, ..., tokens]), got shape {tuple(t.shape)}")
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise TypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if t.dtype != torch.int32:
+        lo, hi = int(t.min()), int(t.max())
+        if lo < -_INT32_MAX - 1 or hi > _INT32_MAX:
+            raise ValueError(f"{who}: {name} holds {hi if hi > _INT32_MAX else lo}, outside int32")
+        t = t.to(torch.int32)
+    return t
+
+
+def _check_cu_values(name: str, t: torch.Tensor, who: str) -> None:
+    if int(t[0]) != 0:
+        raise ValueError(f"{who}: {name} must start at 0, got {name}[0] = {int(t[0])} ({name} = {_head(t)})")
+    if t.numel() > 1:
+        drops = t[1:] < t[:-1]
+        if bool(drops.any()):
+            i = int(drops.nonzero()[0, 0])
+            raise ValueError(f"{who}: {name} must be non-decreasing (segment lengths >= 0), got {name}[{i}] = "
+                             f"{int(t[i])} > {name}[{i + 1}] = {int(t[i + 1])}")
+
+
+def _head(t: torch.Tensor, n: int = 8) -> str:
+    vals = t[:n].tolist()
+    return str(vals)[:-1] + (", ...]" if t.numel() > n else "]")
+
+
+def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
+    """The step's mask parameters, as ``AttentionStep`` states them."""
+    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral) or window_left < -1:
+        raise ValueError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
+
+
+def check_varlen_plan(who: str, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, sm_scale: Any = None,
+                      window_left: Any = -1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every refusal a prefixed ragged ``plan`` makes before it changes anything: ``cu_q``/``cu_k``
+    1-D integer arrays of the same length (segments + 1), starting at 0, non-decreasing;
+    ``max_q``/``max_k`` ints at least the longest segment; the mask parameters. Returns the cu
+    arrays as int32 CPU tensors. A few vectorised ops on arrays of segments + 1 entries."""
+    q_t, k_t = _host_cu("cu_q", cu_q, who), _host_cu("cu_k", cu_k, who)
+    if q_t.numel() != k_t.numel():
+        raise ValueError(f"{who}: cu_q has {q_t.numel()} entries ({q_t.numel() - 1} segments) and cu_k "
+                         f"{k_t.numel()} ({k_t.numel() - 1} segments); each segment needs both")
+    _check_cu_values("cu_q", q_t, who)
+    _check_cu_values("cu_k", k_t, who)
+    for name, bound, t in (("max_q", max_q, q_t), ("max_k", max_k, k_t)):
+        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
+            raise TypeError(f"{who}: {name} must be an int, got {type(bound).__name__} {bound!r}")
+        longest = int((t[1:] - t[:-1]).max()) if t.numel() > 1 else 0
+        if bound < longest:
+            raise ValueError(f"{who}: {name} = {int(bound)} is below the longest segment ({longest} tokens); "
+                             f"it must be at least that")
+    check_window_and_scale(who, window_left, sm_scale)
+    return q_t, k_t
+
+
+def check_same_device(who: str, planned: torch.device, **tensors: torch.Tensor) -> None:
+    """Every tensor on one device, of the planned device's type (and index, where it names one)."""
+    items = list(tensors.items())
+    first_name, first = items[0]
+    for name, t in items[1:]:
+        if t.device != first.device:
+            raise ValueError(f"{who}: {name} is on {t.device} but {first_name} is on {first.device}; "
+                             "every input must be on the planned device")
+    dev = first.device
+    if dev.type != planned.type or (planned.index is not None and dev.index != planned.index):
+        raise ValueError(f"{who}: {first_name} is on {dev}, the wrapper plans on {planned}")
 
 
 def first_output(result: Any) -> torch.Tensor:
@@ -67,12 +169,10 @@ class VarlenPrefixedWrapper:
         sm_scale: float | None = None,
         window_left: int = -1,
     ) -> None:
+        who = f"{type(self).__name__}.plan"
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
-        cu_q = torch.as_tensor(cu_q, dtype=torch.int32)
-        cu_k = torch.as_tensor(cu_k, dtype=torch.int32)
-        if cu_q.shape != cu_k.shape or cu_q.dim() != 1:
-            raise ValueError(f"cu_q and cu_k must be 1-D of equal length, got {tuple(cu_q.shape)} and {tuple(cu_k.shape)}")
+        cu_q, cu_k = check_varlen_plan(who, cu_q, cu_k, max_q, max_k, sm_scale, window_left)
         self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
         # Once per step: every layer's run reuses these device copies.
         self._cu_q = cu_q.to(self.device, non_blocking=True)
@@ -90,10 +190,12 @@ class VarlenPrefixedWrapper:
         if not self._planned:
             raise RuntimeError(f"{who}.run before plan")
         tq, tk = self._tokens
+        check_same_device(f"{who}.run", self.device, q=q, k=k, v=v)
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
         for name, t, want in (("q", q, (tq, hq, d)), ("k", k, (tk, hkv, d)), ("v", v, (tk, hkv, d))):
             if tuple(t.shape) != want:
-                raise ValueError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected {want}")
+                raise ValueError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected {want} "
+                                 f"(the plan's cu_{'q' if name == 'q' else 'k'}[-1] = {want[0]} tokens)")
             if t.dtype != self._dtype:
                 raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, planned {self._dtype}")
         out = self._varlen(

@@ -1,0 +1,173 @@
+"""Bad inputs to the registry refused at the boundary (issue 10): a type or value that fits, a
+message that names the bad value and what is allowed, and nothing changed."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.registry import BackendSpec, BackendUnavailable, HeadDims, Registry, config_backend, select_backend
+from mstar_core.registry.discovery import ENV_STRICT, strict_from_env
+
+PAGED = ("paged_prefill", "paged_decode", "mixed")
+CPU = torch.device("cpu")
+F32 = torch.float32
+
+
+@pytest.fixture
+def reg():
+    r = Registry(discover=False)
+    r.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    return r
+
+
+# -- requested -----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("requested", [3, ["reference"], b"reference", 2.5], ids=["int", "list", "bytes", "float"])
+def test_a_requested_name_that_is_not_a_string_is_a_type_error(reg, requested):
+    with pytest.raises(TypeError) as e:
+        select_backend(capabilities=PAGED, requested=requested, device=CPU, dtype=F32, registry=reg)
+    msg = str(e.value)
+    assert repr(requested) in msg and type(requested).__name__ in msg
+    assert "backend name string or 'auto'" in msg
+
+
+def test_other_argument_types_are_named(reg):
+    with pytest.raises(TypeError, match=r"got the string 'paged_decode'"):
+        select_backend(capabilities="paged_decode", device=CPU, registry=reg)
+    with pytest.raises(TypeError, match=r"dtype must be a torch.dtype .* got str 'float32'"):
+        select_backend(capabilities=PAGED, device=CPU, dtype="float32", registry=reg)
+    with pytest.raises(TypeError, match=r"head_dim must be an int or None, got float 64.0"):
+        select_backend(capabilities=PAGED, device=CPU, dtype=F32, head_dim=64.0, registry=reg)
+    assert select_backend(capabilities=PAGED, device=CPU, dtype=F32, registry=reg).name == "reference"
+
+
+# -- config --------------------------------------------------------------------------------------
+
+def test_a_config_file_that_is_not_utf8_names_the_file_and_the_byte(tmp_path, reg):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('[attention]\nbackend = "caf\u00e9"\n'.encode("latin-1"))
+    with pytest.raises(ValueError) as e:
+        config_backend(path)
+    msg = str(e.value)
+    assert str(path) in msg and "not UTF-8" in msg and r"b'\xe9'" in msg and "offset 26" in msg
+    with pytest.raises(ValueError, match="not UTF-8"):
+        select_backend(capabilities=PAGED, device=CPU, dtype=F32, config=str(path), registry=reg)
+
+
+def test_a_config_path_that_is_a_directory_is_named(tmp_path):
+    with pytest.raises(ValueError, match=rf"config file '{tmp_path}' cannot be read \(IsADirectoryError"):
+        config_backend(tmp_path)
+
+
+@pytest.mark.parametrize("config", [["attention", {"backend": "reference"}], ("reference",), 3, 2.0],
+                         ids=["list", "tuple", "int", "float"])
+def test_a_config_that_is_not_a_table_is_refused_with_the_expected_shape(config, reg):
+    with pytest.raises(ValueError) as e:
+        config_backend(config)
+    msg = str(e.value)
+    assert type(config).__name__ in msg and repr(config)[:20] in msg
+    assert '{"attention": {"backend": NAME}}' in msg
+    with pytest.raises(ValueError, match="must be a table"):
+        select_backend(capabilities=PAGED, device=CPU, dtype=F32, config=config, registry=reg)
+
+
+def test_an_attention_entry_that_is_not_a_table_names_what_it_is():
+    with pytest.raises(ValueError, match=r"'attention' must be a table shaped .* got list \['fa3'\]"):
+        config_backend({"attention": ["fa3"]})
+    assert config_backend({"attention": {"backend": "fa3"}}) == "fa3"
+    assert config_backend({}) is None
+
+
+# -- MSTAR_STRICT_PLUGINS --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("value,expected", [
+    ("1", True), ("true", True), ("YES", True), (" On ", True),
+    ("0", False), ("False", False), ("no", False), ("OFF", False), ("", False), ("  ", False),
+])
+def test_strict_accepts_the_documented_values(monkeypatch, value, expected):
+    monkeypatch.setenv(ENV_STRICT, value)
+    assert strict_from_env() is expected
+    assert Registry(discover=False).strict is expected
+
+
+@pytest.mark.parametrize("value", ["maybe", "2", "enabled", "ture"])
+def test_strict_refuses_anything_else_naming_variable_value_and_choices(monkeypatch, value):
+    monkeypatch.setenv(ENV_STRICT, value)
+    with pytest.raises(ValueError) as e:
+        Registry(discover=False)
+    msg = str(e.value)
+    assert f"{ENV_STRICT}={value!r}" in msg
+    for allowed in ("1", "true", "yes", "on", "0", "false", "no", "off", "empty"):
+        assert allowed in msg
+    # an explicit argument does not read the variable
+    assert Registry(discover=False, strict=True).strict is True
+
+
+def test_registry_arguments_of_the_wrong_type(monkeypatch):
+    with pytest.raises(TypeError, match=r"strict=.* got 'yes'"):
+        Registry(discover=False, strict="yes")
+    with pytest.raises(TypeError, match=r"got the string 'flashinfer'"):
+        Registry(discover=False, allowlist="flashinfer")
+
+
+# -- the "backends that can" list ------------------------------------------------------------------
+# A refusal lists the backends that could serve the same request. Each fake below differs from
+# "good" in exactly one way; only "good" can serve (PAGED, cpu, float32, head_dim 64).
+
+def _fake(name: str, **changes) -> BackendSpec:
+    base = BackendSpec(name=name, provides=dict(REFERENCE.provides), devices=("cpu",), dtypes=(F32,),
+                       head_dims=HeadDims())
+    return replace(base, **changes)
+
+
+@pytest.fixture
+def fakes():
+    r = Registry(discover=False)
+    r.register(_fake("good"))
+    r.register(_fake("wrongdevice", devices=("cuda",)))
+    r.register(_fake("nocap", provides={c: REFERENCE.provides[c] for c in ("paged_prefill", "paged_decode")}))
+    r.register(_fake("nodtype", dtypes=(torch.bfloat16,)))
+    r.register(_fake("nohead", head_dims=HeadDims(values=(128,))))
+    return r
+
+
+def _can_list(msg: str, marker: str) -> list[str]:
+    tail = msg.split(marker, 1)[1]
+    return [n.strip() for n in tail.split(";")[0].split("(or use")[0].split(",") if n.strip()]
+
+
+@pytest.mark.parametrize("refused", ["wrongdevice", "nocap", "nodtype", "nohead"])
+def test_backends_that_can_filters_by_capability_dtype_and_head_dim(fakes, refused):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(capabilities=PAGED, requested=refused, device=CPU, dtype=F32, head_dim=64, registry=fakes)
+    msg = str(e.value)
+    assert f"attention backend {refused!r}" in msg
+    assert _can_list(msg, "Backends that can: ") == ["good"]
+    assert e.value.available == ["good"]
+
+
+def test_unknown_name_lists_only_backends_that_can_serve_the_request(fakes):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(capabilities=PAGED, requested="nope", device=CPU, dtype=F32, head_dim=64, registry=fakes)
+    msg = str(e.value)
+    assert "'nope'" in msg and "is unknown" in msg
+    assert _can_list(msg, "): ") == ["good"]  # "these can run here (<request>): good (or use 'auto')."
+    assert e.value.available == ["good"]
+
+
+@pytest.mark.parametrize("request_kw,also", [
+    (dict(capabilities=("paged_prefill", "paged_decode")), "nocap"),
+    (dict(dtype=torch.bfloat16), "nodtype"),
+    (dict(head_dim=128), "nohead"),
+], ids=["capability", "dtype", "head_dim"])
+def test_each_fake_is_listed_once_the_request_fits_it(fakes, request_kw, also):
+    """The converse: the one difference is what excluded it, so a request it can serve lists it."""
+    kw = dict(capabilities=PAGED, device=CPU, dtype=F32, head_dim=64) | request_kw
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(requested="wrongdevice", registry=fakes, **kw)
+    assert also in _can_list(str(e.value), "Backends that can: ")
+    assert "wrongdevice" not in e.value.available
