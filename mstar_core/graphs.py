@@ -92,6 +92,9 @@ class GraphRunner:
         self.attn = attn
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._next_slot = 0
+        # Graph steps prepared and not yet launched or discarded, by staging slot: a slot's
+        # static buffers and wrappers hold exactly one step's plan.
+        self._pending: dict[int, Prepared] = {}
         self.enabled = False
 
     @property
@@ -135,7 +138,8 @@ class GraphRunner:
                     g.out = torch.empty_like(out)
                 g.out.copy_(out)
 
-            g.replay = _capture(fn, self.device)
+            with self.node.bound(ctx):  # not inside fn: a replay binds the step it launches
+                g.replay = _capture(fn, self.device)
         finally:
             # The dummies never commit: whatever happened, they leave nothing behind.
             for d in dummies:
@@ -153,6 +157,13 @@ class GraphRunner:
             log.debug("decode step with %s runs eagerly: graphs were captured with %s", step.attn, self.attn)
             decode = False
         bucket = self.bucket_for(rows) if (self.enabled and decode) else None
+        if bucket is not None and self._next_slot in self._pending:
+            # Checked before the admit: refusing here leaves nothing to undo.
+            raise RuntimeError(
+                f"GraphRunner.prepare: staging slot {self._next_slot} still holds a prepared step that was "
+                f"neither launched nor discarded; at most {self.slots} graph steps may be prepared ahead "
+                "(launch or discard the oldest first)"
+            )
         ctx = StepContext() if bucket is None else StepContext(slot=self._next_slot, bucket=bucket)
         outcome = self.node.admit(step, ctx)
         if not outcome:
@@ -165,7 +176,15 @@ class GraphRunner:
         self._next_slot = (self._next_slot + 1) % self.slots
         # The plan went into this slot's static buffers and wrappers, which the graph captured
         # for (bucket, slot) reads.
-        return Prepared(step, ctx, rows, self._graphs[(bucket, ctx.slot)])
+        prep = Prepared(step, ctx, rows, self._graphs[(bucket, ctx.slot)])
+        self._pending[ctx.slot] = prep
+        return prep
+
+    def _finish(self, prep: Prepared) -> None:
+        """The step is launched or discarded: its reservations are spent, its slot free."""
+        prep.done = True
+        if prep.graph is not None and self._pending.get(prep.ctx.slot) is prep:
+            del self._pending[prep.ctx.slot]
 
     def launch(self, prep: Prepared, tokens: torch.Tensor) -> torch.Tensor:
         """Run a prepared step (replay or eager) and commit it. Returns logits ``[rows, vocab]``
@@ -175,17 +194,24 @@ class GraphRunner:
             raise RuntimeError(f"launch of a refused step: {prep.outcome.reason()}")
         if prep.done:
             raise RuntimeError("launch of a step that was already launched or discarded")
-        prep.done = True
+        want = sum(s.num_tokens for s in prep.step.kv.spans)
+        if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() != want:
+            # Refused before anything runs: the step stays prepared (launch it again, or discard it).
+            got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
+            raise ValueError(f"GraphRunner.launch: tokens must be a 1-D tensor of the step's {want} tokens, got {got}")
+        self._finish(prep)
         g = prep.graph
         try:
-            if g is None:
-                out = self.forward(prep.ctx, tokens)
-            else:
-                g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
-                g.tokens[prep.rows:].zero_()
-                g.replay()
-                assert g.out is not None
-                out = g.out[: prep.rows]
+            # Whatever was planned since, this step's layers read this step's plans.
+            with self.node.bound(prep.ctx):
+                if g is None:
+                    out = self.forward(prep.ctx, tokens)
+                else:
+                    g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
+                    g.tokens[prep.rows:].zero_()
+                    g.replay()
+                    assert g.out is not None
+                    out = g.out[: prep.rows]
         except BaseException:
             self.node.rollback_admit(prep.step, prep.ctx)
             raise
@@ -196,7 +222,7 @@ class GraphRunner:
         """Give back what a prepared step reserved without running it (end of a pipelined loop).
         Discarding a refused, launched or already discarded step does nothing."""
         if prep.outcome and not prep.done:
-            prep.done = True
+            self._finish(prep)
             self.node.rollback_admit(prep.step, prep.ctx)
 
     def step(self, step: Step, tokens: torch.Tensor) -> torch.Tensor:

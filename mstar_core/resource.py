@@ -94,6 +94,23 @@ class Resource:
     def commit(self, step: Step, ctx: StepContext) -> None:
         """Record the step's consumption after the forward ran."""
 
+    # -- the step a forward runs ---------------------------------------------------------------
+    # Plans are per step: while a runner runs a step's forward it binds that step's plan here,
+    # so what the layers read (``current``) is the step being run, not the latest one planned
+    # (``prepare(A); prepare(B); launch(A)`` and a step nested in a forward stay correct).
+    def enter_plan(self, plan: Any) -> None:
+        """Make ``plan`` (this resource's entry of a step's ``ctx.plan_results``) the one the
+        layers read until the matching ``exit_plan``. Nests."""
+        self.__dict__.setdefault("_bound_plans", []).append(plan)
+
+    def exit_plan(self) -> None:
+        self.__dict__["_bound_plans"].pop()
+
+    def bound_plan(self) -> Any:
+        """The plan of the step whose forward is running (innermost), None outside one."""
+        stack = self.__dict__.get("_bound_plans")
+        return stack[-1] if stack else None
+
     # -- identity and ordering ---------------------------------------------------------------
     def fingerprint(self) -> bytes | None:
         """What this resource adds to the prefix cache's root hash; None where it cannot change

@@ -5,7 +5,8 @@ serving front end."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
@@ -45,6 +46,20 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
     for r in resources:
         visit(r, ())
     return ordered
+
+
+class CommitError(RuntimeError):
+    """A resource's ``commit`` raised. ``committed`` names the resources that had already
+    committed the step (their part of it is recorded: do not run the same tokens again),
+    ``failed`` the one that raised, ``rolled_back`` the ones whose admit was undone instead."""
+
+    def __init__(self, failed: str, committed: Sequence[str], rolled_back: Sequence[str], cause: BaseException) -> None:
+        self.failed, self.committed, self.rolled_back = failed, tuple(committed), tuple(rolled_back)
+        super().__init__(
+            f"commit failed in resource {failed!r} ({type(cause).__name__}: {cause}); already committed: "
+            f"{list(committed) or 'none'} (their part of the step is recorded: do not re-run the step's tokens "
+            f"there); rolled back: {list(rolled_back)}"
+        )
 
 
 @dataclass(frozen=True)
@@ -102,8 +117,17 @@ class Node:
 
     @staticmethod
     def _rollback(step: Step, ctx: StepContext, admitted: Sequence[Resource]) -> None:
+        """Reverse dependency order. Every resource is rolled back even if one raises: the
+        first error is re-raised after the others gave back what they took."""
+        first: BaseException | None = None
         for r in reversed(admitted):
-            r.rollback_admit(step, ctx)
+            try:
+                r.rollback_admit(step, ctx)
+            except BaseException as e:
+                log.error("rollback_admit of %s raised %s: %s", r.name, type(e).__name__, e)
+                first = first or e
+        if first is not None:
+            raise first
 
     def plan(self, step: Step, ctx: StepContext) -> None:
         """Plan every resource into ``ctx.plan_results``; an exception rolls the admit back, so a
@@ -116,8 +140,36 @@ class Node:
             raise
 
     def commit(self, step: Step, ctx: StepContext) -> None:
-        for r in self.resources:
-            r.commit(step, ctx)
+        """Commit every resource in order. If one raises, the resources after it (and it) are
+        rolled back, so no stream is left in flight, and a :class:`CommitError` says which
+        resources had committed already."""
+        done: list[str] = []
+        for i, r in enumerate(self.resources):
+            try:
+                r.commit(step, ctx)
+            except BaseException as e:
+                rest = self.resources[i:]
+                self._rollback(step, ctx, rest)
+                if not isinstance(e, Exception):
+                    raise  # KeyboardInterrupt & co. keep their type; the rollback still ran
+                raise CommitError(r.name, done, [x.name for x in rest], e) from e
+            done.append(r.name)
+
+    @contextmanager
+    def bound(self, ctx: StepContext) -> Iterator[StepContext]:
+        """Run a forward of the step ``ctx`` planned: inside, every resource's layers read this
+        step's plan (``ctx.plan_results``), whatever was planned since. ``step`` and the graph
+        runner do this; a caller driving admit/plan/commit by hand wraps its forward in it."""
+        entered: list[Resource] = []
+        try:
+            for r in self.resources:
+                if r.name in ctx.plan_results:
+                    r.enter_plan(ctx.plan_results[r.name])
+                    entered.append(r)
+            yield ctx
+        finally:
+            for r in reversed(entered):
+                r.exit_plan()
 
     def step(self, step: Step, forward: Callable[[StepContext], T]) -> StepResult[T]:
         """admit -> plan -> forward -> commit. A refusal comes back in the result; an exception
@@ -128,7 +180,8 @@ class Node:
             return StepResult(outcome, ctx, None)
         self.plan(step, ctx)
         try:
-            output = forward(ctx)
+            with self.bound(ctx):
+                output = forward(ctx)
         except BaseException:
             self.rollback_admit(step, ctx)
             raise

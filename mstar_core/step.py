@@ -7,8 +7,26 @@ runner never looks inside them.
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+
+def as_count(value: Any, what: str) -> int:
+    """``value`` as a plain ``int >= 0``, or an error naming it: a bool, a float, a string or a
+    tensor is refused (a 0-d tensor would make lengths tensors; ``2.0`` would reach the page
+    pool half-way through an admit)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
+    if value < 0:
+        raise ValueError(f"{what} must be >= 0, got {value}")
+    return int(value)
+
+
+def _check_str(value: Any, what: str) -> None:
+    if not isinstance(value, str):
+        raise TypeError(f"{what} must be a str, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -25,8 +43,13 @@ class KVSpan:
     commit: bool = True
 
     def __post_init__(self) -> None:
-        if self.num_tokens < 0:
-            raise ValueError(f"KVSpan({self.request_id!r}, {self.label!r}): num_tokens must be >= 0, got {self.num_tokens}")
+        # Validated here, at the boundary: an admit never starts on a span it cannot finish.
+        _check_str(self.request_id, "KVSpan.request_id")
+        _check_str(self.label, "KVSpan.label")
+        who = f"KVSpan({self.request_id!r}, {self.label!r})"
+        object.__setattr__(self, "num_tokens", as_count(self.num_tokens, f"{who}: num_tokens"))
+        if not isinstance(self.commit, bool):
+            raise TypeError(f"{who}: commit must be a bool, got {self.commit!r}")
 
 
 @dataclass(frozen=True)
@@ -36,8 +59,11 @@ class KVStep:
     spans: tuple[KVSpan, ...]
 
     def __post_init__(self) -> None:
+        object.__setattr__(self, "spans", tuple(self.spans))
         seen: set[tuple[str, str]] = set()
         for s in self.spans:
+            if not isinstance(s, KVSpan):
+                raise TypeError(f"KVStep: spans must be KVSpan, got {s!r} ({type(s).__name__})")
             key = (s.request_id, s.label)
             if key in seen:
                 # One span per stream per step keeps `length` and `to_compute` unambiguous.
@@ -69,6 +95,20 @@ class AttentionStep:
     causal: bool = True
     window_left: int = -1
     sm_scale: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.causal, bool):
+            raise TypeError(f"AttentionStep: causal must be a bool, got {self.causal!r}")
+        w = self.window_left
+        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
+            raise ValueError(f"AttentionStep: window_left must be an int >= 0, or -1 for no window; got {w!r}")
+        object.__setattr__(self, "window_left", int(w))
+        sc = self.sm_scale
+        if sc is not None:
+            if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc) or sc <= 0:
+                raise ValueError(f"AttentionStep: sm_scale must be a finite float > 0, or None for "
+                                 f"1/sqrt(head_dim); got {sc!r}")
+            object.__setattr__(self, "sm_scale", float(sc))
 
 
 @dataclass(frozen=True)

@@ -29,7 +29,7 @@ import importlib
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -83,6 +83,8 @@ class DensePlan:
     max_k: int
     causal: bool
     wrapper: PrefixedPrefillWrapper | None = None
+    # What each label's run reads (the step's own, whatever was planned since).
+    label_runs: tuple[_LabelRun, ...] = field(default=(), compare=False, repr=False)
 
     @property
     def num_q(self) -> int:
@@ -100,6 +102,8 @@ class _LabelRun:
     q_starts: tuple[int, ...]  # packed offset of each segment's fresh tokens in q/k/v (= cu_q[:-1])
     write: str  # "none" | "all" | "some": which fresh tokens run() writes to the pages
     write_rows: torch.Tensor | None  # for "some": packed rows of commit=True spans, on device
+    wrapper_key: tuple[str, int] = ("", 0)  # (label, slot) of the wrapper planned for this run
+    serial: int = 0  # the plan's number: a wrapper re-planned since is refused at run
 
 
 def resolve_class(spec: Any) -> type:
@@ -142,8 +146,12 @@ class DenseAttentionManager(AttentionManager):
         self.max_cached_tokens = max_cached_tokens
         self.prefixes = GatheredPrefixCache(max_cached_tokens)
         self._requests: dict[str, dict[str, Any]] = {}
-        self._wrappers: dict[str, Any] = {}
-        self._runs: dict[str, _LabelRun] = {}
+        # One wrapper per (label, slot); consecutive plans alternate slots, so a step planned
+        # ahead (prepare(N+1) before launch(N)) never re-plans the wrapper the running one reads.
+        self.slots = 2
+        self._wrappers: dict[tuple[str, int], Any] = {}
+        self._planned: dict[tuple[str, int], int] = {}  # wrapper key -> serial of its plan
+        self._serial = 0
         self._current: DensePlan | None = None
 
     @classmethod
@@ -229,14 +237,12 @@ class DenseAttentionManager(AttentionManager):
             )
         a = step.attn
         commits = {(s.request_id, s.label): s.commit for s in step.kv.spans}
-        self._runs = {}
-        for label, lay in kv_plan.labels:
-            self._runs[label] = self._plan_label(label, lay, commits, a.causal, a.window_left, a.sm_scale)
-        plans = [r.plan for r in self._runs.values()]
-        if len(plans) == 1:
-            self._current = plans[0]
-        else:
-            self._current = _merge(plans, a.causal)
+        self._serial += 1
+        runs = tuple(self._plan_label(label, lay, commits, a.causal, a.window_left, a.sm_scale)
+                     for label, lay in kv_plan.labels)
+        plans = [r.plan for r in runs]
+        plan = plans[0] if len(plans) == 1 else _merge(plans, a.causal)
+        self._current = replace(plan, label_runs=runs)
         return self._current
 
     def _plan_label(self, label: str, lay: LabelLayout, commits: dict[tuple[str, str], bool], causal: bool,
@@ -256,15 +262,18 @@ class DenseAttentionManager(AttentionManager):
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)
         max_k = max((g.k_len for g in segs), default=0)
-        w = self._wrappers.get(label)
+        key = (label, self._serial % self.slots)
+        w = self._wrappers.get(key)
         if w is None:
             c = self.kv_config
             w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
                                    backend=self.flashinfer_backend)
-            self._wrappers[label] = w
+            self._wrappers[key] = w
+        self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
         # Host tensors: the wrapper moves them to the device once per step, not per layer.
         w.plan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max_q, max_k,
                causal=causal, dtype=self.dtype, sm_scale=sm_scale, window_left=window_left)
+        self._planned[key] = self._serial
         flags = [commits.get((s.request_id, label), True) for s in lay.spans]
         rows = None
         if all(flags):
@@ -277,10 +286,15 @@ class DenseAttentionManager(AttentionManager):
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
-        return _LabelRun(label, plan, tuple(starts), write, rows)
+        return _LabelRun(label, plan, tuple(starts), write, rows, key, self._serial)
 
     @property
     def current(self) -> DensePlan:
+        """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
+        latest plan."""
+        bound = self.bound_plan()
+        if bound is not None:
+            return bound
         if self._current is None:
             raise RuntimeError("DenseAttentionManager has no plan yet: call plan(step, ctx) first")
         return self._current
@@ -323,16 +337,23 @@ class DenseAttentionManager(AttentionManager):
         return lr.plan.wrapper.run(q, keys, values)  # type: ignore[union-attr]
 
     def _label_run(self, label: str | None) -> _LabelRun:
-        if not self._runs:
+        if self.bound_plan() is None and self._current is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
+        runs = {r.label: r for r in self.current.label_runs}
         if label is None:
-            if len(self._runs) != 1:
-                raise ValueError(f"label=None is ambiguous: this step has labels {list(self._runs)}; name one")
-            return next(iter(self._runs.values()))
-        try:
-            return self._runs[label]
-        except KeyError:
-            raise KeyError(f"label {label!r} is not in this step; its labels are {list(self._runs)}") from None
+            if len(runs) != 1:
+                raise ValueError(f"label=None is ambiguous: this step has labels {list(runs)}; name one")
+            lr = next(iter(runs.values()))
+        elif label in runs:
+            lr = runs[label]
+        else:
+            raise KeyError(f"label {label!r} is not in this step; its labels are {list(runs)}")
+        if self._planned.get(lr.wrapper_key) != lr.serial:
+            raise RuntimeError(
+                f"{type(self).__name__}.run: the wrapper this step planned for label {lr.label!r} was re-planned "
+                f"by a later step; at most {self.slots} steps may be planned ahead of the one that runs"
+            )
+        return lr
 
     def _write_committed(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         """Write the K/V of ``commit=True`` spans to the pages: a later step reads them as its
@@ -377,7 +398,7 @@ class DenseAttentionManager(AttentionManager):
     def cleanup(self) -> None:
         self.prefixes.clear()
         self._wrappers.clear()
-        self._runs = {}
+        self._planned.clear()
         self._current = None
 
 

@@ -33,6 +33,10 @@ class PagedAttnEntry:
     kind: str  # "paged_decode" | "paged_prefill" | "mixed"
     wrapper: Any
     num_tokens: int
+    # Wrappers hold their plan: ``serial`` is this plan's number, and a wrapper re-planned by a
+    # later step (more steps planned ahead than there are slots) is refused at run, not misused.
+    key: tuple[str, str, int, int | None] = ("", "", 0, None)
+    serial: int = 0
 
 
 @dataclass(frozen=True)
@@ -101,6 +105,8 @@ class PagedAttentionManager(AttentionManager):
         self._graph_max_bs = 0
         self._wrappers: dict[tuple[str, str, int, int | None], Any] = {}
         self._plans = 0
+        self._planned: dict[tuple[str, str, int, int | None], int] = {}  # wrapper key -> serial of its plan
+        self._serial = 0
         self._current: PagedAttnPlan | None = None
 
     @classmethod
@@ -152,6 +158,7 @@ class PagedAttentionManager(AttentionManager):
             self._plans += 1
         else:
             slot = ctx.slot
+        self._serial += 1
         a = step.attn
         entries = []
         for label, lay in kv_plan.labels:
@@ -161,10 +168,13 @@ class PagedAttentionManager(AttentionManager):
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx.bucket)
             w = self._wrapper(label, kind, slot, ctx.bucket)
+            key = (label, kind, slot, ctx.bucket)
+            self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
             self._plan_wrapper(w, kind, lay, a.causal, a.window_left, a.sm_scale)
+            self._planned[key] = self._serial
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s)", label, kind, len(lay.spans),
                       lay.num_tokens, slot, ctx.bucket)
-            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens))
+            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens, key, self._serial))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
 
@@ -216,21 +226,32 @@ class PagedAttentionManager(AttentionManager):
         v: torch.Tensor | None = None,
         layer_idx: int | None = None,
     ) -> torch.Tensor:
-        if self._current is None:
-            raise RuntimeError("PagedAttentionManager.run before plan")
-        e = self._current.entry(label)
+        e = self.current.entry(label)
+        if self._planned.get(e.key) != e.serial:
+            raise RuntimeError(
+                f"{type(self).__name__}.run: the {e.kind} wrapper this step planned (label {e.label!r}, slot "
+                f"{e.key[2]}) was re-planned by a later step; at most {self.slots} steps may be planned ahead "
+                "of the one that runs"
+            )
         c = self.kv_config
         check_q(q, e.num_tokens, c.qo_heads, c.head_dim, self.dtype, type(self).__name__)
         if kv_cache_layer is None:
             if layer_idx is None:
                 raise ValueError("run needs kv_cache_layer or layer_idx")
             kv_cache_layer = self.kv.layer_view(layer_idx)
+        if q.device != kv_cache_layer.device:
+            raise ValueError(f"{type(self).__name__}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         return e.wrapper.run(q, kv_cache_layer)
 
     @property
     def current(self) -> PagedAttnPlan:
+        """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
+        latest plan."""
+        bound = self.bound_plan()
+        if bound is not None:
+            return bound
         if self._current is None:
-            raise RuntimeError("PagedAttentionManager has no plan yet")
+            raise RuntimeError("PagedAttentionManager has no plan yet: call plan(step, ctx) first (run before plan)")
         return self._current
 
     def fingerprint(self) -> bytes:
@@ -247,4 +268,5 @@ class PagedAttentionManager(AttentionManager):
 
     def cleanup(self) -> None:
         self._wrappers.clear()
+        self._planned.clear()
         self._current = None

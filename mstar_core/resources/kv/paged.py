@@ -142,12 +142,13 @@ class KVManager(Resource):
             raise KeyError(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
         if (dst_rid, label) in self.streams:
             raise ValueError(f"fork: request {dst_rid!r} already has a {label!r} stream")
-        n = len(src.pages)
+        # Only the committed tokens' pages: a step in flight on the source may hold more.
+        n = _pages_for(src.length, self.config.page_size)
         if n > self.pool.num_free:
             return AdmitOutcome.refuse(Shortage(self.name, "pages", n, self.pool.num_free, dst_rid))
         pages = self.pool.take(n)
         if n:
-            self.storage[:, pages] = self.storage[:, src.pages]
+            self.storage[:, pages] = self.storage[:, src.pages[:n]]
         self.streams[(dst_rid, label)] = CacheStream(dst_rid, label, pages, src.length, next(self._generations))
         src.generation = next(self._generations)
         return AdmitOutcome.ok()
@@ -173,6 +174,11 @@ class KVManager(Resource):
         flight: admitting it again before that step's ``commit`` or ``rollback_admit`` is an
         error (both steps would plan the same positions)."""
         self._check_spans(step)
+        if self.name in ctx.admitted:
+            raise RuntimeError(
+                f"{self.name}: this StepContext already holds an admitted step; one step per context "
+                "(commit or roll it back, and admit the next step into a new StepContext)"
+            )
         busy = [k for k in step.kv.keys() if k in self.streams and self.streams[k].in_flight]
         if busy:
             raise RuntimeError(
@@ -200,63 +206,81 @@ class KVManager(Resource):
             return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short)
         taken: dict[tuple[str, str], list[int]] = {}
         created: list[tuple[str, str]] = []
-        for key, n in need.items():
-            if key not in self.streams:
-                self.streams[key] = CacheStream(*key, generation=next(self._generations))
-                created.append(key)
-            if n:
-                pages = self.pool.take(n)
-                self.streams[key].pages.extend(pages)
-                taken[key] = pages
-            self.streams[key].in_flight = True
-        ctx.admitted[self.name] = _Admitted(taken, created, {k: self.streams[k] for k in need})
+        rec = _Admitted(taken, created, {})
+        try:
+            for key, n in need.items():
+                if key not in self.streams:
+                    self.streams[key] = CacheStream(*key, generation=next(self._generations))
+                    created.append(key)
+                rec.streams[key] = self.streams[key]
+                if n:
+                    pages = self.pool.take(n)
+                    taken[key] = pages
+                    self.streams[key].pages.extend(pages)
+                self.streams[key].in_flight = True
+        except BaseException:
+            # All or nothing, whatever interrupted the admit (KeyboardInterrupt included).
+            self._undo(rec)
+            raise
+        ctx.admitted[self.name] = rec
         return AdmitOutcome.ok()
 
-    def _live(self, ctx: StepContext, key: tuple[str, str]) -> CacheStream | None:
-        """The stream ``key`` if it is still the one this step admitted (not reset, removed or
-        re-created since); None otherwise. Without an admit record: the stream as it is."""
+    def _undo(self, rec: _Admitted) -> None:
+        """Give back what ``rec`` took from streams that are still the ones it admitted."""
+        for key, stream in rec.streams.items():
+            if self.streams.get(key) is not stream:
+                # reset or removed after the admit: its pages went back then (and may be reused)
+                log.debug("%s: stream %s was reset or removed after admit; nothing to return", self.name, key)
+                continue
+            stream.in_flight = False
+            pages = rec.taken.get(key, [])
+            if pages:
+                # The step's pages are the tail of the stream's list: admit appended them (an
+                # admit interrupted between take and append left them only in the record).
+                if stream.pages[-len(pages):] == pages:
+                    del stream.pages[-len(pages):]
+                elif set(pages) & set(stream.pages):
+                    raise RuntimeError(f"{self.name}: stream {key}: pages changed between admit and rollback")
+                self.pool.give_back(pages)
+            if key in rec.created and not stream.pages and not stream.length:
+                del self.streams[key]
+
+    def _record(self, ctx: StepContext, step: Step, what: str) -> _Admitted:
+        """This context's admit record, covering every stream of ``step``; an error naming the
+        streams otherwise (never admitted, committed already, or rolled back)."""
         rec: _Admitted | None = ctx.admitted.get(self.name)
-        if rec is None:
-            return self.streams.get(key)
+        missing = [k for k in step.kv.keys() if rec is None or k not in rec.streams]
+        if rec is None or missing:
+            raise RuntimeError(
+                f"{self.name}: {what} of streams {missing} that this StepContext has no live admit for "
+                "(never admitted, already committed, or rolled back); admit the step first"
+            )
+        return rec
+
+    def _live(self, rec: _Admitted, key: tuple[str, str]) -> CacheStream | None:
+        """The stream ``key`` if it is still the one the step admitted (not reset, removed or
+        re-created since); None otherwise."""
         stream = rec.streams.get(key)
         return stream if stream is not None and self.streams.get(key) is stream else None
 
-    def _land(self, ctx: StepContext, keys: tuple[tuple[str, str], ...]) -> None:
-        """The step is over (committed or rolled back): its streams are no longer in flight."""
-        for key in keys:
-            live = self._live(ctx, key)
-            if live is not None:
-                live.in_flight = False
-
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Return exactly the pages this step's admit took, and drop streams it created. A
-        stream reset or removed since the admit already gave its pages back: it is skipped."""
-        rec: _Admitted | None = ctx.admitted.get(self.name)
-        if rec is None:
-            return
-        self._land(ctx, step.kv.keys())
-        for key, pages in rec.taken.items():
-            stream = self._live(ctx, key)
-            if stream is None:
-                # reset or removed after the admit: its pages went back then (and may be reused)
-                log.debug("rollback_admit: stream %s was reset or removed after admit; nothing to return", key)
-                continue
-            # The step's pages are the tail of the stream's list: admit appended them.
-            assert stream.pages[-len(pages):] == pages, f"stream {key}: pages changed between admit and rollback"
-            del stream.pages[-len(pages):]
-            self.pool.give_back(pages)
-        for key in rec.created:
-            stream = self._live(ctx, key)
-            if stream is not None and not stream.pages and not stream.length:
-                del self.streams[key]
-        del ctx.admitted[self.name]
+        stream reset or removed since the admit already gave its pages back: it is skipped.
+        Without a live admit record (never admitted, committed, rolled back already): nothing."""
+        rec: _Admitted | None = ctx.admitted.pop(self.name, None)
+        if rec is not None:
+            self._undo(rec)
 
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
         self._check_spans(step)
+        rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
         by_label: dict[str, list[SpanLayout]] = {}
         for s in step.kv.spans:
-            stream = self.stream(s.request_id, s.label)
+            stream = self._live(rec, (s.request_id, s.label))
+            if stream is None:
+                raise RuntimeError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
+                                   "after this step's admit; roll the step back and admit it again")
             length = stream.length + s.num_tokens
             npages = _pages_for(length, ps)
             if npages > len(stream.pages):
@@ -350,7 +374,11 @@ class KVManager(Resource):
 
     @property
     def current(self) -> KVPlan:
-        """The latest plan (what ``write_kv`` writes through)."""
+        """What ``write_kv`` writes through: the plan of the step whose forward a runner is
+        running (:meth:`Node.bound`), else the latest plan."""
+        bound = self.bound_plan()
+        if bound is not None:
+            return bound
         if self._current is None:
             raise RuntimeError("KVManager has no plan yet: call plan(step, ctx) first")
         return self._current
@@ -360,13 +388,15 @@ class KVManager(Resource):
         tokens. A span whose stream was reset or removed after the admit is dropped: its
         pages went back to the pool with the reset, so there is nothing to commit to."""
         ps = self.config.page_size
-        self._land(ctx, step.kv.keys())
+        rec = self._record(ctx, step, "commit")
+        del ctx.admitted[self.name]  # consumed: a second commit or a rollback finds nothing
         for s in step.kv.spans:
-            stream = self._live(ctx, (s.request_id, s.label))
-            if stream is None or len(stream.pages) < _pages_for(stream.length + s.num_tokens, ps):
+            stream = self._live(rec, (s.request_id, s.label))
+            if stream is None:
                 log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
                          s.request_id, s.label)
                 continue
+            stream.in_flight = False
             if s.commit:
                 stream.length += s.num_tokens
             keep = _pages_for(stream.length, ps)
@@ -374,12 +404,18 @@ class KVManager(Resource):
                 # Pages held only for commit=False tokens: nothing will read them again.
                 self.pool.give_back(stream.pages[keep:])
                 del stream.pages[keep:]
-        ctx.admitted.pop(self.name, None)
 
     # -- data --------------------------------------------------------------------------------
+    def _check_layer(self, layer_idx: int) -> int:
+        n = self.config.num_layers
+        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+            # -1 too: it would silently address the last layer
+            raise IndexError(f"{self.name}: layer_idx {layer_idx!r} out of range: this cache holds layers 0..{n - 1}")
+        return layer_idx
+
     def layer_view(self, layer_idx: int) -> torch.Tensor:
         """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
-        return self.storage[layer_idx]
+        return self.storage[self._check_layer(layer_idx)]
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
@@ -390,7 +426,9 @@ class KVManager(Resource):
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
                 raise ValueError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
-        layer = self.storage[layer_idx]
+            if t.device != self.storage.device:
+                raise ValueError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
+        layer = self.storage[self._check_layer(layer_idx)]
         layer[lay.write_pages, 0, lay.write_offsets] = k.to(self.dtype)
         layer[lay.write_pages, 1, lay.write_offsets] = v.to(self.dtype)
 
