@@ -25,6 +25,11 @@ elif [ "$stage" = fi3 ]; then  # the final pass at HEAD: every flashinfer/core/b
   T 230 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core -q -rs -p no:cacheprovider
   T 90 bench_flashinfer python3 bench/flashinfer_bench.py --out "$R"
   T 170 tests_bounded python3 -m pytest -m gpu tests/bounded -q -rs --durations=5 -p no:cacheprovider
+elif [ "$stage" = fi10 ]; then  # issue 10 (validation, per-step plans): GPU tests, and what the checks cost
+  T 260 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -q -rs -p no:cacheprovider
+  T 100 bench_flashinfer python3 bench/flashinfer_bench.py --out "$R"
+  T 120 bench_runner python3 bench/runner_bench.py --out "$R"
+  T 30 save_aot bash .gpu/save-flashinfer-aot.sh
 elif [ "$stage" = fi2 ]; then  # after a core change: the runner's figures and the core GPU tests again
   T 120 tests_core python3 -m pytest -m gpu tests/core -v -rs -p no:cacheprovider
   T 120 bench_runner python3 bench/runner_bench.py --out "$R"
