@@ -30,6 +30,9 @@ elif [ "$stage" = fi10 ]; then  # issue 10 (validation, per-step plans): GPU tes
   T 100 bench_flashinfer python3 bench/flashinfer_bench.py --out "$R"
   T 120 bench_runner python3 bench/runner_bench.py --out "$R"
   T 30 save_aot bash .gpu/save-flashinfer-aot.sh
+elif [ "$stage" = fi10b ]; then  # the GPU tests of fi10 with room (260 s was too little for all three folders)
+  T 400 tests_fi_core python3 -m pytest -m gpu tests/flashinfer tests/core -v -rs --durations=20 -p no:cacheprovider
+  T 150 tests_bounded python3 -m pytest -m gpu tests/bounded -v -rs --durations=10 -p no:cacheprovider
 elif [ "$stage" = fi2 ]; then  # after a core change: the runner's figures and the core GPU tests again
   T 120 tests_core python3 -m pytest -m gpu tests/core -v -rs -p no:cacheprovider
   T 120 bench_runner python3 bench/runner_bench.py --out "$R"
