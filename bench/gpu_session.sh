@@ -33,6 +33,11 @@ elif [ "$stage" = fi10 ]; then  # issue 10 (validation, per-step plans): GPU tes
 elif [ "$stage" = fi10b ]; then  # the GPU tests of fi10 with room (260 s was too little for all three folders)
   T 400 tests_fi_core python3 -m pytest -m gpu tests/flashinfer tests/core -v -rs --durations=20 -p no:cacheprovider
   T 150 tests_bounded python3 -m pytest -m gpu tests/bounded -v -rs --durations=10 -p no:cacheprovider
+elif [ "$stage" = fa310 ]; then  # issue 10 on the dense path: FA3 GPU tests, the denoise demo, the dense bench
+  T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  T 220 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -q -rs --durations=10 -p no:cacheprovider
+  T 60 denoise_demo python3 -m mstar_core.cli demo --workload denoise --device cuda
+  T 180 bench_dense python3 bench/dense_bench.py --out "$R"
 elif [ "$stage" = fi2 ]; then  # after a core change: the runner's figures and the core GPU tests again
   T 120 tests_core python3 -m pytest -m gpu tests/core -v -rs -p no:cacheprovider
   T 120 bench_runner python3 bench/runner_bench.py --out "$R"
