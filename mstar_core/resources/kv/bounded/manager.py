@@ -456,9 +456,9 @@ class BoundedKVManager(Resource):
             self._marked = plan
             # Only where the row's request still holds that slot in the plan's epoch: a request
             # reset or removed since (its slot maybe free, or another's) gets no mark.
-            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners):
+            for b, ((slot, lay, _), (rid, epoch)) in enumerate(zip(plan.rows, plan.owners)):
                 if lay.commit and lay.num_tokens and self._slot.get(rid) == slot and self._epoch.get(rid) == epoch:
-                    self._uncommitted_writes[slot] = lay.start
+                    self._uncommitted_writes[b] = lay.start
         return out
 
     def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
