@@ -231,6 +231,18 @@ class BoundedKVManager(Resource):
                             f"manager's admit record: two resources share the name {self.name!r}?")
         return rec
 
+    def _admitted(self, ctx: StepContext, rids: tuple[str, ...], what: str) -> _Admitted | None:
+        """This context's admit record, covering every request of ``rids``; an error naming the
+        requests otherwise (``what`` formatted with them), before anything changes."""
+        rec = self._record(ctx)
+        missing = [r for r in rids if rec is None or r not in rec.epochs]
+        if missing:
+            raise RuntimeError(
+                f"{self.name}: {what.format(missing)} without a live admit in this context "
+                "(never admitted, committed already, or rolled back): a step is admitted once and commits once"
+            )
+        return rec
+
     def _live(self, rec: _Admitted, rid: str) -> bool:
         """Whether ``rid`` is still as the admit recorded in ``rec`` found it (not reset, or
         removed and re-admitted, since)."""
@@ -268,14 +280,8 @@ class BoundedKVManager(Resource):
         ``ctx.plan_results``). Every request must have been admitted in ``ctx`` and be
         unchanged since (not reset or removed)."""
         part = self._part(step)
-        rec = self._record(ctx)
-        missing = [r for r in part.request_ids if rec is None or r not in rec.epochs]
-        if missing:
-            raise RuntimeError(
-                f"{self.name}: plan before admit: request(s) {missing} have no admit in this context "
-                f"(never admitted here, or that step was already committed or rolled back)"
-            )
-        assert rec is not None
+        rec = self._admitted(ctx, part.request_ids, "plan before admit: request(s) {}")
+        assert rec is not None or not part.positions
         stale = [r for r in part.request_ids if not self._live(rec, r)]
         if stale:
             raise RuntimeError(
@@ -355,13 +361,7 @@ class BoundedKVManager(Resource):
         already or rolled back) is an error, raised before anything changes. A request reset or
         removed since its admit has its span dropped."""
         part = bounded_part(step)
-        rec = self._record(ctx)
-        missing = [r for r in part.request_ids if rec is None or r not in rec.epochs]
-        if missing:
-            raise RuntimeError(
-                f"{self.name}: commit of request(s) {missing} without a live admit in this context "
-                f"(never admitted, committed already, or rolled back): a step commits once, after its admit"
-            )
+        rec = self._admitted(ctx, part.request_ids, "commit of request(s) {}")
         assert rec is not None or not part.positions
         for p in part.positions:
             rid = p.request_id
@@ -456,9 +456,9 @@ class BoundedKVManager(Resource):
             self._marked = plan
             # Only where the row's request still holds that slot in the plan's epoch: a request
             # reset or removed since (its slot maybe free, or another's) gets no mark.
-            for b, ((slot, lay, _), (rid, epoch)) in enumerate(zip(plan.rows, plan.owners)):
+            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners):
                 if lay.commit and lay.num_tokens and self._slot.get(rid) == slot and self._epoch.get(rid) == epoch:
-                    self._uncommitted_writes[b] = lay.start
+                    self._uncommitted_writes[slot] = lay.start
         return out
 
     def _check_sources(self, plan: BoundedPlan, source: torch.Tensor | None,
