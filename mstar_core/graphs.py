@@ -121,11 +121,11 @@ class GraphRunner:
 
     def _capture_one(self, bucket: int, slot: int) -> _Graph:
         dummies = [f"__mstar_graph_{bucket}_{slot}_{i}" for i in range(bucket)]
+        step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)), self.attn)
+        ctx = StepContext(slot=slot, bucket=bucket)
         try:
             for d in dummies:
                 self.node.ingest_request(d)
-            step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)), self.attn)
-            ctx = StepContext(slot=slot, bucket=bucket)
             outcome = self.node.admit(step, ctx)
             if not outcome:
                 raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
@@ -141,7 +141,9 @@ class GraphRunner:
             with self.node.bound(ctx):  # not inside fn: a replay binds the step it launches
                 g.replay = _capture(fn, self.device)
         finally:
-            # The dummies never commit: whatever happened, they leave nothing behind.
+            # The dummies never commit: whatever happened, they leave nothing behind (the step
+            # is rolled back first, so a reset does not park its pages for a step that never lands).
+            self.node.rollback_admit(step, ctx)  # nothing, where the admit failed or was refused
             for d in dummies:
                 self.node.reset_request(d, free=True)
         return g

@@ -282,3 +282,33 @@ def test_q_on_another_device_than_the_cache_is_refused():
     q = torch.zeros(1, 4, 16, dtype=torch.float64, device="meta")
     with pytest.raises(ValueError, match="q is on meta"):
         attn.run(q, "text", kv.layer_view(0))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+@pytest.mark.parametrize("how", ["reset", "remove"])
+def test_a_stale_pending_step_writes_only_its_own_parked_pages(graphs, how):
+    """A request reset or removed while its step is prepared: that step may still run (a replayed
+    graph writes without the host seeing it), so the old stream's pages stay out of the pool until
+    it lands; another request never gets them meanwhile, and they go back exactly once."""
+    model, kv, attn, node, runner = build(graphs, max_pages=9)
+    runner.warmup()
+    prefill(runner, node, {"a": [1, 2, 3, 4, 5], "b": [6, 7]})
+    pa = runner.prepare(step_of(a=1, b=1))
+    old_pages = set(kv.stream("a", "text").pages)
+    free = kv.num_free_pages
+    (node.reset_request if how == "reset" else node.remove_request)("a")
+    assert kv.num_free_pages == free  # parked, not returned
+    node.ingest_request("c")
+    out_c = node.step(step_of(c=free * 4), lambda ctx: model.forward_step(
+        torch.arange(free * 4) % 50, ctx.plan_results["kv"].layout("text").positions, kv, attn, "text"))
+    assert out_c.outcome and not set(kv.stream("c", "text").pages) & old_pages
+    c_pages = list(kv.stream("c", "text").pages)
+    c_kv = kv.storage[:, c_pages].clone()
+    assert not node.step(step_of(c=1), lambda ctx: None).outcome  # the parked pages are not free
+    out = runner.launch(pa, torch.tensor([9, 10]))  # the stale step runs over its parked pages
+    torch.testing.assert_close(out[1], model.forward_full(torch.tensor([6, 7, 10]))[-1], rtol=1e-9, atol=1e-9)
+    assert torch.equal(kv.storage[:, c_pages], c_kv)
+    assert kv.num_free_pages == len(old_pages)  # back once the step landed; a's span was dropped
+    assert kv.stream("b", "text").length == 3
+    assert how == "remove" or kv.stream("a", "text").length == 0
+    kv.post_warmup_validate()

@@ -55,6 +55,12 @@ class PagedMachine(RuleBasedStateMachine):
         # per kind; a pending eager step whose (kind, slot) was planned again is refused at launch.
         self.eager: list[tuple[str, int]] = []
         self.planned_at: dict[int, int] = {}  # id(pending eager step) -> its index in self.eager
+        # A pending step's view at prepare (its requests' committed codes), the requests reset or
+        # removed since (their spans go stale: dropped at commit), and the pages their old streams
+        # hold, parked until the step lands.
+        self.snap: dict[int, dict[str, list[int]]] = {}
+        self.stale: dict[int, set[str]] = {}
+        self.parked: dict[int, int] = {}
 
     # -- the forward ----------------------------------------------------------------------------
     def forward(self, ctx, tokens):
@@ -70,7 +76,9 @@ class PagedMachine(RuleBasedStateMachine):
 
     # -- helpers --------------------------------------------------------------------------------
     def busy(self) -> set[str]:
-        return {s.request_id for p in self.pending for s in p.step.kv.spans}
+        """Requests with a live step in flight (a reset or remove makes a pending step's span stale)."""
+        return {s.request_id for p in self.pending for s in p.step.kv.spans} - \
+            {r for p in self.pending for r in self.stale.get(id(p), ())}
 
     def make_step(self, rids, lens):
         free = sorted(self.ingested - self.busy())
@@ -82,11 +90,13 @@ class PagedMachine(RuleBasedStateMachine):
     def tokens(self, step):
         return torch.tensor([CODE[s.request_id] for s in step.kv.spans for _ in range(s.num_tokens)])
 
-    def expect(self, step, out):
-        """Each query's output is the mean of 1000 * code + position over the keys it sees."""
+    def expect(self, step, out, seen=None):
+        """Each query's output is the mean of 1000 * code + position over the keys it sees
+        (``seen``: the committed codes the step was planned over; default: the current ones)."""
+        seen = self.codes if seen is None else seen
         i = 0
         for s in step.kv.spans:
-            codes = self.codes.get(s.request_id, []) + [CODE[s.request_id]] * s.num_tokens
+            codes = seen.get(s.request_id, []) + [CODE[s.request_id]] * s.num_tokens
             base = len(codes) - s.num_tokens
             for t in range(s.num_tokens):
                 p = base + t
@@ -94,10 +104,21 @@ class PagedMachine(RuleBasedStateMachine):
                 assert math.isclose(float(out[i]), want, rel_tol=1e-12), (s, t, float(out[i]), want)
                 i += 1
 
-    def landed(self, step, out):
-        self.expect(step, out)
+    def landed(self, step, out, prep=None):
+        """The step committed: its live spans advance; a stale span (its request reset or removed
+        while the step was pending) computed over the old stream's parked pages and is dropped."""
+        key = id(prep)
+        self.expect(step, out, self.snap.get(key))
+        stale = self.stale.get(key, set())
         for s in step.kv.spans:
-            self.codes[s.request_id] = self.codes.get(s.request_id, []) + [CODE[s.request_id]] * s.num_tokens
+            if s.request_id not in stale:
+                self.codes[s.request_id] = self.codes.get(s.request_id, []) + [CODE[s.request_id]] * s.num_tokens
+        if stale:
+            event("stale pending step landed")
+
+    def forget(self, prep):
+        for d in (self.snap, self.stale, self.parked, self.planned_at):
+            d.pop(id(prep), None)
 
     def pages_needed(self, step, codes=None):
         codes = self.codes if codes is None else codes
@@ -133,6 +154,7 @@ class PagedMachine(RuleBasedStateMachine):
             return None
         assert (prep.graph is not None) == self.is_graph(step)
         self.planned_at[id(prep)] = self.planned(step)
+        self.snap[id(prep)] = {r: list(self.codes.get(r, [])) for r in step.kv.request_ids}
         return prep
 
     def run_now(self, step):
@@ -141,13 +163,15 @@ class PagedMachine(RuleBasedStateMachine):
             self.launch(prep)
 
     def launch(self, prep):
-        at = self.planned_at.pop(id(prep))
+        at = self.planned_at[id(prep)]
         if prep.graph is None and self.eager[at] in self.eager[at + 1:]:
             with pytest.raises(RuntimeError, match="re-planned by a later step"):
                 self.runner.launch(prep, self.tokens(prep.step))
             event("launch refused: wrapper re-planned")
+            self.forget(prep)
             return  # rolled back: nothing landed
-        self.landed(prep.step, self.runner.launch(prep, self.tokens(prep.step)))
+        self.landed(prep.step, self.runner.launch(prep, self.tokens(prep.step)), prep)
+        self.forget(prep)
         event(f"launched {'graph' if prep.graph is not None else 'eager'} step, {len(self.pending)} still pending")
 
     # -- rules ----------------------------------------------------------------------------------
@@ -188,7 +212,7 @@ class PagedMachine(RuleBasedStateMachine):
         if launch:
             self.launch(prep)
         else:
-            self.planned_at.pop(id(prep))
+            self.forget(prep)
             self.runner.discard(prep)
 
     @rule(rids=st.lists(st.sampled_from(RIDS), min_size=1, max_size=3, unique=True),
@@ -227,21 +251,37 @@ class PagedMachine(RuleBasedStateMachine):
             with pytest.raises(RuntimeError, match="no live admit"):
                 self.node.commit(step, res.ctx)
 
+    def drop(self, rid):
+        """``rid``'s stream is reset or removed. A pending step on it goes stale: the old stream's
+        pages stay parked (its forward may still write them) until that step lands."""
+        for p in self.pending:
+            if rid in p.step.kv.request_ids and rid not in self.stale.get(id(p), set()):
+                self.stale.setdefault(id(p), set()).add(rid)
+                self.parked[id(p)] = self.parked.get(id(p), 0) + -(-len(self.codes.get(rid, [])) // PS)
+                event("reset or remove of a request with a step pending")
+        self.codes.pop(rid, None)
+
     @rule(rid=st.sampled_from(RIDS + FORKS), free=st.booleans())
     def reset(self, rid, free):
-        if rid in self.busy():
-            return  # a pending step's commit would drop the span; kept out to keep the model simple
         self.node.reset_request(rid, free)
-        self.codes.pop(rid, None)
+        self.drop(rid)
         if free:
             self.ingested.discard(rid)
 
+    @precondition(lambda self: self.pending)
+    @rule(i=st.integers(0, 3), remove=st.booleans())
+    def drop_pending_request(self, i, remove):
+        """Reset or remove a request whose step is prepared and not launched."""
+        rid = self.pending[i % len(self.pending)].step.kv.request_ids[0]
+        if remove:
+            self.remove(rid)
+        else:
+            self.reset(rid, free=False)
+
     @rule(rid=st.sampled_from(RIDS + FORKS))
     def remove(self, rid):
-        if rid in self.busy():
-            return
         self.node.remove_request(rid)
-        self.codes.pop(rid, None)
+        self.drop(rid)
         self.ingested.discard(rid)
 
     @rule(src=st.sampled_from(RIDS), dst=st.sampled_from(FORKS))
@@ -265,7 +305,8 @@ class PagedMachine(RuleBasedStateMachine):
     def matches_model(self):
         kv = self.kv
         kv.post_warmup_validate()  # page accounting: every page owned once, free + used = all
-        held = {(s.request_id, s.label) for p in self.pending for s in p.step.kv.spans}
+        held = {(s.request_id, s.label) for p in self.pending for s in p.step.kv.spans
+                if s.request_id not in self.stale.get(id(p), ())}
         for key, stream in kv.streams.items():
             assert stream.in_flight == (key in held), key
             assert stream.length == len(self.codes.get(key[0], [])), key
@@ -273,7 +314,8 @@ class PagedMachine(RuleBasedStateMachine):
         pending_pages = sum(len(p.ctx.admitted["kv"].taken.get(k, [])) for p in self.pending for k in
                             p.ctx.admitted["kv"].taken)
         committed = sum(-(-len(c) // PS) for c in self.codes.values())
-        assert kv.num_free_pages == PAGES - 1 - committed - pending_pages  # 1: the graphs' sink page
+        parked = sum(self.parked.values())
+        assert kv.num_free_pages == PAGES - 1 - committed - pending_pages - parked  # 1: the graphs' sink page
         layer = kv.layer_view(0)
         for rid, codes in self.codes.items():
             if not codes:
@@ -290,6 +332,9 @@ class PagedMachine(RuleBasedStateMachine):
     def teardown(self):
         for p in self.pending:
             self.runner.discard(p)
+        # every parked page went back when its step landed
+        self.pending, self.parked = [], {}
+        self.matches_model()
 
 
 PagedMachine.TestCase.settings = settings(max_examples=60, stateful_step_count=25, deadline=None)

@@ -74,6 +74,9 @@ class KVManager(Resource):
         self._staging: SlotStaging | None = None
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
+        # Streams reset or removed while a step was in flight on them, by id: their pages go back
+        # to the pool when that step commits or is rolled back, not before (released once).
+        self._parked: dict[int, CacheStream] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> KVManager:
@@ -104,14 +107,22 @@ class KVManager(Resource):
 
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
-            self.pool.give_back(self.streams[key].pages)
+            old = self.streams[key]
+            if old.in_flight:
+                # A step admitted on it may still write its pages (a replayed graph writes without
+                # the host seeing it): they stay out of the pool until that step lands.
+                self._parked[id(old)] = old
+            else:
+                self.pool.give_back(old.pages)
             # A new object, not the old one emptied: a step admitted before the reset holds the
             # old one, and its commit or rollback recognise by identity that it is stale.
             self.streams[key] = CacheStream(*key, generation=next(self._generations))
 
     def reset_request(self, rid: str, free: bool = False) -> None:
         """Return the request's pages to the pool, set its streams' length to 0 and bump their
-        ``generation``. ``free=True`` also forgets the request (it must be ingested again)."""
+        ``generation``. ``free=True`` also forgets the request (it must be ingested again). The
+        pages of a stream with a step in flight are parked until that step commits (its span is
+        dropped) or is rolled back: its forward may still write them, and nobody else may."""
         self._free_streams(rid)
         if free:
             self._forget(rid)
@@ -229,8 +240,9 @@ class KVManager(Resource):
         """Give back what ``rec`` took from streams that are still the ones it admitted."""
         for key, stream in rec.streams.items():
             if self.streams.get(key) is not stream:
-                # reset or removed after the admit: its pages went back then (and may be reused)
-                log.debug("%s: stream %s was reset or removed after admit; nothing to return", self.name, key)
+                # reset or removed after the admit: its pages were parked until now
+                log.debug("%s: stream %s was reset or removed after admit; its parked pages go back", self.name, key)
+                self._unpark(stream)
                 continue
             stream.in_flight = False
             pages = rec.taken.get(key, [])
@@ -244,6 +256,12 @@ class KVManager(Resource):
                 self.pool.give_back(pages)
             if key in rec.created and not stream.pages and not stream.length:
                 del self.streams[key]
+
+    def _unpark(self, stream: CacheStream) -> None:
+        """The step in flight on a reset or removed stream landed: its pages go back now."""
+        if self._parked.pop(id(stream), None) is not None:
+            stream.in_flight = False
+            self.pool.give_back(stream.pages)
 
     def _record(self, ctx: StepContext, step: Step, what: str) -> _Admitted:
         """This context's admit record, covering every stream of ``step``; an error naming the
@@ -395,6 +413,7 @@ class KVManager(Resource):
             if stream is None:
                 log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
                          s.request_id, s.label)
+                self._unpark(rec.streams[(s.request_id, s.label)])
                 continue
             stream.in_flight = False
             if s.commit:
@@ -440,7 +459,7 @@ class KVManager(Resource):
     def post_warmup_validate(self) -> None:
         """Page accounting is consistent, and (under tensor parallelism) every rank has the same
         number of free pages: ranks that disagree would admit different steps."""
-        owned = [p for s in self.streams.values() for p in s.pages]
+        owned = [p for s in (*self.streams.values(), *self._parked.values()) for p in s.pages]
         if self._sink_page is not None:
             owned.append(self._sink_page)
         if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
@@ -456,6 +475,7 @@ class KVManager(Resource):
 
     def cleanup(self) -> None:
         self.streams.clear()
+        self._parked.clear()
         self._requests.clear()
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)
