@@ -1,7 +1,7 @@
 """Issue 10: what a step took is recorded in its StepContext and released exactly once.
 
-Stale uncommitted-write marks, the in-flight guard, commit / plan tied to an admit, all-or-nothing
-admit, and input validation at the API boundary."""
+Stale uncommitted-write marks, slots parked for a stale step in flight, the in-flight guard,
+commit / plan tied to an admit, all-or-nothing admit, and input validation at the API boundary."""
 
 from __future__ import annotations
 
@@ -56,6 +56,7 @@ def snapshot(mgr: BoundedKVManager, ctx: StepContext | None = None) -> dict:
         "epochs": dict(mgr._epoch),
         "in_flight": dict(getattr(mgr, "_in_flight", {})),
         "marks": dict(mgr._uncommitted_writes),
+        "parked": dict(getattr(mgr, "_parked", {})),
     }
     if ctx is not None:
         rec = ctx.admitted.get(mgr.name)
@@ -73,16 +74,20 @@ def test_reset_then_attend_leaves_no_mark_and_the_slot_plans_fine(caplog):
     s1, c1 = bstep(("a", 2)), StepContext()
     assert mgr.admit(s1, c1)
     p1 = mgr.plan(s1, c1)
-    mgr.reset_request("a")
-    forward(mgr, p1)  # the stale step's layers still run
+    mgr.reset_request("a")  # a step in flight: a's slot is parked, a holds none
+    assert mgr.slot_of("a") is None and list(mgr.parked_slots.values()) == [slot] and "a" in mgr.requests
+    forward(mgr, p1)  # the stale step's layers still run, into the parked slot
     assert mgr._uncommitted_writes == {}
-    # The reset request's next step plans: no write it never made is held against it.
+    mgr.post_warmup_validate()
+    # The reset request's next step takes a fresh slot and plans: no write it never made is
+    # held against it.
     s2, c2 = bstep(("a", 1)), StepContext()
-    assert mgr.admit(s2, c2)
+    assert mgr.admit(s2, c2) and mgr.slot_of("a") not in (None, slot)
     assert mgr.plan(s2, c2).rows[0][1].start == 0
     with caplog.at_level(logging.INFO, logger=manager_mod.__name__):
         mgr.commit(s1, c1)  # stale: dropped, and its record consumed
     assert "reset or removed after admit" in caplog.text and mgr.length("a") == 0
+    assert mgr.parked_slots == {} and slot in mgr._free  # the stale step landed: its slot is back
     mgr.rollback_admit(s2, c2)
     # Then removed: the next request gets the slot and plans fine.
     mgr.remove_request("a")
@@ -103,17 +108,180 @@ def test_remove_between_admit_and_attend_marks_no_free_slot():
     assert mgr.admit(s1, c1)
     p1 = mgr.plan(s1, c1)
     mgr.remove_request("a")
-    forward(mgr, p1)  # writes into what is now a free slot
+    assert slot not in mgr._free and list(mgr.parked_slots.values()) == [slot]  # parked, not free
+    forward(mgr, p1)  # writes into the parked slot, which no one else holds
     assert mgr._uncommitted_writes == {}
-    mgr.post_warmup_validate()  # would name a mark on a free slot
+    mgr.post_warmup_validate()  # would name a mark on a slot no request holds
     mgr.ingest_request("b")
     s2, c2 = bstep(("b", 2)), StepContext()
-    assert mgr.admit(s2, c2) and mgr.slot_of("b") == slot
-    forward(mgr, mgr.plan(s2, c2))  # refused before: "a step from position 4 wrote its keys"
+    assert mgr.admit(s2, c2) and mgr.slot_of("b") not in (None, slot)
+    forward(mgr, mgr.plan(s2, c2))
     mgr.commit(s2, c2)
-    mgr.commit(s1, c1)  # a's span is dropped (removed after admit)
-    assert mgr.length("b") == 2 and mgr.slot_of("a") is None
+    mgr.commit(s1, c1)  # a's span is dropped (removed after admit), its slot goes back
+    assert mgr.length("b") == 2 and mgr.slot_of("a") is None and slot in mgr._free and mgr.parked_slots == {}
     mgr.post_warmup_validate()
+    # The slot is free, and free of marks: the next request takes it and plans fine.
+    mgr.ingest_request("c")
+    run(mgr, bstep(("c", 2)))
+    assert mgr.slot_of("c") == slot and mgr.length("c") == 2
+
+
+# -- 1b. a stale step's writes land only in its parked slot -----------------------------------
+
+# The reproduction: sink 0, window 4 (position p at cache index p % 4).
+RING = dataclasses.replace(CFG, sink=0, window=4)
+
+
+def ring_mgr(*rids: str, max_slots: int) -> BoundedKVManager:
+    mgr = BoundedKVManager(dataclasses.replace(RING, max_slots=max_slots), "cpu", kv_dtype=torch.float64)
+    for r in rids:
+        mgr.ingest_request(r)
+    return mgr
+
+
+def fill(mgr: BoundedKVManager, plan, value: float) -> list[torch.Tensor]:
+    """Every layer's attend for ``plan`` with K = V = ``value`` (q random); the outputs."""
+    gen = torch.Generator().manual_seed(1)
+    T, B, H, D = max(plan.max_span, 1), plan.batch * RING.rows, RING.num_heads, RING.head_dim
+    outs = []
+    for layer in range(RING.num_layers):
+        q = torch.randn(B, H, T, D, generator=gen, dtype=torch.float64)
+        kv = torch.full((B, H, T, D), value, dtype=torch.float64)
+        outs.append(mgr.attend(layer, q, kv, kv.clone(), plan=plan))
+    return outs
+
+
+def step_of(mgr: BoundedKVManager, rid: str, n: int, value: float) -> list[torch.Tensor]:
+    """Admit, plan, attend (K = V = ``value``) and commit one step of ``rid``; its outputs."""
+    s, ctx = bstep((rid, n)), StepContext()
+    assert mgr.admit(s, ctx)
+    outs = fill(mgr, mgr.plan(s, ctx), value)
+    mgr.commit(s, ctx)
+    return outs
+
+
+@pytest.mark.parametrize("land", ["commit", "rollback"])
+@pytest.mark.parametrize("how", ["remove", "reset"])
+def test_a_stale_step_writes_only_its_parked_slot(how, land):
+    """a's step is admitted and planned; a is removed (or reset), then the victim (b, or a's
+    restarted stream) takes a slot and commits 7s; a's stale step then attends with NaN K/V and
+    lands. The victim's keys and outputs are untouched, and a's old slot was parked (no one could
+    take it) until the stale step landed, then went back to the free list once."""
+    mgr = ring_mgr("a", "b", "c", max_slots=2)
+    sa, ca = bstep(("a", 2)), StepContext()
+    assert mgr.admit(sa, ca)
+    pa = mgr.plan(sa, ca)
+    old = mgr.slot_of("a")
+    if how == "remove":
+        mgr.remove_request("a")
+        victim = "b"
+    else:
+        mgr.reset_request("a", free=False)
+        victim = "a"  # stays ingested without a slot; its next admit takes a fresh one
+        assert "a" in mgr.requests and mgr.length("a") == 0
+    step_of(mgr, victim, 2, 7.0)
+    slot = mgr.slot_of(victim)
+    kept = mgr.storage[:, slot].clone()
+    fill(mgr, pa, float("nan"))  # the stale step's forward (a replayed graph would write the same)
+    assert torch.equal(mgr.storage[:, slot], kept)  # the victim's keys, bit for bit
+    assert torch.isnan(mgr.storage[:, old, :, :, :2]).all()  # the stale keys went to a's old slot
+    assert mgr._uncommitted_writes == {}  # and marked nothing
+    # That slot was parked: no one's, neither held nor free, until the stale step lands.
+    assert slot != old and mgr.length(victim) == 2 and mgr._free == []
+    assert mgr.parked_slots == {("a", pa.owners[0][1]): old}
+    refused = mgr.admit(bstep(("c", 1)), StepContext())  # refused for lack of slots, as a value
+    assert not refused and "slots" in refused.reason() and mgr.slot_of("c") is None
+    mgr.post_warmup_validate()
+    if land == "commit":
+        mgr.commit(sa, ca)  # the span is dropped
+    else:
+        mgr.rollback_admit(sa, ca)
+    assert mgr.parked_slots == {} and mgr._free == [old] and mgr.name not in ca.admitted
+    mgr.rollback_admit(sa, ca)  # landed already: nothing more goes back
+    with pytest.raises(RuntimeError, match="without a live admit"):
+        mgr.commit(sa, ca)
+    assert mgr._free == [old] and mgr.parked_slots == {}
+    mgr.post_warmup_validate()
+    # The victim's next output: only 7s to see.
+    out = step_of(mgr, victim, 1, 7.0)
+    for o in out:
+        assert torch.isfinite(o).all() and torch.allclose(o, torch.full_like(o, 7.0))
+    assert mgr.length(victim) == 3
+    # The slot back in the free list is taken fresh and starts clean.
+    step_of(mgr, "c", 1, 1.0)
+    assert mgr.slot_of("c") == old and mgr.length("c") == 1
+    mgr.post_warmup_validate()
+
+
+@pytest.mark.parametrize("how", ["remove", "reset"])
+def test_one_slot_a_stale_step_holds_it_until_it_lands(how):
+    """The reproduction as reported, with one slot: b's admit is refused, as a value, while a's
+    stale step is in flight; once that step has written NaN and committed, b takes the slot and
+    its outputs are 7s."""
+    mgr = ring_mgr("a", "b", max_slots=1)
+    sa, ca = bstep(("a", 2)), StepContext()
+    assert mgr.admit(sa, ca)
+    pa = mgr.plan(sa, ca)
+    mgr.remove_request("a") if how == "remove" else mgr.reset_request("a")
+    before = snapshot(mgr)
+    for rid in ("b",) if how == "remove" else ("b", "a"):  # a reset a needs a fresh slot too
+        outcome = mgr.admit(bstep((rid, 2)), StepContext())
+        assert not outcome and "slots" in outcome.reason()
+    assert snapshot(mgr) == before
+    fill(mgr, pa, float("nan"))
+    mgr.commit(sa, ca)
+    assert mgr._free == [0] and mgr.parked_slots == {}
+    step_of(mgr, "b", 2, 7.0)
+    assert mgr.slot_of("b") == 0
+    for o in step_of(mgr, "b", 1, 7.0):
+        assert torch.allclose(o, torch.full_like(o, 7.0))
+    mgr.post_warmup_validate()
+
+
+def test_a_stale_admit_blocks_a_second_admit_in_the_same_context():
+    """One context keys its record by request: a request removed and taken again would overwrite
+    the record of its stale step (whose parked slot would then never go back). Refused until the
+    stale step lands; another context is fine."""
+    mgr = ring_mgr("a", max_slots=3)
+    s, ctx = bstep(("a", 1)), StepContext()
+    assert mgr.admit(s, ctx)
+    mgr.plan(s, ctx)
+    mgr.remove_request("a")
+    mgr.ingest_request("a")
+    before = snapshot(mgr, ctx)
+    with pytest.raises(RuntimeError, match=r"\['a'\] have a step admitted in this context and reset or removed"):
+        mgr.admit(s, ctx)
+    assert snapshot(mgr, ctx) == before
+    other = StepContext()
+    assert mgr.admit(s, other) and mgr.slot_of("a") == 1  # slot 0 is parked
+    mgr.rollback_admit(s, ctx)  # the stale step lands: slot 0 back
+    assert mgr.parked_slots == {} and mgr._free == [2, 0]
+    mgr.rollback_admit(s, other)
+    assert mgr.admit(s, ctx) and mgr.slot_of("a") == 0  # the context's record is free again
+    mgr.rollback_admit(s, ctx)
+    assert sorted(mgr._free) == [0, 1, 2] and mgr.slot_of("a") is None
+    mgr.post_warmup_validate()
+
+
+def test_cleanup_clears_parked_slots():
+    mgr = ring_mgr("a", max_slots=2)
+    s, ctx = bstep(("a", 1)), StepContext()
+    assert mgr.admit(s, ctx)
+    mgr.remove_request("a")
+    assert mgr.parked_slots
+    mgr.cleanup()
+    assert mgr.parked_slots == {} and mgr.num_free_slots == 2
+
+
+def test_validate_names_a_parked_slot_counted_twice():
+    mgr = ring_mgr("a", max_slots=2)
+    s, ctx = bstep(("a", 1)), StepContext()
+    assert mgr.admit(s, ctx)
+    mgr.remove_request("a")
+    mgr.post_warmup_validate()
+    mgr._free.append(next(iter(mgr._parked.values())))  # a slot both parked and free
+    with pytest.raises(RuntimeError, match=r"slot accounting broken: 0 held .*, 2 free .*, 1 parked .*, 2 slots"):
+        mgr.post_warmup_validate()
 
 
 def test_a_fresh_slot_starts_clean():

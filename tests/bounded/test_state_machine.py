@@ -11,21 +11,26 @@ and then raises; reset (free or not, also of a request whose step is pending: th
 stale); remove; a double commit and a second launch; a double admit of a request in flight.
 
 After every operation the manager is checked against a model: which slot each request holds (a
-request keeps it from its first admit to its removal, no slot twice, free + held = all), each
-stream's committed length, nothing in flight but the live pending steps, and every retained K/V
-entry in the storage (the first ``sink`` positions at their own index, the last ``window`` at
-``sink + (p - sink) % window``). A step whose forward wrote the ring and then failed leaves its
-(non-fresh) requests refused at their next plan, naming ``reset_request``, until reset.
+request keeps it from its first admit to its removal or to a reset while a step of it is
+pending, no slot twice, free + held + parked = all), which slots are parked (that of a request
+reset or removed while a step of it was pending, until that step lands: launched, failed or
+discarded; a request reset that way takes a fresh slot at its next admit, and is refused for
+lack of slots as a value), each stream's committed length, nothing in flight but the live
+pending steps, and every retained K/V entry in the storage, of held slots and of parked ones
+(the first ``sink`` positions at their own index, the last ``window`` at ``sink + (p - sink) %
+window``). A step whose forward wrote the ring and then failed leaves its (non-fresh) requests
+refused at their next plan, naming ``reset_request``, until reset.
 
 The forward writes K/V that encode (layer, row, head, dim, stream code, position), the code being
 new whenever a request's stream restarts, and queries are 0: every query's output is the mean of
 the V it may see (``kernels/bounded_attention``: sinks, ring, own step causally), predicted exactly
 by the model, so a key read from the wrong slot, position, epoch or a NaN shows.
 
-A pending step whose request was reset or removed (stale) is launched only while no request holds
-its old slot with committed keys: ``attend`` writes by the plan's table whatever happened to the
-request since, so launching it later overwrites the new holder's keys without an error (the
-manager drops only the stale span's commit). Discarding it is always safe.
+A pending step whose request was reset or removed (stale) is launched, failed or discarded
+whenever the rules pick it, whoever holds slots by then: its ``attend`` writes by the plan's
+table into the request's old slot, which stays parked until the step lands, so no other stream's
+keys are touched (the invariant checks them) and its own queries still see exactly the old
+stream's retained keys (checked like a live step's; only its commit is dropped).
 """
 
 from __future__ import annotations
@@ -111,6 +116,9 @@ class BoundedMachine(RuleBasedStateMachine):
         self.slot: dict[str, int] = {}  # slot held, per request
         self.length: dict[str, int] = {}  # committed length, per request holding a slot
         self.taint: dict[str, int] = {}  # request -> start of its step that wrote and failed
+        # (request, code of its stale pending step) -> the row: the slot parked for that step
+        # (row.slot), which still holds the old stream's keys up to row.start.
+        self.parked: dict[tuple[str, int], Row] = {}
         self.pending: list[Pending] = []
 
     # -- the forward ----------------------------------------------------------------------------
@@ -186,7 +194,7 @@ class BoundedMachine(RuleBasedStateMachine):
         if any(r in self.busy() for r, _, _ in spec):
             return "busy", None
         fresh = [r for r, _, _ in spec if r not in self.slot]
-        if len(fresh) > SLOTS - len(self.slot):
+        if len(fresh) > SLOTS - len(self.slot) - len(self.parked):
             return "slots", None
         for i, (r, _, _) in enumerate(spec):  # plan checks request by request, in step order
             if r in self.taint:
@@ -220,7 +228,8 @@ class BoundedMachine(RuleBasedStateMachine):
         for b, row in enumerate(rows):
             slot = self.mgr.slot_of(row.rid)
             if row.fresh:
-                assert slot is not None and slot not in self.slot.values(), (row, slot, self.slot)
+                taken = [*self.slot.values(), *(p.slot for p in self.parked.values())]
+                assert slot is not None and slot not in taken, (row, slot, self.slot, self.parked)
                 self.slot[row.rid], self.length[row.rid] = slot, 0
             assert slot == self.slot[row.rid]
             row.slot = slot
@@ -229,10 +238,12 @@ class BoundedMachine(RuleBasedStateMachine):
                 assert (s, lay.start, lay.num_tokens, lay.commit) == (slot, row.start, row.n, row.commit)
 
     def expect(self, rows, outs) -> None:
-        """Each live request's queries: the mean of the V they may see."""
+        """Each request's queries: the mean of the V they may see. A stale row too: it reads its
+        parked slot, which still holds its old stream's keys."""
         for b, row in enumerate(rows):
             if not self.live(row):
-                continue  # a stale row reads whatever its old slot holds now
+                assert self.parked[(row.rid, row.code)] is row
+                event("stale row's outputs checked")
             for layer, out in enumerate(outs):
                 assert out.shape[0] == len(rows) * ROWS and out.shape[2:] == (H * GQA, D)
                 for t in range(row.n):
@@ -246,6 +257,7 @@ class BoundedMachine(RuleBasedStateMachine):
         for row in rows:
             if not self.live(row):
                 event("stale span dropped at commit")
+                self.unpark(row)
                 continue
             if row.commit:
                 self.length[row.rid] += row.n
@@ -257,6 +269,7 @@ class BoundedMachine(RuleBasedStateMachine):
         for row in rows:
             if not self.live(row):
                 event("failed stale row: no mark")
+                self.unpark(row)
             elif row.fresh:  # its slot went back (node.step: the model never saw it taken)
                 self.slot.pop(row.rid, None)
                 self.length.pop(row.rid, None)
@@ -266,20 +279,24 @@ class BoundedMachine(RuleBasedStateMachine):
 
     def rolled_back(self, rows) -> None:
         for row in rows:
-            if self.live(row) and row.fresh:
+            if not self.live(row):
+                self.unpark(row)
+            elif row.fresh:
                 self.slot.pop(row.rid)
                 self.length.pop(row.rid)
 
-    def stale_launch_safe(self, rows) -> bool:
-        """A stale row's forward still writes its old slot (``attend`` writes by the plan's table,
-        whatever happened to the request since): safe only while no request holds that slot with
-        committed keys, which it would overwrite silently (see the module docstring)."""
-        for row in rows:
-            if not self.live(row):
-                holder = [r for r, s in self.slot.items() if s == row.slot]
-                if holder and self.length[holder[0]] > 0:
-                    return False
-        return True
+    def park(self, rid) -> None:
+        """``rid``, whose step is pending, is reset or removed: it no longer holds its slot, which
+        is parked until that step lands."""
+        row = next(r for p in self.pending for r in p.rows if r.rid == rid and self.live(r))
+        assert self.slot.pop(rid) == row.slot
+        self.length.pop(rid)
+        self.parked[(rid, row.code)] = row
+
+    def unpark(self, row) -> None:
+        """A stale row's step landed (committed, failed or discarded): its parked slot is free."""
+        assert self.parked.pop((row.rid, row.code)) is row
+        event("parked slot back")
 
     # -- running steps --------------------------------------------------------------------------
     def run(self, spec, how, fallback=False, declare=None, poison=None, fail_after=LAYERS):
@@ -403,11 +420,9 @@ class BoundedMachine(RuleBasedStateMachine):
     def launch_pending(self, i, fail, bad):
         """Launch a pending step (perhaps not the oldest), or launch it into a failing forward."""
         pend = self.pending.pop(i % len(self.pending))
-        if not self.stale_launch_safe(pend.rows):
-            event("stale launch would overwrite another stream's keys: discarded instead")
-            self.discard(pend)
-            return
         stale = any(not self.live(r) for r in pend.rows)
+        if stale and any(self.length.get(r, 0) for r in self.slot):
+            event("stale launch while other streams hold committed keys")
         event(f"{'failing ' if fail else ''}launch of a {'stale ' if stale else ''}pending step, "
               f"{len(self.pending)} others pending")
         self.launch(pend, bad if fail else None)
@@ -457,12 +472,17 @@ class BoundedMachine(RuleBasedStateMachine):
 
     @rule(rid=st.sampled_from(RIDS), free=st.booleans())
     def reset(self, rid, free):
-        if rid in self.busy():
-            event("reset of a request in flight: its pending step goes stale")
+        busy = rid in self.busy()
+        if busy:
+            event(f"reset{' (free)' if free else ''} of a request in flight: its slot is parked")
         self.node.reset_request(rid, free)
         self.taint.pop(rid, None)
+        if busy:
+            self.park(rid)
         if free:
             self.forget(rid)
+        elif busy:  # stays ingested without a slot: a new stream, in a fresh slot at its next admit
+            self.code[rid] = next(self.codes)
         elif rid in self.slot:
             self.length[rid] = 0
             self.code[rid] = next(self.codes)
@@ -470,7 +490,8 @@ class BoundedMachine(RuleBasedStateMachine):
     @rule(rid=st.sampled_from(RIDS))
     def remove(self, rid):
         if rid in self.busy():
-            event("remove of a request in flight")
+            event("remove of a request in flight: its slot is parked")
+            self.park(rid)
         self.node.remove_request(rid)
         self.forget(rid)
 
@@ -489,21 +510,28 @@ class BoundedMachine(RuleBasedStateMachine):
         assert set(m.requests) == self.ingested
         held = {r: m.slot_of(r) for r in RIDS if m.slot_of(r) is not None}
         assert held == self.slot
-        assert len(set(held.values())) == len(held) and m.num_free_slots + len(held) == SLOTS
+        parked = m.parked_slots
+        assert sorted((r, s) for (r, _), s in parked.items()) == \
+            sorted((r, row.slot) for (r, _), row in self.parked.items())
+        assert len(set(held.values()) | set(parked.values())) == len(held) + len(parked)
+        assert m.num_free_slots + len(held) + len(parked) == SLOTS
         for r in RIDS:
             assert m.length(r) == self.length.get(r, 0), r
         assert set(m._in_flight) == self.busy()
-        for r, slot in self.slot.items():
-            n = self.length[r]
-            if not n or r in self.taint:
-                continue  # a tainted ring no longer holds what the length says: reset is the way out
+        streams = [(r, slot, self.length[r], self.code[r]) for r, slot in self.slot.items() if r not in self.taint]
+        # (a tainted ring no longer holds what the length says: reset is the way out). A parked
+        # slot still holds the stream its stale step was admitted for: only that step writes it.
+        streams += [(r, row.slot, row.start, row.code) for (r, _), row in self.parked.items()]
+        for r, slot, n, code in streams:
+            if not n:
+                continue
             pos = retained(n)
             idx = [cache_index(p) for p in pos]
             for layer in range(LAYERS):
                 got = m.layer(layer)[slot][:, :, idx]  # [ROWS, H, len(pos), 2D]
-                want = values(layer, self.code[r], pos)
-                assert torch.equal(got[..., D:], want), (r, layer, pos)
-                assert torch.equal(got[..., :D], -want - 0.5), (r, layer, pos)
+                want = values(layer, code, pos)
+                assert torch.equal(got[..., D:], want), (r, slot, layer, pos)
+                assert torch.equal(got[..., :D], -want - 0.5), (r, slot, layer, pos)
 
     def teardown(self):
         for p in self.pending:

@@ -1,9 +1,10 @@
 """A pool of fixed-size per-request KV slots with sink + window retention (seed 004).
 
 Unlike the paged ``KVManager`` there is nothing to reserve per step and nothing to release: a
-request takes a slot when it first runs and keeps it until removed, the window is a ring
-overwritten in place, and a step's layout is a small integer table computed on the host from
-the positions the step declares (:mod:`.positions`, the ``"bounded"`` step part).
+request takes a slot when it first runs and keeps it until removed (or reset while a step of it
+is in flight: see the lifecycle below), the window is a ring overwritten in place, and a step's
+layout is a small integer table computed on the host from the positions the step declares
+(:mod:`.positions`, the ``"bounded"`` step part).
 
 Storage per layer is ``[max_slots, rows, H, cap, 2D]``, ``cap = sink + window``, K and V side by
 side in the last dim. A request's first ``sink`` tokens stay at cache indices ``0 .. sink - 1``;
@@ -20,6 +21,15 @@ and its last ``window`` positions: the others would be overwritten within the st
 Lifecycle: ``admit`` takes slots for requests new to the pool (refusing, as a value, when too
 few are free); ``rollback_admit`` frees exactly those; ``plan`` builds the table; ``attend``
 (every layer) computes attention then writes the step's keys; ``commit`` advances each stream.
+Every slot is in exactly one place: held by a request, free, or parked. A request reset or
+removed while a step of it is in flight no longer holds its slot, but the slot is not free
+either: that step's forward may still write it (``attend`` writes by the plan's table, and a
+replayed graph does so without the host seeing it), so it is parked, keyed by the request and
+the epoch the step's admit recorded, until the step lands (its commit, which drops its span,
+or its rollback) and then goes back to the free list. A request reset (``free=False``) that way
+stays ingested without a slot and takes a fresh one, at length 0, at its next admit (refused,
+as a value, when none is free). A step that never lands keeps its slot parked. With no step in
+flight nothing is parked: a reset keeps the slot (length 0), a remove frees it at once.
 
 What a step took is recorded in its ``StepContext`` and released exactly once:
 
@@ -30,13 +40,17 @@ What a step took is recorded in its ``StepContext`` and released exactly once:
   per-request cycle), then plan / commit them request by request.
 - A request has at most one step in flight (admitted, neither committed nor rolled back):
   admitting it again, in another context or the same one, is an error. A reset or remove ends
-  it (the stale step's commit then drops its span, its rollback gives back nothing).
+  it: the request's slot is parked (above). The stale step's commit drops its span; its commit
+  or rollback, whichever comes first (it consumes the record), returns the parked slot to the
+  free list, once. The stale step's ``attend`` still runs: it reads and writes only the parked
+  slot, which no one else holds, and sets no mark. A second admit of the request in the stale
+  step's own context (whose record is keyed by request) is an error until that step lands.
 - ``plan`` needs this context's live admit of every request it plans. ``commit`` consumes the
   record of its requests and raises where there is none (never admitted, committed already,
   rolled back); ``rollback_admit`` without a record does nothing (a runner may roll back twice).
 - ``attend`` marks a slot whose ring it overwrote until the step commits; a mark is set only
-  where the plan's request still holds that slot in the plan's epoch, and taking, resetting or
-  freeing a slot clears it, so a mark never outlives its request.
+  where the plan's request still holds that slot in the plan's epoch, and taking, resetting,
+  parking or freeing a slot clears it, so a mark never outlives its request.
 """
 
 from __future__ import annotations
@@ -105,6 +119,9 @@ class BoundedKVManager(Resource):
         self._epochs = itertools.count(1)
         # rid -> the epoch of its step in flight (admitted, neither committed nor rolled back).
         self._in_flight: dict[str, int] = {}
+        # (rid, epoch of its step in flight) -> the slot it held when reset or removed: that
+        # step may still write it, so it is neither held nor free until the step lands.
+        self._parked: dict[tuple[str, int], int] = {}
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
@@ -134,6 +151,12 @@ class BoundedKVManager(Resource):
     def num_free_slots(self) -> int:
         return len(self._free)
 
+    @property
+    def parked_slots(self) -> dict[tuple[str, int], int]:
+        """``(request, epoch of its stale step) -> slot``: slots of requests reset or removed with
+        a step in flight, waiting for that step to land (a copy)."""
+        return dict(self._parked)
+
     def slot_of(self, rid: str) -> int | None:
         return self._slot.get(rid)
 
@@ -147,31 +170,53 @@ class BoundedKVManager(Resource):
         has already run a step for it. A second ingest changes nothing (slot and length stay)."""
         self._requests.setdefault(rid, dict(overrides or {}))
 
+    def _give_back(self, slot: int) -> None:
+        self._uncommitted_writes.pop(slot, None)
+        self._free.append(slot)
+        self._free.sort(reverse=True)
+
     def _release(self, rid: str) -> None:
+        """``rid`` no longer holds a slot (nor a length, epoch or step in flight). Its slot goes
+        back to the free list, or, with a step in flight, is parked until that step lands."""
         self._epoch.pop(rid, None)
-        self._in_flight.pop(rid, None)
+        epoch = self._in_flight.pop(rid, None)
         slot = self._slot.pop(rid, None)
-        if slot is not None:
-            self._uncommitted_writes.pop(slot, None)
-            self._free.append(slot)
-            self._free.sort(reverse=True)
         self._length.pop(rid, None)
+        if slot is None:
+            return
+        if epoch is None:
+            self._give_back(slot)
+        else:
+            self._uncommitted_writes.pop(slot, None)
+            self._parked[(rid, epoch)] = slot
+
+    def _unpark(self, rid: str, epoch: int) -> None:
+        """A step of ``rid`` admitted in ``epoch`` landed (commit or rollback) after its request
+        was reset or removed: the slot parked for it goes back, once."""
+        slot = self._parked.pop((rid, epoch), None)
+        if slot is not None:
+            log.debug("%s: stale step of request %r landed; its parked slot %d goes back", self.name, rid, slot)
+            self._give_back(slot)
 
     def reset_request(self, rid: str, free: bool = False) -> None:
         """Nothing to zero: a slot's contents are only read where a later position says they
         were written. The stream restarts at position 0 in the same slot; ``free=True`` also
-        gives the slot back and forgets the request (it must be ingested again)."""
+        gives the slot back and forgets the request (it must be ingested again). With a step of
+        the request in flight, its slot is parked instead (the module docstring): the request
+        (unless ``free``) stays ingested and takes a fresh slot at its next admit."""
         if free:
             self._release(rid)
             self._requests.pop(rid, None)
+        elif rid in self._in_flight:
+            self._release(rid)  # parked: the stale step may still write it
         elif rid in self._length:
             self._length[rid] = 0
             self._epoch[rid] = next(self._epochs)
-            self._in_flight.pop(rid, None)  # a step admitted before is stale: it no longer blocks
             self._uncommitted_writes.pop(self._slot[rid], None)  # position 0 retains nothing
 
     def remove_request(self, rid: str) -> None:
-        """Free the request's slot and forget it; an unknown ``rid`` is a no-op."""
+        """Free the request's slot (parked, with a step in flight) and forget it; an unknown
+        ``rid`` is a no-op."""
         if rid not in self._requests and rid not in self._slot:
             log.debug("remove_request(%r): unknown request, nothing to do", rid)
             return
@@ -199,6 +244,16 @@ class BoundedKVManager(Resource):
                 f"{self.name}: request(s) {busy} already have a step in flight (admitted, neither committed "
                 f"nor rolled back); commit or roll back that step before admitting again"
             )
+        old = self._record(ctx)
+        # A step of a request reset or removed since, admitted in this very context and not landed
+        # yet: a second admit here would overwrite its record (keyed by request), and its parked
+        # slot would never go back.
+        stale = [r for r in rids if old is not None and r in old.epochs]
+        if stale:
+            raise RuntimeError(
+                f"{self.name}: request(s) {stale} have a step admitted in this context and reset or removed "
+                f"since, neither committed nor rolled back; commit or roll back that step before admitting again"
+            )
         fresh = [rid for rid in rids if rid not in self._slot]
         free = len(self._free)
         if len(fresh) > free:
@@ -206,7 +261,6 @@ class BoundedKVManager(Resource):
                 Shortage(self.name, "slots", len(fresh), free),
                 *(Shortage(self.name, "slots", 1, free, rid) for rid in fresh),
             )
-        old = self._record(ctx)
         free_slots, slots, lengths, epochs = list(self._free), dict(self._slot), dict(self._length), dict(self._epoch)
         marks, in_flight = dict(self._uncommitted_writes), dict(self._in_flight)
         rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs))
@@ -216,8 +270,8 @@ class BoundedKVManager(Resource):
             marks.pop(slot, None)  # a fresh slot starts clean, whatever happened to it before
         for rid in rids:
             in_flight[rid] = rec.epochs[rid] = epochs[rid]
-        # One context may gather several admits (seed 004's per-request cycle): merge. A request
-        # removed and taken fresh again since an earlier admit here is listed once.
+        # One context may gather several admits (seed 004's per-request cycle) of different
+        # requests: merge (a request already recorded here was refused above).
         rec.fresh = [r for r in rec.fresh if r not in fresh] + fresh
         ctx.admitted[self.name] = rec  # the one write that may fail (ctx is the caller's): first
         self._free, self._slot, self._length, self._epoch = free_slots, slots, lengths, epochs
@@ -260,19 +314,21 @@ class BoundedKVManager(Resource):
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Free the slots this step's admit took fresh (a slot a request already held stays with
-        it) and end the step's time in flight. Without an admit record (never admitted, already
-        committed or rolled back): nothing to do."""
+        it) and end the step's time in flight; a request reset or removed since gets its parked
+        slot back to the free list. Without an admit record (never admitted, already committed
+        or rolled back): nothing to do."""
         rec = self._record(ctx)
         if rec is None:
             return
         mine = {r for r in bounded_part(step).request_ids if r in rec.epochs}
         for rid in [r for r in rec.epochs if r in mine]:
-            if not self._live(rec, rid):  # reset or removed since: nothing of it is this step's now
-                log.debug("%s: rollback_admit: request %r changed since admit; nothing to give back", self.name, rid)
-            elif rid in rec.fresh:
+            if not self._live(rec, rid):  # reset or removed since: only its parked slot is this step's
+                log.debug("%s: rollback_admit: request %r changed since admit", self.name, rid)
+                self._unpark(rid, rec.epochs[rid])
+                continue
+            self._in_flight.pop(rid, None)
+            if rid in rec.fresh:
                 self._release(rid)
-            else:
-                self._in_flight.pop(rid, None)
         self._forget_admitted(ctx, mine)
 
     def plan(self, step: Step, ctx: StepContext) -> BoundedPlan:
@@ -359,7 +415,7 @@ class BoundedKVManager(Resource):
         """Record the step's consumption: committed streams advance by their tokens. Consumes the
         admit record of the step's requests; a request without one (never admitted, committed
         already or rolled back) is an error, raised before anything changes. A request reset or
-        removed since its admit has its span dropped."""
+        removed since its admit has its span dropped, and its parked slot goes back."""
         part = bounded_part(step)
         rec = self._admitted(ctx, part.request_ids, "commit of request(s) {}")
         assert rec is not None or not part.positions
@@ -368,6 +424,8 @@ class BoundedKVManager(Resource):
             if rec is None or not self._live(rec, rid):
                 log.info("%s: commit: request %r was reset or removed after admit; its span is dropped",
                          self.name, rid)
+                if rec is not None:
+                    self._unpark(rid, rec.epochs[rid])
                 continue
             self._in_flight.pop(rid, None)
             if p.commit:
@@ -513,13 +571,17 @@ class BoundedKVManager(Resource):
 
     def post_warmup_validate(self) -> None:
         """Fail loudly when slot accounting is broken."""
-        held = list(self._slot.values())
-        if len(held) != len(set(held)) or set(held) & set(self._free) or \
-                len(held) + len(self._free) != self.config.max_slots or len(set(self._free)) != len(self._free):
+        held, parked = list(self._slot.values()), list(self._parked.values())
+        every = held + self._free + parked
+        if len(every) != self.config.max_slots or set(every) != set(range(self.config.max_slots)):
             raise RuntimeError(
                 f"{self.name}: slot accounting broken: {len(held)} held ({len(set(held))} distinct), "
-                f"{len(self._free)} free, {self.config.max_slots} slots"
+                f"{len(self._free)} free ({len(set(self._free))} distinct), {len(parked)} parked "
+                f"({len(set(parked))} distinct), {self.config.max_slots} slots"
             )
+        live = [k for k in self._parked if self._epoch.get(k[0]) == k[1]]
+        if live:
+            raise RuntimeError(f"{self.name}: slots parked for steps whose requests are unchanged since admit: {live}")
         stray = [r for r in self._slot if r not in self._requests]
         if stray:
             raise RuntimeError(f"{self.name}: slots held by requests never ingested: {stray}")
@@ -544,5 +606,6 @@ class BoundedKVManager(Resource):
         self._marked = None
         self._epoch.clear()
         self._in_flight.clear()
+        self._parked.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None
