@@ -77,8 +77,8 @@ class PagedMachine(RuleBasedStateMachine):
     # -- helpers --------------------------------------------------------------------------------
     def busy(self) -> set[str]:
         """Requests with a live step in flight (a reset or remove makes a pending step's span stale)."""
-        return {s.request_id for p in self.pending for s in p.step.kv.spans} - \
-            {r for p in self.pending for r in self.stale.get(id(p), ())}
+        return {s.request_id for p in self.pending for s in p.step.kv.spans
+                if s.request_id not in self.stale.get(id(p), ())}
 
     def make_step(self, rids, lens):
         free = sorted(self.ingested - self.busy())
