@@ -7,10 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core import AdmitOutcome, AttentionStep, KVSpan, KVStep, Resource, Step, StepContext
+from mstar_core import AttentionStep, KVSpan, KVStep, Step, StepContext
 from mstar_core.backends import reference as R
-from mstar_core.graphs import GraphRunner
-from mstar_core.model import TinyDecoder, TinyDecoderConfig
 from mstar_core.resources.attn.paged import PagedAttentionManager
 from mstar_core.resources.kv import KVConfig, KVManager
 from mstar_core.resources.kv.pool import PagePool
@@ -18,7 +16,7 @@ from mstar_core.runner import CommitError, Node
 from mstar_core.step import Shortage
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
-from .helpers import REF_WRAPPERS, small_kv
+from .helpers import REF_WRAPPERS, Logged, small_kv, tiny_graph_node
 
 
 def step(*spans):
@@ -307,24 +305,6 @@ def test_a_failed_replan_leaves_the_wrappers_older_plan_unusable():
 # -- Node: refusals, rollbacks, failed commits ---------------------------------------------------------
 
 
-class Logged(Resource):
-    """Logs its lifecycle calls into a shared list; refuses its admit on cue."""
-
-    def __init__(self, name, log, deps=(), refuse=False):
-        self.name, self.log, self.deps, self.refuse = name, log, tuple(deps), refuse
-
-    def depends_on(self):
-        return self.deps
-
-    def admit(self, step, ctx):
-        self.log.append(("admit", self.name))
-        if self.refuse:
-            return AdmitOutcome.refuse(Shortage(self.name, "tickets", 1, 0))
-        return AdmitOutcome.ok()
-
-    def rollback_admit(self, step, ctx):
-        self.log.append(("rollback", self.name))
-
 
 def test_a_refusal_rolls_back_the_earlier_admits_and_frees_the_streams():
     """When a resource refuses, every resource admitted before it in the step is rolled back —
@@ -387,18 +367,7 @@ def test_the_resource_whose_commit_raises_is_rolled_back_itself():
 
 
 def graph_build(graphs=True, buckets=(2, 4)):
-    cfg = TinyDecoderConfig(num_layers=1, hidden=32, mlp=64, num_qo_heads=4, num_kv_heads=2, head_dim=8)
-    model = TinyDecoder(cfg, "cpu", torch.float64, seed=5)
-    kvc = KVConfig(1, 2, 8, 4, 64, 4)
-    kv = KVManager(kvc, "cpu", torch.float64)
-    attn = PagedAttentionManager(kv, "cpu", torch.float64, kvc, REF_WRAPPERS, accelerator_graph=graphs)
-    node = Node([kv, attn])
-
-    def forward(ctx, tokens):
-        pos = ctx.plan_results["kv"].layout("text").positions
-        return model.forward_step(tokens, pos, kv, attn, "text")
-
-    runner = GraphRunner(node, forward, buckets=list(buckets), device="cpu")
+    *_, node, runner = tiny_graph_node(graphs, buckets=buckets, layers=1, hidden=32, head_dim=8, seed=5)
     runner.warmup()
     return node, runner
 

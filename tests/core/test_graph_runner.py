@@ -4,28 +4,13 @@
 import torch
 
 from mstar_core import KVSpan, KVStep, Step
-from mstar_core.graphs import GraphRunner
-from mstar_core.model import TinyDecoder, TinyDecoderConfig
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
 
-from .helpers import REF_WRAPPERS
+from .helpers import tiny_graph_node
 
 
 def build(graphs=True):
-    cfg = TinyDecoderConfig(num_layers=2, hidden=64, mlp=128, num_qo_heads=4, num_kv_heads=2, head_dim=16)
-    model = TinyDecoder(cfg, "cpu", torch.float64, seed=3)
-    kvc = KVConfig(2, 2, 16, 4, 64, 4)
-    kv = KVManager(kvc, "cpu", torch.float64)
-    attn = PagedAttentionManager(kv, "cpu", torch.float64, kvc, REF_WRAPPERS, accelerator_graph=graphs)
-    node = Node([kv, attn])
-
-    def forward(ctx, tokens):
-        pos = ctx.plan_results["kv"].layout("text").positions
-        return model.forward_step(tokens, pos, kv, attn, "text")
-
-    return model, kv, node, GraphRunner(node, forward, buckets=[2, 4], device="cpu")
+    model, kv, _, node, runner = tiny_graph_node(graphs)
+    return model, kv, node, runner
 
 
 def test_graph_decode_matches_no_cache_forward_with_preplan():

@@ -6,31 +6,14 @@ import pytest
 import torch
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
-from mstar_core.graphs import GraphRunner
-from mstar_core.model import TinyDecoder, TinyDecoderConfig
-from mstar_core.resource import Resource
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
+from mstar_core.resources.kv import KVManager
 from mstar_core.runner import CommitError, Node
-from mstar_core.step import AdmitOutcome
 
-from .helpers import REF_WRAPPERS
+from .helpers import Logged, tiny_graph_node
 
 
 def build(graphs=False, slots=2, max_pages=64):
-    cfg = TinyDecoderConfig(num_layers=2, hidden=64, mlp=128, num_qo_heads=4, num_kv_heads=2, head_dim=16)
-    model = TinyDecoder(cfg, "cpu", torch.float64, seed=3)
-    kvc = KVConfig(2, 2, 16, 4, max_pages, 4)
-    kv = KVManager(kvc, "cpu", torch.float64)
-    attn = PagedAttentionManager(kv, "cpu", torch.float64, kvc, REF_WRAPPERS, accelerator_graph=graphs)
-    node = Node([kv, attn])
-
-    def forward(ctx, tokens):
-        pos = ctx.plan_results["kv"].layout("text").positions
-        return model.forward_step(tokens, pos, kv, attn, "text")
-
-    runner = GraphRunner(node, forward, buckets=[2, 4], device="cpu", slots=slots)
-    return model, kv, attn, node, runner
+    return tiny_graph_node(graphs, slots, max_pages=max_pages)
 
 
 def snapshot(kv: KVManager):
@@ -186,26 +169,7 @@ def test_admit_interrupted_midway_leaves_nothing_taken(monkeypatch, exc):
     assert node.step(step_of(a=4, b=9, c=1), lambda ctx: None).outcome
 
 
-class Recorder(Resource):
-    """A resource that logs its lifecycle calls into a shared list (and can fail on cue)."""
-
-    def __init__(self, name, log, deps=(), fail_commit=False):
-        self.name, self.log, self.deps, self.fail_commit = name, log, tuple(deps), fail_commit
-
-    def depends_on(self):
-        return self.deps
-
-    def admit(self, step, ctx):
-        self.log.append(("admit", self.name))
-        return AdmitOutcome.ok()
-
-    def rollback_admit(self, step, ctx):
-        self.log.append(("rollback", self.name))
-
-    def commit(self, step, ctx):
-        self.log.append(("commit", self.name))
-        if self.fail_commit:
-            raise OSError("disk full")
+Recorder = Logged
 
 
 def test_rollback_runs_in_reverse_dependency_order_across_resources():

@@ -20,7 +20,7 @@ from hypothesis import event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
-from mstar_core import KVSpan, KVStep, Step, StepContext
+from mstar_core import KVSpan, KVStep, Step
 from mstar_core.graphs import GraphRunner
 from mstar_core.resources.attn.paged import PagedAttentionManager, step_kind
 from mstar_core.resources.kv import KVConfig, KVManager
