@@ -33,6 +33,9 @@ elif [ "$stage" = fi10 ]; then  # issue 10 (validation, per-step plans): GPU tes
 elif [ "$stage" = fi10b ]; then  # the GPU tests of fi10 with room (260 s was too little for all three folders)
   T 400 tests_fi_core python3 -m pytest -m gpu tests/flashinfer tests/core -v -rs --durations=20 -p no:cacheprovider
   T 150 tests_bounded python3 -m pytest -m gpu tests/bounded -v -rs --durations=10 -p no:cacheprovider
+elif [ "$stage" = fi10c ]; then  # after the parked-pages change (graph warm-up rolls its dummy step back)
+  T 150 bench_runner python3 bench/runner_bench.py --out "$R"
+  T 380 tests_fi_core python3 -m pytest -m gpu tests/flashinfer tests/core -q -rs --durations=10 -p no:cacheprovider
 elif [ "$stage" = fa310 ]; then  # issue 10 on the dense path: FA3 GPU tests, the denoise demo, the dense bench
   T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
   T 220 tests_fa3 python3 -m pytest -m gpu tests/dense tests/registry -q -rs --durations=10 -p no:cacheprovider
