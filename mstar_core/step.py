@@ -13,15 +13,30 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+def is_int(value: Any) -> bool:
+    """An integer (a numpy integer too), not a bool: what every count and index here accepts."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def as_count(value: Any, what: str) -> int:
     """``value`` as a plain ``int >= 0``, or an error naming it: a bool, a float, a string or a
     tensor is refused (a 0-d tensor would make lengths tensors; ``2.0`` would reach the page
     pool half-way through an admit)."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
     if value < 0:
         raise ValueError(f"{what} must be >= 0, got {value}")
     return int(value)
+
+
+def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
+    """A step's mask parameters, checked where they enter (``AttentionStep``, the wrappers'
+    ``plan``): ``window_left`` an int >= -1, ``sm_scale`` None or a finite float > 0."""
+    if not is_int(window_left) or window_left < -1:
+        raise ValueError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
+    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
+                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
+        raise ValueError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
 
 
 def _check_str(value: Any, what: str) -> None:
@@ -99,16 +114,10 @@ class AttentionStep:
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
             raise TypeError(f"AttentionStep: causal must be a bool, got {self.causal!r}")
-        w = self.window_left
-        if isinstance(w, bool) or not isinstance(w, numbers.Integral) or w < -1:
-            raise ValueError(f"AttentionStep: window_left must be an int >= 0, or -1 for no window; got {w!r}")
-        object.__setattr__(self, "window_left", int(w))
-        sc = self.sm_scale
-        if sc is not None:
-            if isinstance(sc, bool) or not isinstance(sc, numbers.Real) or not math.isfinite(sc) or sc <= 0:
-                raise ValueError(f"AttentionStep: sm_scale must be a finite float > 0, or None for "
-                                 f"1/sqrt(head_dim); got {sc!r}")
-            object.__setattr__(self, "sm_scale", float(sc))
+        check_window_and_scale("AttentionStep", self.window_left, self.sm_scale)
+        object.__setattr__(self, "window_left", int(self.window_left))
+        if self.sm_scale is not None:
+            object.__setattr__(self, "sm_scale", float(self.sm_scale))
 
 
 @dataclass(frozen=True)

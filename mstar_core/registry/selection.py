@@ -5,7 +5,6 @@ one error that says why not and which backends can run here."""
 from __future__ import annotations
 
 import logging
-import numbers
 import os
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..step import is_int
 from .device import as_device, describe
 from .registry import Registry, get_registry
 from .spec import CAPABILITIES, BackendSpec, dtype_name
@@ -219,7 +219,7 @@ def select_backend(
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
                         f"{_short(dtype)}")
-    if head_dim is not None and (isinstance(head_dim, bool) or not isinstance(head_dim, numbers.Integral)):
+    if head_dim is not None and not is_int(head_dim):
         raise TypeError(f"head_dim must be an int or None, got {type(head_dim).__name__} {_short(head_dim)}")
     if registry is not None and not isinstance(registry, Registry):
         raise TypeError(f"registry must be a Registry or None, got {type(registry).__name__}")

@@ -18,12 +18,12 @@ wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_devic
 from __future__ import annotations
 
 import importlib
-import math
-import numbers
 from typing import Any, ClassVar
 
 import numpy as np
 import torch
+
+from ...step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -75,15 +75,6 @@ def _head(t: torch.Tensor, n: int = 8) -> str:
     return str(vals)[:-1] + (", ...]" if t.numel() > n else "]")
 
 
-def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
-    """The step's mask parameters, as ``AttentionStep`` states them."""
-    if isinstance(window_left, bool) or not isinstance(window_left, numbers.Integral) or window_left < -1:
-        raise ValueError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
-                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
-        raise ValueError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
-
-
 def check_varlen_plan(who: str, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, sm_scale: Any = None,
                       window_left: Any = -1) -> tuple[torch.Tensor, torch.Tensor]:
     """Every refusal a prefixed ragged ``plan`` makes before it changes anything: ``cu_q``/``cu_k``
@@ -97,7 +88,7 @@ def check_varlen_plan(who: str, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, sm
     _check_cu_values("cu_q", q_t, who)
     _check_cu_values("cu_k", k_t, who)
     for name, bound, t in (("max_q", max_q, q_t), ("max_k", max_k, k_t)):
-        if isinstance(bound, bool) or not isinstance(bound, numbers.Integral):
+        if not is_int(bound):
             raise TypeError(f"{who}: {name} must be an int, got {type(bound).__name__} {bound!r}")
         longest = int((t[1:] - t[:-1]).max()) if t.numel() > 1 else 0
         if bound < longest:

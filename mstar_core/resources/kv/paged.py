@@ -19,7 +19,7 @@ import torch
 
 from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
-from ...step import AdmitOutcome, Shortage, Step, StepContext
+from ...step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from .config import KVConfig
 from .plan import KVPlan, LabelLayout, SpanLayout, token_arrays
 from .pool import PagePool
@@ -427,7 +427,7 @@ class KVManager(Resource):
     # -- data --------------------------------------------------------------------------------
     def _check_layer(self, layer_idx: int) -> int:
         n = self.config.num_layers
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, int) or not 0 <= layer_idx < n:
+        if not is_int(layer_idx) or not 0 <= layer_idx < n:
             # -1 too: it would silently address the last layer
             raise IndexError(f"{self.name}: layer_idx {layer_idx!r} out of range: this cache holds layers 0..{n - 1}")
         return layer_idx

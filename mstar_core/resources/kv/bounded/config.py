@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 from typing import NamedTuple
+
+from ....step import is_int
 
 
 @dataclass(frozen=True)
@@ -31,7 +32,7 @@ class BoundedKVConfig:
             value = getattr(self, name)
             if value is None and name == "query_window":
                 continue
-            if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+            if not is_int(value):
                 raise TypeError(f"BoundedKVConfig.{name} must be an int, got {type(value).__name__} {value!r}")
             object.__setattr__(self, name, int(value))  # e.g. a numpy integer: stored as int
         for name in ("num_layers", "max_slots", "rows", "num_heads", "head_dim", "window"):

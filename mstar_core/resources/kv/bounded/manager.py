@@ -57,7 +57,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-import numbers
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,7 +66,7 @@ import torch
 from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from ....kernels.bounded_attention import table as tb
 from ....resource import BuildInfo, Resource, as_dtype, spec_required
-from ....step import AdmitOutcome, Shortage, Step, StepContext
+from ....step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from .config import BoundedKVConfig, RowLayout
 from .plan import BoundedPlan, host_table
 from .positions import BoundedStep, bounded_part
@@ -444,7 +443,7 @@ class BoundedKVManager(Resource):
         """``layer_idx`` checked: an int in ``0 .. num_layers - 1`` (no negative indexing: -1 must
         not silently address the last layer)."""
         n = self.config.num_layers
-        if isinstance(layer_idx, bool) or not isinstance(layer_idx, numbers.Integral):
+        if not is_int(layer_idx):
             raise TypeError(f"{self.name}.{where}: layer_idx must be an int in 0..{n - 1}, "
                             f"got {type(layer_idx).__name__} {layer_idx!r}")
         i = int(layer_idx)

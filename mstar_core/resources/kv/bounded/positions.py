@@ -8,10 +8,9 @@ A step carries it as ``Step(kv=..., extra=(("bounded", BoundedStep(...)),))``;
 
 from __future__ import annotations
 
-import numbers
 from dataclasses import dataclass
 
-from ....step import Step
+from ....step import Step, is_int
 from ....kernels.bounded_attention.table import NO_SOURCE, ROW_SOURCE
 
 PART = "bounded"  # the step part's kind name
@@ -99,7 +98,7 @@ def _set_int(obj: object, who: str, name: str, low: int, what: str, optional: bo
     value = getattr(obj, name)
     if value is None and optional:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+    if not is_int(value):
         raise TypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < low:
