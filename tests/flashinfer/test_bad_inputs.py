@@ -141,12 +141,7 @@ BAD = {
 @pytest.mark.parametrize("bad", list(BAD), ids=str)
 @pytest.mark.parametrize("kind", list(WRAPPERS), ids=str)
 def test_bad_plan_refused_by_name_and_previous_plan_kept(kind, bad):
-    make, q_lens = WRAPPERS[kind]
-    w = make()
-    c = case(q_lens, (6 - q_lens[0], 7 - q_lens[1]))
-    d = C.make_paged(c, "cpu", F32)
-    pos, kw = _args(kind, d)
-    w.plan(*pos, **kw)
+    w, d, c = _planned(kind)
     before = _run(kind, w, d)
     assert err(before[: d.q.shape[0]], oracle(c, d)) < 2e-5
 
@@ -218,14 +213,20 @@ def test_numpy_and_list_inputs_are_checked_alike():
 
 # -- run-time refusals ----------------------------------------------------------------------------
 
-@pytest.mark.parametrize("kind", list(WRAPPERS), ids=str)
-def test_run_refuses_a_cache_with_fewer_pages_than_the_plan_reads(kind):
+def _planned(kind):
+    """A wrapper of ``kind`` planned over a two-row case, the case's data, and the case."""
     make, q_lens = WRAPPERS[kind]
     w = make()
     c = case(q_lens, (6 - q_lens[0], 7 - q_lens[1]))
     d = C.make_paged(c, "cpu", F32)
     pos, kw = _args(kind, d)
     w.plan(*pos, **kw)
+    return w, d, c
+
+
+@pytest.mark.parametrize("kind", list(WRAPPERS), ids=str)
+def test_run_refuses_a_cache_with_fewer_pages_than_the_plan_reads(kind):
+    w, d, _ = _planned(kind)
     top = int(d.kv_indices.max())
     small = C.PagedData(d.q, d.layer[:top], d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, d.kv_lens, d.keys)
     with pytest.raises(ValueError, match=rf"run: the plan reads page {top} but kv_cache_layer has {top} pages"):
@@ -235,12 +236,7 @@ def test_run_refuses_a_cache_with_fewer_pages_than_the_plan_reads(kind):
 
 @pytest.mark.parametrize("kind", list(WRAPPERS), ids=str)
 def test_run_refuses_q_on_another_device_than_the_cache(kind):
-    make, q_lens = WRAPPERS[kind]
-    w = make()
-    c = case(q_lens, (6 - q_lens[0], 7 - q_lens[1]))
-    d = C.make_paged(c, "cpu", F32)
-    pos, kw = _args(kind, d)
-    w.plan(*pos, **kw)
+    w, d, _ = _planned(kind)
     meta = C.PagedData(d.q.to("meta"), d.layer, d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, d.kv_lens,
                        d.keys)
     with pytest.raises(ValueError, match=r"run: q is on meta but kv_cache_layer is on cpu"):

@@ -339,15 +339,15 @@ class DenseAttentionManager(AttentionManager):
     def _label_run(self, label: str | None) -> _LabelRun:
         if self.bound_plan() is None and self._current is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
-        runs = {r.label: r for r in self.current.label_runs}
+        runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
         if label is None:
             if len(runs) != 1:
-                raise ValueError(f"label=None is ambiguous: this step has labels {list(runs)}; name one")
-            lr = next(iter(runs.values()))
-        elif label in runs:
-            lr = runs[label]
+                raise ValueError(f"label=None is ambiguous: this step has labels {[r.label for r in runs]}; name one")
+            lr = runs[0]
         else:
-            raise KeyError(f"label {label!r} is not in this step; its labels are {list(runs)}")
+            lr = next((r for r in runs if r.label == label), None)
+            if lr is None:
+                raise KeyError(f"label {label!r} is not in this step; its labels are {[r.label for r in runs]}")
         if self._planned.get(lr.wrapper_key) != lr.serial:
             raise RuntimeError(
                 f"{type(self).__name__}.run: the wrapper this step planned for label {lr.label!r} was re-planned "
