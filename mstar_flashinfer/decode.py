@@ -111,4 +111,4 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
         ``[n_req, num_qo_heads, head_dim]``."""
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
-            return self._inner.run(q, kv_cache_layer)
+            return self._inner.run(q, kv_cache_layer, out=self._out(q))

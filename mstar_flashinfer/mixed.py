@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from . import validate
+from . import compat, validate
 from .decode import FlashInferDecodeWrapper
 from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from .mixed_layout import split_mixed
@@ -84,6 +84,7 @@ class FlashInferMixedWrapper:
         self._nvtx = Nvtx("mstar.flashinfer.mixed", False, self.device)
         self._state: PlanState | None = None
         self.prompt_rows = 0
+        self._prompt_tokens = 0
 
     def plan(
         self,
@@ -145,6 +146,7 @@ class FlashInferMixedWrapper:
             # padding rows and the decode half's prompt rows read the sink page
             self._state = PlanState(qo, indptr, indices, lens, n, max_page=max(max_page, self.SINK_PAGE))
             self.prompt_rows = lay.prompt_rows
+            self._prompt_tokens = int(lay.pre_qo[-1])
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
         """``q`` ``[tokens, num_qo_heads, head_dim]`` over ``kv_cache_layer``
@@ -159,11 +161,22 @@ class FlashInferMixedWrapper:
                 f"{self.max_total_tokens} (static)")
         check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
                         self.num_kv_heads, self.head_dim)
-        b = self.batch_size
+        b, p = self.batch_size, self._prompt_tokens
         # One output buffer: decode rows first, then the prefill rows; one gather restores order.
         buf = q.new_empty((b + n, q.shape[1], q.shape[2]))
         self._dec._inner.run(q.index_select(0, self._row_token), kv_cache_layer, out=buf[:b])
-        self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:])
+        if n != self.max_total_tokens:
+            # Eager: the prefill half gets exactly its planned (prompt) tokens, as FlashInfer 0.7
+            # requires; the other tokens' rows of buf are never gathered. (A q of the static size
+            # takes the other branch even when the plan fills it: a graph captured then must
+            # replay with every later plan.)
+            if p:
+                self._pre._inner.run(q.index_select(0, self._perm[:p]), kv_cache_layer, out=buf[b:b + p])
+        else:
+            # Static (a captured bucket): every shape is fixed at capture, so the prefill half sees
+            # all n rows; the kernel reads only the planned ones (compat.allow_static_rows).
+            compat.allow_static_rows(self._pre._inner, n)
+            self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:])
         return buf.index_select(0, self._gather[:n])
 
     def kv_write_locations(self) -> KVWriteLocations:

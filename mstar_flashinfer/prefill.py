@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from . import compat
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
 
@@ -50,16 +51,14 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             self._bufs = self._graph_buffers(with_qo=True)
             self._static_q = validate.require("max_total_tokens", max_total_tokens,
                                               "for FlashInferPrefillWrapper with accelerator_graph=True")
-            self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(
-                workspace_buffer, "NHD", use_cuda_graph=True,
+            # FlashInfer fixes the graph's token budget at its first plan; fix it at the static
+            # size instead, so a first plan with fewer tokens does not refuse every larger one.
+            self._inner = compat.graph_prefill(
+                fi.BatchPrefillWithPagedKVCacheWrapper, self._static_q, workspace_buffer, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
                 paged_kv_indices_buf=self._bufs["kv_indices"], paged_kv_last_page_len_buf=self._bufs["last_page_len"],
                 backend=backend,
             )
-            # FlashInfer fixes the graph's token budget at its first plan; fix it at the static
-            # size instead, so a first plan with fewer tokens does not refuse every larger one.
-            if hasattr(self._inner, "_max_total_num_rows"):
-                self._inner._max_total_num_rows = self._static_q
         else:
             self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
 
@@ -119,4 +118,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         """
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
-            return self._inner.run(q, kv_cache_layer)
+            if q.shape[0] != self.planned_tokens:  # a static (graph) run: rows past the plan's are not read
+                compat.allow_static_rows(self._inner, q.shape[0])
+            # out= given: FlashInfer 0.7 zero-fills an output it allocates itself (one more kernel)
+            return self._inner.run(q, kv_cache_layer, out=self._out(q))

@@ -16,15 +16,22 @@ def _flashinfer_modules() -> list[str]:
     return [n for n in sys.modules if n == "flashinfer" or n.startswith("flashinfer.")]
 
 
-@pytest.fixture
-def standin_flashinfer(monkeypatch):
-    """``import flashinfer`` yields the stand-in for the duration of the test; whatever was
-    imported before (the real library on the GPU machine) is restored afterwards."""
+# The releases whose differences the stand-in models (tests/standins/flashinfer: emulate); every
+# test on the stand-in runs once on each, so each side of a version guard is exercised.
+STANDIN_VERSIONS = ("0.5.3", "0.7.2.post1", "0.7.4")
+
+
+@pytest.fixture(params=STANDIN_VERSIONS, ids=lambda v: f"fi{v}")
+def standin_flashinfer(monkeypatch, request):
+    """``import flashinfer`` yields the stand-in, behaving as one FlashInfer release, for the
+    duration of the test; whatever was imported before (the real library on the GPU machine) is
+    restored afterwards."""
     for name in _flashinfer_modules():
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(STANDINS))
     mod = importlib.import_module("flashinfer")
     assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
+    mod.emulate(request.param)
     yield mod
     for name in _flashinfer_modules():
         del sys.modules[name]

@@ -7,15 +7,35 @@ bottom-right causal mask, ``window_left``, int32 indices, dtype checks between p
 ``run`` computes from the device-side buffers a real kernel would read, so a wrapper that plans
 wrong buffer contents gets wrong numbers here too. Arithmetic: mstar's reference math.
 
+``emulate("0.7.2.post1")`` / ``emulate("0.7.4")`` switch on the behaviour those releases changed
+where the plugin can tell (see ``_common.Profile``); the signatures stay 0.5.3's otherwise.
+
 Not modelled: custom masks, RoPE/ALiBi, logits soft-cap, fp8 scales, return_lse, jit_args.
 """
 
+import sys
+
+from . import prefill as _prefill
+from ._common import PROFILE
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .page import get_seq_lens
 from .prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
 
 __version__ = "0.5.3"
 STANDIN = True  # lets a test tell the stand-in from the real library
+VERSIONS = ("0.5.3", "0.7.2.post1", "0.7.4")
+
+
+def emulate(version: str) -> None:
+    """Behave as FlashInfer ``version`` (one of ``VERSIONS``) from now on, for wrappers built after."""
+    if version not in VERSIONS:
+        raise ValueError(f"the stand-in emulates {VERSIONS}, not {version!r}")
+    mod = sys.modules[__name__]
+    mod.__version__ = PROFILE.version = version
+    PROFILE.q_rows_check = version != "0.5.3"
+    mod.BatchPrefillWithPagedKVCacheWrapper = (
+        _prefill.BatchPrefillWithPagedKVCacheWrapper074 if version == "0.7.4"
+        else _prefill.BatchPrefillWithPagedKVCacheWrapper)
 
 __all__ = [
     "BatchDecodeWithPagedKVCacheWrapper",

@@ -13,6 +13,34 @@ from .page import get_seq_lens
 _UNSUPPORTED = "the flashinfer stand-in does not model {}"
 
 
+class Profile:
+    """Which release's behaviour the stand-in shows (``flashinfer.emulate``). 0.5.3 is the base:
+    its signatures are the stand-in's own. From 0.7 the paged and ragged prefill ``run`` refuse a
+    q whose rows differ from the plan's ``qo_indptr[-1]`` (kept in ``_qo_indptr_last``) and an
+    output they allocate is zero-filled; from 0.7.4 the paged prefill takes ``max_total_num_rows``
+    at construction."""
+
+    version = "0.5.3"
+    q_rows_check = False
+
+
+PROFILE = Profile()
+
+
+def check_q_rows(wrapper, q: torch.Tensor) -> None:
+    """0.7's check in paged and ragged prefill ``run`` (prefill.py, same message)."""
+    if PROFILE.q_rows_check and q.size(0) != wrapper._qo_indptr_last:
+        raise ValueError(
+            f"q.shape[0] ({q.size(0)}) does not match qo_indptr[-1] ({wrapper._qo_indptr_last}). "
+            f"For paged prefill, q must have shape [total_tokens, num_heads, head_dim] "
+            f"where total_tokens = qo_indptr[-1]."
+        )
+
+
+def new_out(shape, q: torch.Tensor) -> torch.Tensor:
+    return (torch.zeros if PROFILE.q_rows_check else torch.empty)(shape, dtype=q.dtype, device=q.device)
+
+
 def canonicalize_torch_dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
     if isinstance(dtype, str):
         return getattr(torch, dtype)

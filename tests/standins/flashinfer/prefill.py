@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (canonicalize_torch_dtype, check_cached_qkv_data_type, check_kv_layout,
+from ._common import (PROFILE, canonicalize_torch_dtype, check_q_rows, new_out, check_cached_qkv_data_type, check_kv_layout,
                       check_shape_dtype_device, paged_attention, ragged_attention, unpack_paged_kv_cache,
                       unsupported)
 from .page import get_seq_lens
@@ -110,6 +110,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._num_qo_heads, self._num_kv_heads, self._head_dim = num_qo_heads, num_kv_heads, head_dim_qk
         qo_indptr_host = qo_indptr.to("cpu")
         total_num_rows = int(qo_indptr_host[-1])
+        if PROFILE.q_rows_check:
+            self._qo_indptr_last = total_num_rows
         paged_kv_indptr_host = paged_kv_indptr.to("cpu")
         kv_lens_arr_host = (get_seq_lens(paged_kv_indptr_host, paged_kv_last_page_len.to("cpu"), page_size)
                             if seq_lens is None else seq_lens.cpu().flatten())
@@ -167,11 +169,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
         assert self._plan_info is not None, "plan info is not initialized"
         k_cache, v_cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_cached_qkv_data_type(q, k_cache, self._cached_q_data_type, self._cached_kv_data_type)
+        check_q_rows(self, q)
         window_left = self._window_left if window_left is None else window_left
         assert window_left == self._window_left
         sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
         if out is None:
-            out = torch.empty(q.shape[:-1] + v_cache.shape[-1:], dtype=q.dtype, device=q.device)
+            out = new_out(q.shape[:-1] + v_cache.shape[-1:], q)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v_cache.shape[-1:], q.dtype, q.device, "out")
         return paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
@@ -256,6 +259,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         if len(kv_indptr) != batch_size + 1:
             raise ValueError("The kv_indptr length should be equal to mask_indptr length.")
         total_num_rows = int(qo_indptr.to("cpu")[-1])
+        if PROFILE.q_rows_check:
+            self._qo_indptr_last = total_num_rows
         if self.is_cuda_graph_enabled:
             if self._max_total_num_rows is None:
                 self._max_total_num_rows = total_num_rows
@@ -296,10 +301,44 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
         check_cached_qkv_data_type(q, k, self._cached_q_data_type, self._cached_kv_data_type)
+        check_q_rows(self, q)
         sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
         if out is None:
-            out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
+            out = new_out(q.shape[:-1] + v.shape[-1:], q)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v.shape[-1:], q.dtype, q.device, "out")
         return ragged_attention(q, k, v, self._qo_indptr_buf, self._kv_indptr_buf, self._causal, self._window_left,
                                 sm_scale, out)
+
+
+class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper):
+    """0.7.4's constructor: the graph-mode token budget can be given up front (prefill.py 2935-3051,
+    the same checks)."""
+
+    def __init__(
+        self,
+        float_workspace_buffer: torch.Tensor,
+        kv_layout: str = "NHD",
+        use_cuda_graph: bool = False,
+        qo_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
+        paged_kv_indices_buf: Optional[torch.Tensor] = None,
+        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
+        custom_mask_buf: Optional[torch.Tensor] = None,
+        mask_indptr_buf: Optional[torch.Tensor] = None,
+        backend: str = "auto",
+        jit_args: Optional[List[Any]] = None,
+        jit_kwargs: Optional[Dict[str, Any]] = None,
+        variant_owns_mask: bool = False,
+        max_total_num_rows: Optional[int] = None,
+    ) -> None:
+        if max_total_num_rows is not None:
+            if not use_cuda_graph:
+                raise ValueError("max_total_num_rows requires use_cuda_graph=True")
+            if not isinstance(max_total_num_rows, int) or max_total_num_rows < 0:
+                raise ValueError("max_total_num_rows must be a nonnegative integer")
+        unsupported(variant_owns_mask=variant_owns_mask)
+        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
+                         paged_kv_indices_buf, paged_kv_last_page_len_buf, custom_mask_buf, mask_indptr_buf, backend,
+                         jit_args, jit_kwargs)
+        self._max_total_num_rows = max_total_num_rows
