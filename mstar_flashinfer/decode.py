@@ -7,6 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from .jit_notice import plan_first_use
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
 
@@ -100,10 +101,13 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
                 lens_s = None if lens is None else st.put("kv_lens", lens)
                 indices_s = self._stage_indices(indices, self._bufs)
                 self._fence.wait()
-                self._inner.plan(
-                    indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                    self.page_size, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
-                )
+                with plan_first_use("paged decode" + (" (tensor cores)" if self.use_tensor_cores else ""), dtype,
+                                    extras["kv_data_type"], self.head_dim, window_left, extras["logits_soft_cap"],
+                                    self.backend):
+                    self._inner.plan(
+                        indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                        self.page_size, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
+                    )
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
         """Run planned batched decode attention: ``q`` ``[n_req, num_qo_heads, head_dim]`` over

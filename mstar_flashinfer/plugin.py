@@ -26,6 +26,8 @@ FLASHINFER = BackendSpec(
     # The paged wrappers take use_cuda_graph buffers; the ragged (dense) path is eager-only.
     capturable=("paged_prefill", "paged_decode", "mixed"),
     probe="mstar_flashinfer.probe:probe",
+    # FlashInfer JIT-compiles each kernel family on first use: `mstar warmup` does it ahead.
+    warmup="mstar_flashinfer.warmup:warmup",
     description="FlashInfer paged prefill/decode/mixed and ragged prefill (JIT-compiled on first use)",
     install_hint="pip install flashinfer-python>=0.5",
 )

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from . import compat
+from .jit_notice import long_queries, plan_first_use
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
 
@@ -103,11 +104,13 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 lens_s = None if lens is None else st.put("kv_lens", lens)
                 indices_s = self._stage_indices(indices, self._bufs)
                 self._fence.wait()
-                self._inner.plan(
-                    qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                    self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
-                    **extras,
-                )
+                with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
+                                    extras["logits_soft_cap"], self.backend, long_queries(keep[0])):
+                    self._inner.plan(
+                        qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
+                        self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
+                        **extras,
+                    )
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
         """Run planned batched prefill attention.

@@ -8,6 +8,7 @@ import torch
 from mstar_core.resources.attn.varlen import check_same_device, check_varlen_plan
 
 from . import validate
+from .jit_notice import plan_first_use
 from .library import flashinfer
 from .nvtx import Nvtx
 from .staging import Fence, Staging
@@ -41,6 +42,7 @@ class FlashInferPrefixedPrefillWrapper:
             size = DEFAULT_WORKSPACE_BYTES if self.device.type == "cuda" else 1024
             workspace_buffer = torch.empty(size, dtype=torch.uint8, device=self.device)
         self.workspace_buffer = workspace_buffer
+        self.backend = backend
         self._inner = flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
         self._staging = Staging(self.device)
         self._fence = Fence(self.device)
@@ -70,10 +72,11 @@ class FlashInferPrefixedPrefillWrapper:
         st.begin()
         q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)
         self._fence.wait()
-        self._inner.plan(
-            q_s, k_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=causal, window_left=window_left,
-            sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
-        )
+        with plan_first_use("ragged prefill", dtype, dtype, self.head_dim, window_left, None, self.backend):
+            self._inner.plan(
+                q_s, k_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=causal, window_left=window_left,
+                sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
+            )
         self._fence.record()
         st.end()
         self._tokens = (int(q_arr[-1]), int(k_arr[-1]))

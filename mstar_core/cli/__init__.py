@@ -1,4 +1,4 @@
-"""The ``mstar`` command: ``demo``, ``backends``, ``bench``; each sub-command lives in its own module
+"""The ``mstar`` command: ``demo``, ``backends``, ``bench``, ``warmup``; each sub-command lives in its own module
 exposing ``register(subparsers)``."""
 
 from __future__ import annotations
@@ -8,7 +8,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from . import backends, bench, demo
+from .. import first_use
+from . import backends, bench, demo, warmup
+from .progress import Progress
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -18,6 +20,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.register(sub)
     backends.register(sub)
     bench.register(sub)
+    warmup.register(sub)
     return p
 
 
@@ -25,6 +28,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
+    # A kernel library compiling on first use (FlashInfer: 20-100 s) shows as a counting line on
+    # stderr, not as a hang.
+    progress = Progress()
+    first_use.add_listener(progress)
     try:
         return int(args.func(args) or 0)
     except (ValueError, KeyError, RuntimeError) as e:
@@ -32,3 +39,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         # one clear line, not a traceback.
         print(f"mstar {args.command}: error: {e}", file=sys.stderr)
         return 2
+    finally:
+        first_use.remove_listener(progress)

@@ -65,6 +65,7 @@ class HeadDims:
 
 
 ProbeRef = Union[str, Probe, None]
+WarmupRef = Union[str, Callable[..., Any], None]
 
 
 @dataclass(frozen=True)
@@ -92,6 +93,10 @@ class BackendSpec:
     # Capabilities whose wrappers can be captured in a CUDA graph.
     capturable: tuple[str, ...] = ()
     probe: ProbeRef = None
+    # Backends that compile kernels on first use: "module:attr" (or the callable) of
+    # ``warmup(config, device, capabilities) -> list[WarmedKernel]`` (mstar_core.warmup), which
+    # prepares every kernel a configuration uses. None: nothing to prepare.
+    warmup: WarmupRef = None
     # Order among backends that no built-in auto list names (higher first); see selection.
     priority: int = 0
     description: str = ""

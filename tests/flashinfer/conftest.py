@@ -22,7 +22,7 @@ STANDIN_VERSIONS = ("0.5.3", "0.7.2.post1", "0.7.4")
 
 
 @pytest.fixture(params=STANDIN_VERSIONS, ids=lambda v: f"fi{v}")
-def standin_flashinfer(monkeypatch, request):
+def standin_flashinfer(monkeypatch, request, tmp_path):
     """``import flashinfer`` yields the stand-in, behaving as one FlashInfer release, for the
     duration of the test; whatever was imported before (the real library on the GPU machine) is
     restored afterwards."""
@@ -32,6 +32,11 @@ def standin_flashinfer(monkeypatch, request):
     mod = importlib.import_module("flashinfer")
     assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
     mod.emulate(request.param)
+    from mstar_core import first_use
+
+    # a JIT folder of this test's own, and no first use remembered from another test
+    monkeypatch.setattr(importlib.import_module("flashinfer.jit.env"), "FLASHINFER_JIT_DIR", tmp_path / "cached_ops")
+    first_use.forget()
     yield mod
     for name in _flashinfer_modules():
         del sys.modules[name]

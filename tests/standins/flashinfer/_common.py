@@ -26,6 +26,26 @@ class Profile:
 
 PROFILE = Profile()
 
+_TAG = {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}
+
+
+def build_module(kind: str, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, window_left: int,
+                 soft_cap: Optional[float], backend: str = "fa2") -> str:
+    """The module a plan needs, named as FlashInfer names it (jit/attention/modules.py), "built"
+    into the JIT folder the first time: an empty file, as no compiler runs here."""
+    from .jit import env
+
+    q, kv = _TAG.get(q_dtype, str(q_dtype)), _TAG.get(kv_dtype, str(kv_dtype))
+    name = (f"batch_{kind}_with_kv_cache_dtype_q_{q}_dtype_kv_{kv}_dtype_o_{q}_dtype_idx_i32_head_dim_qk_{head_dim}"
+            f"_head_dim_vo_{head_dim}_posenc_0_use_swa_{window_left >= 0}_use_logits_cap_{bool(soft_cap)}")
+    if kind == "prefill":
+        name += "_f16qk_False" + ("_sm90" if backend == "fa3" else "")
+    so = env.FLASHINFER_JIT_DIR / name / f"{name}.so"
+    if not so.exists():
+        so.parent.mkdir(parents=True, exist_ok=True)
+        so.write_bytes(b"")
+    return name
+
 
 def check_q_rows(wrapper, q: torch.Tensor) -> None:
     """0.7's check in paged and ragged prefill ``run`` (prefill.py, same message)."""

@@ -7,7 +7,7 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (canonicalize_torch_dtype, check_cached_qkv_data_type, check_kv_layout,
+from ._common import (build_module, canonicalize_torch_dtype, check_cached_qkv_data_type, check_kv_layout,
                       check_shape_dtype_device, paged_attention, unpack_paged_kv_cache, unsupported)
 
 
@@ -116,6 +116,9 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if fixed_split_size is not None and not self.use_tensor_cores:
             raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
+        # tensor-core decode runs the fa2 prefill module (0.5.3 decode.py:1026), the other the decode module
+        build_module("prefill" if self._use_tensor_cores else "decode", q_data_type, kv_data_type, head_dim,
+                     window_left, logits_soft_cap)
         self._batch_size = batch_size
         self._num_qo_heads, self._num_kv_heads = num_qo_heads, num_kv_heads
         self._plan_info = (batch_size,)

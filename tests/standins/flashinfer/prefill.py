@@ -7,7 +7,7 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (PROFILE, canonicalize_torch_dtype, check_q_rows, new_out, check_cached_qkv_data_type, check_kv_layout,
+from ._common import (PROFILE, build_module, canonicalize_torch_dtype, check_q_rows, new_out, check_cached_qkv_data_type, check_kv_layout,
                       check_shape_dtype_device, paged_attention, ragged_attention, unpack_paged_kv_cache,
                       unsupported)
 from .page import get_seq_lens
@@ -142,6 +142,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
         if self._backend == "auto":
             self._backend = "fa2"
+        build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap, self._backend)
         self._max_kv_len = int(kv_lens_arr_host.max()) if len(kv_lens_arr_host) else 0
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
@@ -280,6 +281,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
         if self._backend == "auto":
             self._backend = "fa2"
+        build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap, self._backend)
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
         self._window_left = window_left

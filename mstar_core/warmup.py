@@ -1,0 +1,151 @@
+"""Compile (or load) ahead of serving every kernel a configuration will use, so that no request
+waits for a first-use compile (FlashInfer JIT-compiles each kernel family for 20-100 s).
+
+A backend that compiles on first use declares ``BackendSpec.warmup``: a ``"module:attr"`` function
+``(config, device, capabilities) -> list[WarmedKernel]`` that drives its own wrappers through a tiny
+plan and run of every variant the configuration needs, so exactly the modules a real step would
+build are built. A backend without one has nothing to prepare (its kernels are prebuilt, or it is
+plain PyTorch).
+
+    from mstar_core.warmup import WarmupConfig, warmup
+    report = warmup(WarmupConfig(torch.bfloat16, head_dim=128, page_size=16, num_qo_heads=32,
+                                 num_kv_heads=8, windows=(-1, 4096)), backend="flashinfer", device="cuda")
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from .registry.device import as_device
+from .registry.spec import CAPABILITIES, dtype_name, load_ref
+from .step import is_int
+
+# What an engine's attention uses, in the groups a build selects a backend for: the paged manager
+# (prefill, decode and mixed steps) and the dense path (prefixed ragged prefill).
+GROUPS: tuple[tuple[str, ...], ...] = (("paged_prefill", "paged_decode", "mixed"), ("prefixed_ragged",))
+WARMABLE = tuple(c for g in GROUPS for c in g)
+
+
+@dataclass(frozen=True)
+class WarmupConfig:
+    """What selects a kernel: dtype, head dim, page size, heads (GQA group size picks decode's
+    tensor-core path), the attention windows the layers use (``window_left``; -1: full attention)
+    and the logit soft-cap (None: none)."""
+
+    dtype: torch.dtype = torch.bfloat16
+    head_dim: int = 128
+    page_size: int = 16
+    num_qo_heads: int = 32
+    num_kv_heads: int = 8
+    windows: tuple[int, ...] = (-1,)
+    soft_cap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.dtype, torch.dtype):
+            raise TypeError(f"dtype must be a torch.dtype, e.g. torch.bfloat16; got {self.dtype!r}")
+        for name in ("head_dim", "page_size", "num_qo_heads", "num_kv_heads"):
+            v = getattr(self, name)
+            if not is_int(v) or v < 1:
+                raise ValueError(f"WarmupConfig.{name} must be a positive integer, got {v!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ValueError(f"WarmupConfig: num_qo_heads {self.num_qo_heads} is not a multiple of num_kv_heads "
+                             f"{self.num_kv_heads}")
+        windows = tuple(self.windows)
+        if not windows or any(not is_int(w) or w < -1 for w in windows):
+            raise ValueError(f"WarmupConfig.windows must hold window_left values, each -1 (full attention) or >= 0; "
+                             f"got {self.windows!r}")
+        object.__setattr__(self, "windows", tuple(sorted(set(windows))))
+        cap = self.soft_cap
+        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
+                                or cap <= 0):
+            raise ValueError(f"WarmupConfig.soft_cap must be a positive finite number or None, got {cap!r}")
+
+    def describe(self) -> str:
+        parts = [dtype_name(self.dtype), f"head_dim {self.head_dim}", f"page {self.page_size}",
+                 f"{self.num_qo_heads}/{self.num_kv_heads} heads",
+                 "windows " + ", ".join("full" if w < 0 else str(w) for w in self.windows)]
+        if self.soft_cap is not None:
+            parts.append(f"soft-cap {self.soft_cap:g}")
+        return ", ".join(parts)
+
+
+@dataclass(frozen=True)
+class WarmedKernel:
+    """One variant a warm-up ran: which capability, which variant, how long it took and what the
+    backend says it did ("compiled 2 modules: ..." / "nothing compiled: ...")."""
+
+    backend: str
+    capability: str
+    variant: str
+    seconds: float
+    detail: str = ""
+
+
+@dataclass(frozen=True)
+class WarmupReport:
+    config: WarmupConfig
+    device: str
+    kernels: tuple[WarmedKernel, ...] = ()
+    # one line per backend that had nothing to prepare, or per group no backend could run
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def seconds(self) -> float:
+        return sum(k.seconds for k in self.kernels)
+
+    def lines(self) -> list[str]:
+        out = [f"warm-up for {self.config.describe()} on {self.device}:"]
+        for k in self.kernels:
+            out.append(f"  {k.backend} {k.capability} [{k.variant}]: {k.seconds:.2f} s; {k.detail}")
+        out += [f"  {n}" for n in self.notes]
+        out.append(f"total {self.seconds:.1f} s")
+        return out
+
+
+def warmup(
+    config: WarmupConfig, backend: str | None = "auto", device: torch.device | str = "cuda",
+    capabilities: Sequence[str] | None = None,
+) -> WarmupReport:
+    """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) selects as a
+    build would, per group (paged steps; the dense path); a name warms that backend alone.
+    ``capabilities`` limits what is warmed (default: all the selected backends provide)."""
+    from .registry import BackendUnavailable, get_registry, resolve_requested, select_backend  # plugins load here
+
+    dev = as_device(device)
+    wanted = tuple(capabilities) if capabilities is not None else WARMABLE
+    bad = [c for c in wanted if c not in CAPABILITIES]
+    if bad or not wanted:
+        raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(wanted)}")
+    name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
+    auto = name == "auto"
+    named = None if auto else get_registry().get(name)
+    kernels: list[WarmedKernel] = []
+    notes: list[str] = []
+    for group in GROUPS:
+        caps = tuple(c for c in group if c in wanted)
+        if named is not None:  # a named backend: the part of the group it provides
+            caps = tuple(c for c in caps if c in named.provides)
+        if not caps:
+            continue
+        try:
+            sel = select_backend(capabilities=caps, requested=name, device=dev, dtype=config.dtype,
+                                 head_dim=config.head_dim)
+        except BackendUnavailable as e:
+            if auto:
+                notes.append(f"{', '.join(caps)}: no backend can run here ({e})")
+                continue
+            raise
+        spec = sel.backend
+        if spec.warmup is None:
+            notes.append(f"{sel.name} ({', '.join(caps)}): nothing to prepare; it compiles nothing on first use")
+            continue
+        fn = load_ref(spec.warmup) if isinstance(spec.warmup, str) else spec.warmup
+        kernels.extend(fn(config, dev, caps))
+    if named is not None and not kernels and not notes:
+        raise ValueError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
+                         f"{', '.join(named.provides)})")
+    return WarmupReport(config, str(dev), tuple(kernels), tuple(notes))

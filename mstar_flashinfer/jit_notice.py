@@ -1,0 +1,80 @@
+"""FlashInfer's first-use compiles, announced (mstar_core.first_use): FlashInfer builds each kernel
+family -- q/KV dtype, head dim, sliding window or not, soft-cap or not, fa2 or fa3 -- with nvcc the
+first time a plan needs it, unless a compiled copy is in its cache (``~/.cache/flashinfer``), in the
+package's ``data/aot`` folder or in flashinfer-jit-cache. Which modules a call built is read from
+FlashInfer's JIT folder (``flashinfer.jit.env.FLASHINFER_JIT_DIR``) before and after it."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, ContextManager
+
+import torch
+
+from mstar_core import first_use
+from mstar_core.registry.spec import dtype_name
+
+log = logging.getLogger("mstar.flashinfer")
+
+WHY = ("FlashInfer compiles each kernel family (dtype, head dim, variant) with nvcc on its first use on a machine, "
+       "20-100 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt (flashinfer-jit-cache); "
+       "`mstar warmup` does this ahead of serving")
+
+# FlashInfer 0.7.4 picks fa2 for a paged prefill plan whose longest query is at most this long and
+# fa3 otherwise (on Hopper): a different module, so a different first use.
+SHORT_QUERY = 64
+
+
+def jit_dir() -> Path | None:
+    """FlashInfer's folder of JIT-built modules, or None where this build has none to read."""
+    try:
+        from flashinfer.jit import env  # type: ignore[import-not-found]
+    except ImportError:
+        return None
+    d = getattr(env, "FLASHINFER_JIT_DIR", None)
+    return Path(d) if d is not None else None
+
+
+def built_modules(d: Path | None) -> set[str]:
+    """Names of the modules compiled into ``d`` so far (``<name>/<name>.so``)."""
+    if d is None or not d.is_dir():
+        return set()
+    return {p.parent.name for p in d.glob("*/*.so") if p.stem == p.parent.name}
+
+
+def _describe(new: set[str]) -> str:
+    if not new:
+        return "nothing compiled: loaded from a cache or a prebuilt package"
+    return f"compiled {len(new)} module{'s' if len(new) > 1 else ''}: {', '.join(sorted(new))}"
+
+
+def plan_first_use(
+    kind: str, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int, window_left: int,
+    soft_cap: float | None, backend: str, long_queries: bool = False,
+) -> ContextManager[None]:
+    """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op once the key has
+    been seen in this process."""
+    kv = kv_dtype or dtype
+    key = ("flashinfer", kind, dtype, kv, head_dim, window_left >= 0, bool(soft_cap), backend, long_queries)
+    if first_use.seen(key):
+        return contextlib.nullcontext()
+    parts = [dtype_name(dtype) + ("" if kv == dtype else f" q, {dtype_name(kv)} KV"), f"head_dim {head_dim}"]
+    if window_left >= 0:
+        parts.append("sliding window")
+    if soft_cap:
+        parts.append("soft-cap")
+    if backend != "auto":
+        parts.append(f"backend {backend}")
+    what = f"FlashInfer {kind} kernels ({', '.join(parts)})"
+    d = jit_dir()
+    before = built_modules(d)
+    detail: Callable[[], Any] = lambda: _describe(built_modules(d) - before)  # noqa: E731
+    return first_use.first_use(key, what, WHY, log, detail)
+
+
+def long_queries(qo: Any) -> bool:
+    """Is the longest row of a host ``qo_indptr`` longer than SHORT_QUERY?"""
+    return qo.shape[0] > 1 and int((qo[1:] - qo[:-1]).max()) > SHORT_QUERY
