@@ -5,7 +5,7 @@ detected from the library itself (a constructor parameter, an attribute), not fr
 string, so a build between or after those releases takes whichever path it actually offers; the
 version is only logged.
 
-Two differences touch the wrappers:
+Three differences touch the wrappers:
 
 * **The graph-mode token budget.** In CUDA-graph mode FlashInfer's paged prefill fixes how many
   query tokens a plan may hold at its first ``plan``; a later, larger plan is refused. 0.7.4 takes
@@ -17,6 +17,9 @@ Two differences touch the wrappers:
   step's tokens; the kernel reads the row ranges from the device-side ``qo_indptr`` and never
   touches the rows past them (0.5.3 had no such check). For such a static run only, the check is
   told the static row count. Eager runs hand FlashInfer exactly the planned rows, on every version.
+* **The backend per plan.** 0.7.4's paged prefill with ``backend="auto"`` picks fa2 or fa3 at each
+  plan from the longest query; earlier releases pick once. It only changes which kernels a first
+  use may compile (``picks_backend_per_plan``), and so what ``mstar warmup`` runs.
 """
 
 from __future__ import annotations
@@ -58,6 +61,13 @@ def graph_prefill(cls: type, rows: int, *args: Any, **kwargs: Any) -> Any:
         return inner
     inner._max_total_num_rows = int(rows)
     return inner
+
+
+def picks_backend_per_plan(inner: Any, backend: str) -> bool:
+    """Does this paged prefill wrapper choose fa2 or fa3 anew at each plan (0.7.4, backend "auto":
+    fa2 for plans whose longest query is at most 64 tokens on Hopper)? Then the two are separate
+    first uses (mstar_flashinfer.jit_notice)."""
+    return backend == "auto" and hasattr(inner, "_determine_auto_backend")
 
 
 def checks_q_rows(inner: Any) -> bool:

@@ -49,6 +49,7 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
                          None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
         fi = flashinfer()
         self.use_tensor_cores = use_tensor_cores(num_qo_heads, num_kv_heads)
+        self._family = "paged decode (tensor cores)" if self.use_tensor_cores else "paged decode"
         self._bufs: dict[str, torch.Tensor] | None = None
         if self.accelerator_graph:
             self._bufs = self._graph_buffers(with_qo=False)
@@ -101,7 +102,7 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
                 lens_s = None if lens is None else st.put("kv_lens", lens)
                 indices_s = self._stage_indices(indices, self._bufs)
                 self._fence.wait()
-                with plan_first_use("paged decode" + (" (tensor cores)" if self.use_tensor_cores else ""), dtype,
+                with plan_first_use(self._family, dtype,
                                     extras["kv_data_type"], self.head_dim, window_left, extras["logits_soft_cap"],
                                     self.backend):
                     self._inner.plan(

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any, ContextManager
 
+import numpy as np
 import torch
 
 from mstar_core import first_use
@@ -51,21 +52,34 @@ def _describe(new: set[str]) -> str:
     return f"compiled {len(new)} module{'s' if len(new) > 1 else ''}: {', '.join(sorted(new))}"
 
 
+# Kernel selections whose every variant has been seen in this process: a plan checks one set entry.
+_ready: set[tuple[Any, ...]] = set()
+
+
 def plan_first_use(
     kind: str, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int, window_left: int,
-    soft_cap: float | None, backend: str, long_queries: bool = False,
+    soft_cap: float | None, backend: str, qo: np.ndarray | None = None,
 ) -> ContextManager[None]:
-    """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op once the key has
-    been seen in this process."""
-    kv = kv_dtype or dtype
-    key = ("flashinfer", kind, dtype, kv, head_dim, window_left >= 0, bool(soft_cap), backend, long_queries)
-    if first_use.seen(key):
+    """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op (one set lookup)
+    once the selection has been seen in this process. ``qo`` (a prefill plan's host qo_indptr)
+    splits it further by the longest query (0.7.4: fa2 up to SHORT_QUERY tokens, fa3 beyond)."""
+    base = ("flashinfer", kind, dtype, kv_dtype or dtype, head_dim, window_left >= 0, bool(soft_cap), backend)
+    if base in _ready:
         return contextlib.nullcontext()
+    variants = (False, True) if qo is not None else (False,)
+    key = base + (qo is not None and long_queries(qo),)
+    if first_use.seen(key):
+        if all(first_use.seen(base + (v,)) for v in variants):
+            _ready.add(base)
+        return contextlib.nullcontext()
+    kv = kv_dtype or dtype
     parts = [dtype_name(dtype) + ("" if kv == dtype else f" q, {dtype_name(kv)} KV"), f"head_dim {head_dim}"]
     if window_left >= 0:
         parts.append("sliding window")
     if soft_cap:
         parts.append("soft-cap")
+    if qo is not None:
+        parts.append(f"queries {'over' if key[-1] else 'up to'} {SHORT_QUERY} tokens")
     if backend != "auto":
         parts.append(f"backend {backend}")
     what = f"FlashInfer {kind} kernels ({', '.join(parts)})"
@@ -75,6 +89,12 @@ def plan_first_use(
     return first_use.first_use(key, what, WHY, log, detail)
 
 
-def long_queries(qo: Any) -> bool:
+def forget() -> None:
+    """Forget every selection seen (with mstar_core.first_use.forget: tests, a cleared cache)."""
+    _ready.clear()
+    first_use.forget()
+
+
+def long_queries(qo: np.ndarray) -> bool:
     """Is the longest row of a host ``qo_indptr`` longer than SHORT_QUERY?"""
     return qo.shape[0] > 1 and int((qo[1:] - qo[:-1]).max()) > SHORT_QUERY

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from . import compat
-from .jit_notice import long_queries, plan_first_use
+from .jit_notice import plan_first_use
 from .library import flashinfer
 from .paged_base import PagedWrapperBase, pad_rows, plan_extras
 
@@ -62,6 +62,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             )
         else:
             self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
+        self._per_plan_backend = compat.picks_backend_per_plan(self._inner, backend)
 
     def plan(
         self,
@@ -105,7 +106,8 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 indices_s = self._stage_indices(indices, self._bufs)
                 self._fence.wait()
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
-                                    extras["logits_soft_cap"], self.backend, long_queries(keep[0])):
+                                    extras["logits_soft_cap"], self.backend,
+                                    keep[0] if self._per_plan_backend else None):
                     self._inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                         self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,

@@ -21,22 +21,39 @@ def _flashinfer_modules() -> list[str]:
 STANDIN_VERSIONS = ("0.5.3", "0.7.2.post1", "0.7.4")
 
 
-@pytest.fixture(params=STANDIN_VERSIONS, ids=lambda v: f"fi{v}")
-def standin_flashinfer(monkeypatch, request, tmp_path):
-    """``import flashinfer`` yields the stand-in, behaving as one FlashInfer release, for the
-    duration of the test; whatever was imported before (the real library on the GPU machine) is
-    restored afterwards."""
+def _standin(monkeypatch, tmp_path, version):
     for name in _flashinfer_modules():
         monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(STANDINS))
     mod = importlib.import_module("flashinfer")
     assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
-    mod.emulate(request.param)
-    from mstar_core import first_use
+    mod.emulate(version)
+    from mstar_flashinfer import jit_notice
 
     # a JIT folder of this test's own, and no first use remembered from another test
     monkeypatch.setattr(importlib.import_module("flashinfer.jit.env"), "FLASHINFER_JIT_DIR", tmp_path / "cached_ops")
-    first_use.forget()
-    yield mod
+    jit_notice.forget()
+    return mod
+
+
+@pytest.fixture(params=STANDIN_VERSIONS, ids=lambda v: f"fi{v}")
+def standin_flashinfer(monkeypatch, request, tmp_path):
+    """``import flashinfer`` yields the stand-in, behaving as one FlashInfer release, for the
+    duration of the test; whatever was imported before (the real library on the GPU machine) is
+    restored afterwards."""
+    yield _standin(monkeypatch, tmp_path, request.param)
+    for name in _flashinfer_modules():
+        del sys.modules[name]
+
+
+@pytest.fixture
+def standin_flashinfer_like_real(monkeypatch, tmp_path):
+    """The stand-in emulating the installed FlashInfer's release where it models that release
+    (the GPU tests compare the two on the same data), else its base release."""
+    try:
+        version = str(getattr(importlib.import_module("flashinfer"), "__version__", ""))
+    except ImportError:
+        version = ""
+    yield _standin(monkeypatch, tmp_path, version if version in STANDIN_VERSIONS else STANDIN_VERSIONS[0])
     for name in _flashinfer_modules():
         del sys.modules[name]

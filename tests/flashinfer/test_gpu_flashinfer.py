@@ -54,7 +54,7 @@ def backend(request):
     if request.param == "real":
         request.getfixturevalue("real_flashinfer")
         return REAL
-    request.getfixturevalue("standin_flashinfer")
+    request.getfixturevalue("standin_flashinfer_like_real")
     return STANDIN
 
 

@@ -9,7 +9,6 @@ import logging
 import pytest
 import torch
 
-from mstar_core import first_use
 from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmupConfig
 from mstar_flashinfer import jit_notice
@@ -39,8 +38,11 @@ def test_warmup_builds_each_variant_once_and_a_second_warmup_builds_nothing(stan
         ("prefixed_ragged", "full, short queries"), ("prefixed_ragged", "full, long queries")]
     assert len(first) == 14
     built = jit_notice.built_modules(jit_notice.jit_dir())
-    # the stand-in's modules: prefill and decode (4 q / 2 KV heads: no tensor cores), each with and without window
-    assert len(built) == 4 and all("use_swa_True" in m or "use_swa_False" in m for m in built)
+    # prefill and decode (4 q / 2 KV heads: no tensor cores), each with and without window; on 0.7.4 the
+    # long-query prefill plans run fa3, a module of their own (the short ones and ragged stay on fa2)
+    fa3 = {m for m in built if m.endswith("_sm90")}
+    assert len(fa3) == (2 if standin_flashinfer.__version__ == "0.7.4" else 0)
+    assert len(built - fa3) == 4 and all("use_swa_True" in m or "use_swa_False" in m for m in built)
     assert first[0].detail.startswith("compiled 1 module: batch_prefill_with_kv_cache_dtype_q_f32")
     assert "use_swa_True" in first[7].detail  # the first windowed variant builds the windowed module
     again = warmup(cfg, CPU, CAPS)
@@ -50,7 +52,7 @@ def test_warmup_builds_each_variant_once_and_a_second_warmup_builds_nothing(stan
 def test_after_warmup_a_first_plan_and_run_builds_nothing_and_says_so(standin_flashinfer, caplog):
     warmup(_cfg(), CPU, ("paged_prefill", "paged_decode"))
     before = jit_notice.built_modules(jit_notice.jit_dir())
-    first_use.forget()  # as a new process would
+    jit_notice.forget()  # as a new process would
     c = case((3, 70), (5, 2), head_dim=16, gqa=2)  # a long query: the variant 0.7.4 runs on fa3
     d = C.make_paged(c, "cpu", F32)
     with caplog.at_level(logging.INFO, logger="mstar.flashinfer"):
@@ -62,7 +64,8 @@ def test_after_warmup_a_first_plan_and_run_builds_nothing_and_says_so(standin_fl
         dec.plan(dd.kv_indptr, dd.kv_indices, dd.last_page_len, dtype=F32)
     assert jit_notice.built_modules(jit_notice.jit_dir()) == before
     lines = [r.getMessage() for r in caplog.records]
-    assert any("FlashInfer paged prefill kernels (float32, head_dim 16): first use in this process" in m for m in lines)
+    assert any(m.startswith("FlashInfer paged prefill kernels (float32, head_dim 16") and "first use in this process" in m
+               for m in lines)
     assert any("ready in" in m and "nothing compiled" in m for m in lines)
 
 

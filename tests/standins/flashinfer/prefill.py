@@ -140,9 +140,8 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self._paged_kv_indices_buf = paged_kv_indices.to(self.device, non_blocking=non_blocking)
             self._paged_kv_last_page_len_buf = paged_kv_last_page_len.to(self.device, non_blocking=non_blocking)
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
-        if self._backend == "auto":
-            self._backend = "fa2"
-        build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap, self._backend)
+        build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap,
+                     self._plan_backend(qo_indptr_host))
         self._max_kv_len = int(kv_lens_arr_host.max()) if len(kv_lens_arr_host) else 0
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
@@ -150,6 +149,11 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._sm_scale = sm_scale
 
     begin_forward = plan
+
+    def _plan_backend(self, qo_indptr_host: torch.Tensor) -> str:
+        if self._backend == "auto":  # resolved once, at the first plan (0.5.3 prefill.py:1815)
+            self._backend = "fa2"
+        return self._backend
 
     def run(
         self,
@@ -344,3 +348,15 @@ class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper
                          paged_kv_indices_buf, paged_kv_last_page_len_buf, custom_mask_buf, mask_indptr_buf, backend,
                          jit_args, jit_kwargs)
         self._max_total_num_rows = max_total_num_rows
+        self._auto = backend == "auto"
+
+    def _determine_auto_backend(self, max_q_len: int) -> str:
+        """0.7.4 on Hopper: fa2 for a plan whose longest query is at most 64 tokens, else fa3
+        (prefill.py 3232-3281); the stand-in computes with its own math either way."""
+        return "fa2" if max_q_len <= 64 else "fa3"
+
+    def _plan_backend(self, qo_indptr_host: torch.Tensor) -> str:
+        if not self._auto:
+            return self._backend
+        q_lens = qo_indptr_host[1:] - qo_indptr_host[:-1]
+        return self._determine_auto_backend(int(q_lens.max()) if len(q_lens) else 0)
