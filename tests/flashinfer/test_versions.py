@@ -120,3 +120,27 @@ def test_runs_hand_flashinfer_an_output_so_0_7_does_not_zero_fill_one(standin_fl
     got = w.run(d.q, d.layer)
     assert outs and outs[0] is not None and outs[0].data_ptr() == got.data_ptr()
     assert err(got, oracle(c, d)) < 2e-5
+
+
+@pytest.mark.parametrize("installed,warned", [("0.5.3", False), ("0.7.2.post1", False), ("0.7.2.post2", True),
+                                              ("0.7.4", True), ("0.8.0rc1", True)])
+def test_a_release_newer_than_the_verified_range_runs_with_a_warning(monkeypatch, caplog, installed, warned):
+    from mstar_flashinfer import probe
+
+    monkeypatch.setattr(probe, "module_missing", lambda *a: [])
+    monkeypatch.setattr(probe, "version_too_old", lambda *a: [])
+    monkeypatch.setattr(probe, "installed_version", lambda d: ("flashinfer-python", installed))
+    with caplog.at_level(logging.WARNING, logger="mstar.flashinfer"):
+        assert probe.probe(CPU) == []
+    assert ("newer than the newest release verified with mstar-flashinfer (0.7.2.post1" in caplog.text) is warned
+
+
+def test_the_declared_range_is_the_verified_one():
+    import tomllib
+    from pathlib import Path
+
+    from mstar_flashinfer import probe
+
+    meta = tomllib.loads((Path(__file__).resolve().parents[2] / "plugins/flashinfer/pyproject.toml").read_text())
+    assert probe.INSTALL in meta["project"]["dependencies"]
+    assert probe.INSTALL == f"flashinfer-python>={compat.VERIFIED[0]},<={compat.VERIFIED[-1]}"
