@@ -5,6 +5,8 @@
 #   fi072a   carry .gpu/fi072      (the 62 MB wheel alone; the machine kept warm from fi053)
 #   fi072b   carry .gpu/fi07deps [.gpu/flashinfer-aot-0.7.2.post1.tgz]: its dependencies; warm-up check
 #   fi072c   (nothing carried) tests and benchmark on 0.7.2.post1
+#   v053     carry .gpu/flashinfer .gpu/flashinfer-aot.tgz: the final pass on 0.5.3 (a fresh machine)
+#   v072     carry .gpu/fi07deps .gpu/flashinfer-aot-0.7.2.post1.tgz, after fi072a: the final pass on 0.7.2.post1
 # Each FlashInfer version gets its own site folder (/tmp/fi-<version>), alone on PYTHONPATH, and its own
 # compiled-module archive (.gpu/flashinfer-aot.tgz for 0.5.3, .gpu/flashinfer-aot-<version>.tgz else).
 stage=${1:?stage}
@@ -32,7 +34,14 @@ aot_out() { # version: every module compiled or prebuilt so far -> $OUT/flashinf
     split -b 15000000 "$OUT/flashinfer-aot-$v.tgz" "$OUT/flashinfer-aot-$v.tgz.part-" && rm "$OUT/flashinfer-aot-$v.tgz"; fi
 }
 envinfo() { { nvidia-smi -L; python3 -c "import torch,sys,flashinfer;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0],'flashinfer',flashinfer.__version__,flashinfer.__file__)"; python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|cuda|nvidia-cudnn|apache-tvm|nccl)"; } > "$R/env-$1.txt" 2>&1; cat "$R/env-$1.txt"; }
-tests() { T "$1" "tests_$2" python3 -m pytest -m gpu tests/flashinfer tests/core -q -rs --durations=15 -p no:cacheprovider; }
+tests() { T "$1" "tests_$2" python3 -m pytest -m gpu tests/flashinfer tests/core -v -rs --durations=15 -p no:cacheprovider; }
+final() { # version: the final pass at HEAD, every compiled module carried in
+  envinfo "$1"; git log -1 --format="commit %H %s" > "$R/commit-$1.txt" 2>/dev/null
+  T 60 "backends_$1" python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  tests 240 "$1"
+  T 100 "warmup_check_$1" python3 bench/warmup_check.py --out "$R/$1" --window 128
+  T 150 "bench_$1" python3 bench/flashinfer_bench.py --out "$R/$1"
+}
 case $stage in
 fi053)
   site 0.5.3 .gpu/flashinfer || exit 1; aot_in .gpu/flashinfer-aot.tgz 0.5.3; use 0.5.3; envinfo 0.5.3
@@ -54,6 +63,11 @@ fi072c)
   tests 330 0.7.2.post1
   T 150 bench_0.7.2.post1 python3 bench/flashinfer_bench.py --out "$R/0.7.2.post1"
   aot_out 0.7.2.post1 ;;
+v053)
+  site 0.5.3 .gpu/flashinfer || exit 1; aot_in .gpu/flashinfer-aot.tgz 0.5.3; use 0.5.3; final 0.5.3 ;;
+v072)
+  site 0.7.2.post1 .gpu/fi07deps || exit 1
+  aot_in .gpu/flashinfer-aot-0.7.2.post1.tgz 0.7.2.post1; use 0.7.2.post1; final 0.7.2.post1; aot_out 0.7.2.post1 ;;
 *) echo "unknown stage $stage"; exit 2 ;;
 esac
 log done
