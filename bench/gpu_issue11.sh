@@ -36,7 +36,7 @@ aot_out() { # version: every module compiled or prebuilt so far -> $OUT/flashinf
 envinfo() { { nvidia-smi -L; python3 -c "import torch,sys,flashinfer;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0],'flashinfer',flashinfer.__version__,flashinfer.__file__)"; python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|cuda|nvidia-cudnn|apache-tvm|nccl)"; } > "$R/env-$1.txt" 2>&1; cat "$R/env-$1.txt"; }
 tests() { T "$1" "tests_$2" python3 -m pytest -m gpu tests/flashinfer tests/core -v -rs --durations=15 -p no:cacheprovider; }
 final() { # version: the final pass at HEAD, every compiled module carried in
-  envinfo "$1"; git log -1 --format="commit %H %s" > "$R/commit-$1.txt" 2>/dev/null
+  envinfo "$1"; echo "commit ${COMMIT:-unknown}" > "$R/commit-$1.txt"
   T 60 "backends_$1" python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
   tests 240 "$1"
   T 100 "warmup_check_$1" python3 bench/warmup_check.py --out "$R/$1" --window 128
