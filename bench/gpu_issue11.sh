@@ -5,6 +5,10 @@
 #   fi072a   carry .gpu/fi072      (the 62 MB wheel alone; the machine kept warm from fi053)
 #   fi072b   carry .gpu/fi07deps [.gpu/flashinfer-aot-0.7.2.post1.tgz]: its dependencies; warm-up check
 #   fi072c   (nothing carried) tests and benchmark on 0.7.2.post1
+#   fi074a   carry .gpu/fi074p1: the first half of the 101 MB 0.7.4 wheel (split -b 52000000), kept in /tmp
+#   fi074b   carry .gpu/fi074p2: the second half; joined, checked, installed
+#   fi074c   carry .gpu/fi07deps: its dependencies (the same set as 0.7.2.post1's); warm-up check
+#   fi074d   (nothing carried) the final pass on 0.7.4
 #   v053     carry .gpu/flashinfer .gpu/flashinfer-aot.tgz: the final pass on 0.5.3 (a fresh machine)
 #   v072     carry .gpu/fi07deps .gpu/flashinfer-aot-0.7.2.post1.tgz, after fi072a: the final pass on 0.7.2.post1
 # Each FlashInfer version gets its own site folder (/tmp/fi-<version>), alone on PYTHONPATH, and its own
@@ -63,6 +67,22 @@ fi072c)
   tests 330 0.7.2.post1
   T 150 bench_0.7.2.post1 python3 bench/flashinfer_bench.py --out "$R/0.7.2.post1"
   aot_out 0.7.2.post1 ;;
+fi074a)
+  cp .gpu/fi074p1/fi074.part-aa /tmp/ && ls -la /tmp/fi074.part-aa ;;
+fi074b)
+  cat /tmp/fi074.part-aa .gpu/fi074p2/fi074.part-ab > /tmp/flashinfer_python-0.7.4-py3-none-any.whl
+  echo "a051a62e09a2738e8b0de47a1944fd2f0f3eff01b728b662141ea660cb09dd32  /tmp/flashinfer_python-0.7.4-py3-none-any.whl" | sha256sum -c || exit 1
+  mkdir -p /tmp/w074 && mv /tmp/flashinfer_python-0.7.4-py3-none-any.whl /tmp/w074/ && site 0.7.4 /tmp/w074 ;;
+fi074c)
+  site 0.7.4 .gpu/fi07deps || exit 1; use 0.7.4; envinfo 0.7.4
+  T 500 warmup_check_0.7.4 python3 bench/warmup_check.py --out "$R/0.7.4" --window 128
+  aot_out 0.7.4 ;;
+fi074d)
+  use 0.7.4; envinfo 0.7.4; echo "commit ${COMMIT:-unknown}" > "$R/commit-0.7.4.txt"
+  T 60 backends_0.7.4 python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  tests 330 0.7.4
+  T 150 bench_0.7.4 python3 bench/flashinfer_bench.py --out "$R/0.7.4"
+  aot_out 0.7.4 ;;
 v053)
   site 0.5.3 .gpu/flashinfer || exit 1; aot_in .gpu/flashinfer-aot.tgz 0.5.3; use 0.5.3; final 0.5.3 ;;
 v072)
