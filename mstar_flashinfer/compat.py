@@ -1,6 +1,6 @@
 """What differs between the FlashInfer releases this plugin supports, in one place.
 
-Verified on the H200 (see ``results/versions.md``): 0.5.3 and 0.7.2.post1. Each difference is
+Verified on the H200 (see ``results/versions.md``): 0.5.3, 0.7.2.post1 and 0.7.4. Each difference is
 detected from the library itself (a constructor parameter, an attribute), not from the version
 string, so a build between or after those releases takes whichever path it actually offers; the
 version is only logged.
@@ -32,7 +32,7 @@ log = logging.getLogger("mstar.flashinfer")
 
 # The releases run end to end on the H200 (GPU conformance, graphs, the wrapper benchmark);
 # plugins/flashinfer/pyproject.toml declares the range between them.
-VERIFIED = ("0.5.3", "0.7.2.post1")
+VERIFIED = ("0.5.3", "0.7.2.post1", "0.7.4")
 
 
 def library_version(fi: Any) -> str:

@@ -29,7 +29,7 @@ FLASHINFER = BackendSpec(
     # FlashInfer JIT-compiles each kernel family on first use: `mstar warmup` does it ahead.
     warmup="mstar_flashinfer.warmup:warmup",
     description="FlashInfer paged prefill/decode/mixed and ragged prefill (JIT-compiled on first use)",
-    install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.2.post1'",
+    install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.4'",
 )
 
 

@@ -1,4 +1,4 @@
-"""On the GPU: the conformance suite against the real FlashInfer (0.5.3 and 0.7.2.post1 verified) in bf16 (eager, and
+"""On the GPU: the conformance suite against the real FlashInfer (0.5.3, 0.7.2.post1 and 0.7.4 verified) in bf16 (eager, and
 replayed from captured CUDA graphs with fresh plans between replays), the same suite against the
 stand-in on the GPU, and the stand-in's signatures checked against the real library's.
 

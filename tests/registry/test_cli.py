@@ -36,7 +36,7 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
     data = json.loads(capsys.readouterr().out)
     fi = next(b for b in data["backends"] if b["name"] == "flashinfer")
     assert (fi["distribution"], fi["version"], fi["available"]) == ("mstar-flashinfer", "0.1.0", False)
-    assert fi["reasons"] == ["runs on cuda, not on cpu", "flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.2.post1)"]
+    assert fi["reasons"] == ["runs on cuda, not on cpu", "flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.4)"]
     assert fi["head_dims"] == "64, 128, 256" and fi["dtypes"] == ["float16", "bfloat16"]
     assert {cap: a["pick"] for cap, a in data["auto"].items()} == dict.fromkeys(
         ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"), "reference")

@@ -113,7 +113,7 @@ def test_auto_sm90_with_no_library_installed_is_the_reference(reg, fake_gpu):
     assert sel.rejected["fa3"] == [
         "flash_attn_interface is not installed (install a FlashAttention-3 build providing flash_attn_interface "
         "(e.g. pip install tokenspeed-fa3))"]
-    assert sel.rejected["flashinfer"] == ["flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.2.post1)"]
+    assert sel.rejected["flashinfer"] == ["flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.4)"]
 
 
 def test_auto_gfx942_aiter_for_dense_reference_for_paged(reg, fake_gpu, fake_installed):

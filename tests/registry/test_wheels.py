@@ -12,7 +12,7 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[2]
 PACKAGES = ("mstar_flashinfer", "mstar_fa3", "mstar_rocm")
-KERNEL_DEPENDENCY = {"flashinfer": "flashinfer-python<=0.7.2.post1,>=0.5.3", "fa3": None, "rocm": "amd-aiter"}
+KERNEL_DEPENDENCY = {"flashinfer": "flashinfer-python<=0.7.4,>=0.5.3", "fa3": None, "rocm": "amd-aiter"}
 
 
 @pytest.fixture(scope="module")
