@@ -2,7 +2,8 @@
 waits for a first-use compile (FlashInfer JIT-compiles each kernel family for 20-100 s).
 
 A backend that compiles on first use declares ``BackendSpec.warmup``: a ``"module:attr"`` function
-``(config, device, capabilities) -> list[WarmedKernel]`` that drives its own wrappers through a tiny
+``(config, device, capabilities) -> list[WarmedKernel | str]`` (a string is a note for the report,
+e.g. that a prebuilt-kernel package would have saved the compiles) that drives its own wrappers through a tiny
 plan and run of every variant the configuration needs, so exactly the modules a real step would
 build are built. A backend without one has nothing to prepare (its kernels are prebuilt, or it is
 plain PyTorch).
@@ -144,7 +145,8 @@ def warmup(
             notes.append(f"{sel.name} ({', '.join(caps)}): nothing to prepare; it compiles nothing on first use")
             continue
         fn = load_ref(spec.warmup) if isinstance(spec.warmup, str) else spec.warmup
-        kernels.extend(fn(config, dev, caps))
+        for item in fn(config, dev, caps):
+            (notes if isinstance(item, str) else kernels).append(item)
     if named is not None and not kernels and not notes:
         raise ValueError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
                          f"{', '.join(named.provides)})")

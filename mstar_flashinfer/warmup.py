@@ -7,6 +7,7 @@ fa3 on Hopper: two modules). Decode follows the head counts (tensor cores or not
 
 from __future__ import annotations
 
+import importlib.util
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -102,10 +103,16 @@ class _Run:
               self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim))
 
 
-def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[str]) -> list[WarmedKernel]:
-    """Every variant ``config`` uses, for each of ``capabilities``, in the order an engine meets them."""
+JIT_CACHE_HINT = ("FlashInfer compiled {n} module(s) here; its prebuilt-kernel package flashinfer-jit-cache (not "
+                  "installed) would have loaded them instead: see the README, 'First-use compiles'")
+
+
+def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[str]) -> list[WarmedKernel | str]:
+    """Every variant ``config`` uses, for each of ``capabilities``, in the order an engine meets them;
+    a note if anything was compiled while FlashInfer's prebuilt-kernel package is not installed."""
     r = _Run(config, device)
-    done: list[WarmedKernel] = []
+    before = built_modules(r.dir)
+    done: list[WarmedKernel | str] = []
     for window in config.windows:
         win = "full" if window < 0 else f"window {window}"
         for cap in capabilities:
@@ -120,4 +127,7 @@ def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[st
                     done.append(r.timed(cap, variant, lambda: r.mixed(window, queries)))
                 elif cap == "prefixed_ragged" and config.soft_cap is None:  # the dense path takes no soft-cap
                     done.append(r.timed(cap, variant, lambda: r.prefixed_ragged(window, queries)))
+    compiled = len(built_modules(r.dir) - before)
+    if compiled and importlib.util.find_spec("flashinfer_jit_cache") is None:
+        done.append(JIT_CACHE_HINT.format(n=compiled))
     return done

@@ -94,7 +94,7 @@ class BackendSpec:
     capturable: tuple[str, ...] = ()
     probe: ProbeRef = None
     # Backends that compile kernels on first use: "module:attr" (or the callable) of
-    # ``warmup(config, device, capabilities) -> list[WarmedKernel]`` (mstar_core.warmup), which
+    # ``warmup(config, device, capabilities) -> list[WarmedKernel | str]`` (mstar_core.warmup), which
     # prepares every kernel a configuration uses. None: nothing to prepare.
     warmup: WarmupRef = None
     # Order among backends that no built-in auto list names (higher first); see selection.
