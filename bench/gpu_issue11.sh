@@ -9,6 +9,8 @@
 #   fi074b   carry .gpu/fi074p2: the second half; joined, checked, installed
 #   fi074c   carry .gpu/fi07deps: its dependencies (the same set as 0.7.2.post1's); warm-up check
 #   fi074d   (nothing carried) the final pass on 0.7.4
+#   r053     carry .gpu/flashinfer .gpu/flashinfer-aot.tgz: after the review fixes, tests + warm-up check on 0.5.3
+#   r074     carry .gpu/fi07deps .gpu/flashinfer-aot-0.7.4.tgz, after fi074a/b: the same on 0.7.4
 #   v053     carry .gpu/flashinfer .gpu/flashinfer-aot.tgz: the final pass on 0.5.3 (a fresh machine)
 #   v072     carry .gpu/fi07deps .gpu/flashinfer-aot-0.7.2.post1.tgz, after fi072a: the final pass on 0.7.2.post1
 # Each FlashInfer version gets its own site folder (/tmp/fi-<version>), alone on PYTHONPATH, and its own
@@ -82,6 +84,15 @@ fi074d)
   T 60 backends_0.7.4 python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
   tests 330 0.7.4
   T 150 bench_0.7.4 python3 bench/flashinfer_bench.py --out "$R/0.7.4"
+  aot_out 0.7.4 ;;
+r053)
+  site 0.5.3 .gpu/flashinfer || exit 1; aot_in .gpu/flashinfer-aot.tgz 0.5.3; use 0.5.3; envinfo 0.5.3
+  echo "commit ${COMMIT:-unknown}" > "$R/commit-0.5.3.txt"; tests 200 0.5.3
+  T 100 warmup_check_0.5.3 python3 bench/warmup_check.py --out "$R/0.5.3" --window 128 ;;
+r074)
+  site 0.7.4 .gpu/fi07deps || exit 1; aot_in .gpu/flashinfer-aot-0.7.4.tgz 0.7.4; use 0.7.4; envinfo 0.7.4
+  echo "commit ${COMMIT:-unknown}" > "$R/commit-0.7.4.txt"; tests 300 0.7.4
+  T 150 warmup_check_0.7.4 python3 bench/warmup_check.py --out "$R/0.7.4" --window 128
   aot_out 0.7.4 ;;
 v053)
   site 0.5.3 .gpu/flashinfer || exit 1; aot_in .gpu/flashinfer-aot.tgz 0.5.3; use 0.5.3; final 0.5.3 ;;

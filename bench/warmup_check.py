@@ -2,10 +2,10 @@
 
 1. ``mstar warmup --backend flashinfer ... --json`` for one configuration (timed: what it compiled
    or loaded, per variant);
-2. a fresh process: the first plan + run of every FlashInfer wrapper for that configuration, the
-   way an engine meets them (prefill with short and long prompts, decode, mixed, ragged), each
-   timed, and the modules FlashInfer built meanwhile (its JIT folder before and after) -- expected:
-   none;
+2. a fresh process: the first plan + run of every FlashInfer wrapper for that configuration, built
+   from the conformance suite's data with shapes of their own (prefill with short and long prompts,
+   eager and graph-mode decode, a mixed step, ragged), each timed, and the modules FlashInfer built
+   meanwhile (its JIT folder before and after) -- expected: none;
 3. the same once more, to show the load time alone.
 
     python3 bench/warmup_check.py --out $OUT [--window 128]
@@ -26,30 +26,70 @@ CONFIG = ["--dtype", "bfloat16", "--head-dim", "128", "--page-size", "16", "--qo
 
 
 def first_use(windows: list[int]) -> dict:
-    """In this (fresh) process: the first plan + run of each wrapper, timed."""
+    """In this (fresh) process: the first plan + run of each wrapper, the way an engine's steps
+    meet them -- built here from the conformance suite's data, with shapes of their own (eager
+    prefill with long and short prompts, eager decode, a graph-mode decode bucket, a mixed step,
+    a ragged prefill), not the warm-up's own helper -- each timed, and the modules built."""
     import torch
 
-    from mstar_core.warmup import WarmupConfig
+    from mstar_core.testing import conformance as C
     from mstar_flashinfer import jit_notice
-    from mstar_flashinfer.warmup import _Run
+    from mstar_flashinfer.decode import FlashInferDecodeWrapper
+    from mstar_flashinfer.mixed import FlashInferMixedWrapper
+    from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+    from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
-    cfg = WarmupConfig(torch.bfloat16, 128, 16, 32, 8, tuple(windows))
-    d = jit_notice.jit_dir()
-    r = _Run(cfg, torch.device("cuda"))
+    bf16, dev, ps, hkv, gqa, d = torch.bfloat16, torch.device("cuda"), 16, 8, 4, 128
+    ws = lambda: torch.empty(128 << 20, dtype=torch.uint8, device=dev)  # noqa: E731
+    jit = jit_notice.jit_dir()
+
+    def data(q_lens, prefix, w, seed):
+        return C.make_paged(C.PagedCase(ps, d, gqa, q_lens, prefix, window_left=w, num_kv_heads=hkv, seed=seed),
+                            "cuda", bf16)
+
+    def prefill(q_lens, prefix, w):
+        x = data(q_lens, prefix, w, 1)
+        p = FlashInferPrefillWrapper(ws(), hkv * gqa, hkv, d, ps, device=dev)
+        p.plan(x.qo_indptr, x.kv_indptr, x.kv_indices, x.last_page_len, dtype=bf16, window_left=w)
+        p.run(x.q, x.layer)
+
+    def decode(rows, w, graph):
+        x = data((1,) * rows, tuple(range(3, 3 + 37 * rows, 37)), w, 2)
+        extra = dict(batch_size=16, max_num_pages=x.layer.shape[0] + 16, accelerator_graph=True) if graph else {}
+        dw = FlashInferDecodeWrapper(ws(), hkv * gqa, hkv, d, ps, device=dev, **extra)
+        dw.plan(x.kv_indptr, x.kv_indices, x.last_page_len, dtype=bf16, window_left=w)
+        q = x.q if not graph else torch.cat([x.q, x.q.new_zeros(16 - rows, *x.q.shape[1:])])
+        dw.run(q, x.layer)
+
+    def mixed(w):
+        x = data((1, 90, 1, 30), (40, 0, 17, 5), w, 3)
+        m = FlashInferMixedWrapper(ws(), ws(), hkv * gqa, hkv, d, ps, 8, 256, x.layer.shape[0], 2, dev)
+        m.plan(x.qo_indptr, x.kv_indptr, x.kv_indices, x.last_page_len, dtype=bf16, window_left=w)
+        m.run(x.q, x.layer)
+
+    def ragged(w):
+        cu_q = torch.tensor([0, 80, 100], dtype=torch.int32)
+        cu_k = torch.tensor([0, 120, 150], dtype=torch.int32)
+        r = FlashInferPrefixedPrefillWrapper(hkv * gqa, hkv, d, dev, workspace_buffer=ws())
+        r.plan(cu_q, cu_k, 80, 120, causal=True, dtype=bf16, window_left=w)
+        r.run(torch.randn(100, hkv * gqa, d, device=dev, dtype=bf16), torch.randn(150, hkv, d, device=dev, dtype=bf16),
+              torch.randn(150, hkv, d, device=dev, dtype=bf16))
+
     steps = []
-    for w in cfg.windows:
-        for name, fn in (("paged prefill, short prompts", lambda: r.paged_prefill(w, "short")),
-                         ("paged prefill, long prompts", lambda: r.paged_prefill(w, "long")),
-                         ("paged decode", lambda: r.paged_decode(w)),
-                         ("mixed", lambda: r.mixed(w, "long")),
-                         ("ragged prefill", lambda: r.prefixed_ragged(w, "long"))):
-            before = jit_notice.built_modules(d)
+    for w in windows:
+        for name, fn in (("paged prefill, prompts of 100 and 7", lambda: prefill((100, 7), (0, 30), w)),
+                         ("paged prefill, prompts of 5 and 3", lambda: prefill((5, 3), (12, 0), w)),
+                         ("paged decode, 8 rows", lambda: decode(8, w, False)),
+                         ("paged decode, graph-mode bucket of 16", lambda: decode(5, w, True)),
+                         ("mixed step (prompts of 90 and 30)", lambda: mixed(w)),
+                         ("ragged prefill", lambda: ragged(w))):
+            before = jit_notice.built_modules(jit)
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             steps.append({"step": name, "window_left": w, "seconds": time.perf_counter() - t0,
-                          "built": sorted(jit_notice.built_modules(d) - before)})
-    return {"jit_dir": str(d), "steps": steps, "total_seconds": sum(s["seconds"] for s in steps),
+                          "built": sorted(jit_notice.built_modules(jit) - before)})
+    return {"jit_dir": str(jit), "steps": steps, "total_seconds": sum(s["seconds"] for s in steps),
             "modules_built": sum(len(s["built"]) for s in steps)}
 
 

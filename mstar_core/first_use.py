@@ -1,5 +1,5 @@
 """Slow first uses, said out loud: a kernel library that compiles a kernel family the first time it
-is used (FlashInfer's JIT: 20-100 s on an H200) otherwise looks like a hang.
+is used (FlashInfer's JIT: 20-120 s on an H200) otherwise looks like a hang.
 
 A backend wraps the call that may compile in :func:`first_use`, keyed by what selects the kernel
 (kind, dtype, head dim, variant). The first time a key is seen in the process one INFO line says
@@ -15,17 +15,18 @@ import logging
 import threading
 import time
 from collections.abc import Callable, Hashable, Iterator
-from typing import Protocol
+from typing import Any, Protocol
 
 log = logging.getLogger("mstar.first_use")
 
 
 class Listener(Protocol):
-    """Told when a first use starts and when it ends (``seconds`` set; ``detail`` as logged)."""
+    """Told when a first use starts (returning a handle of its own choosing) and when it ends:
+    ``ok`` False for a call that raised; ``detail`` as logged. First uses may overlap (threads)."""
 
-    def start(self, what: str) -> None: ...
+    def start(self, what: str) -> Any: ...
 
-    def end(self, what: str, seconds: float, detail: str | None) -> None: ...
+    def end(self, handle: Any, what: str, seconds: float, ok: bool, detail: str | None) -> None: ...
 
 
 _seen: set[Hashable] = set()
@@ -49,9 +50,13 @@ def seen(key: Hashable) -> bool:
 
 
 def forget() -> None:
-    """Forget every key (tests; a process that cleared the library's cache)."""
+    """Forget every key, and what backends recorded beside them (tests; a process that cleared the
+    library's cache)."""
     with _lock:
         _seen.clear()
+        hooks = list(_hooks)
+    for hook in hooks:
+        hook()
 
 
 @contextlib.contextmanager
@@ -72,19 +77,32 @@ def first_use(
     lg.info("%s: first use in this process; %s", what, why)
     with _lock:
         listeners = list(_listeners)
-    for li in listeners:
-        li.start(what)
+    handles = [(li, li.start(what)) for li in listeners]
     t0 = time.perf_counter()
     ok = False
     info: str | None = None
     try:
         yield
         ok = True
+        _seen.add(key)
+        if detail is not None:
+            try:
+                info = detail()
+            except Exception as e:  # what was built is a nicety: never fail the call for it
+                lg.debug("%s: could not tell what was built (%s: %s)", what, type(e).__name__, e)
     finally:
         seconds = time.perf_counter() - t0
         if ok:
-            _seen.add(key)
-            info = detail() if detail is not None else None
             lg.info("%s: ready in %.1f s%s", what, seconds, f" ({info})" if info else "")
-        for li in listeners:
-            li.end(what, seconds, info if ok else "failed")
+        for li, handle in handles:
+            li.end(handle, what, seconds, ok, info)
+
+
+_hooks: list[Callable[[], None]] = []
+
+
+def on_forget(hook: Callable[[], None]) -> None:
+    """Run ``hook`` whenever :func:`forget` runs (a backend's own record of selections seen)."""
+    with _lock:
+        if hook not in _hooks:
+            _hooks.append(hook)

@@ -1,5 +1,5 @@
 """Compile (or load) ahead of serving every kernel a configuration will use, so that no request
-waits for a first-use compile (FlashInfer JIT-compiles each kernel family for 20-100 s).
+waits for a first-use compile (FlashInfer JIT-compiles each kernel family for 20-120 s).
 
 A backend that compiles on first use declares ``BackendSpec.warmup``: a ``"module:attr"`` function
 ``(config, device, capabilities) -> list[WarmedKernel | str]`` (a string is a note for the report,
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .registry.device import as_device
-from .registry.spec import CAPABILITIES, dtype_name, load_ref
+from .registry.spec import dtype_name, load_ref
 from .step import is_int
 
 # What an engine's attention uses, in the groups a build selects a backend for: the paged manager
@@ -35,7 +35,9 @@ WARMABLE = tuple(c for g in GROUPS for c in g)
 class WarmupConfig:
     """What selects a kernel: dtype, head dim, page size, heads (GQA group size picks decode's
     tensor-core path), the attention windows the layers use (``window_left``; -1: full attention)
-    and the logit soft-cap (None: none)."""
+    and the logit soft-cap of the paged path (None: none; the wrappers take ``logits_soft_cap``,
+    the dense path has none). Backends are warmed with their default options (FlashInfer: backend
+    "auto", as the managers use unless told otherwise)."""
 
     dtype: torch.dtype = torch.bfloat16
     head_dim: int = 128
@@ -118,9 +120,10 @@ def warmup(
 
     dev = as_device(device)
     wanted = tuple(capabilities) if capabilities is not None else WARMABLE
-    bad = [c for c in wanted if c not in CAPABILITIES]
+    bad = [c for c in wanted if c not in WARMABLE]
     if bad or not wanted:
-        raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(wanted)}")
+        raise ValueError(f"capabilities to warm must be a non-empty subset of {list(WARMABLE)} (bounded compiles "
+                         f"nothing on first use: PyTorch, or Triton's own cache), got {list(wanted)}")
     name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
     auto = name == "auto"
     named = None if auto else get_registry().get(name)

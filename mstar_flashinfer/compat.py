@@ -15,11 +15,14 @@ Three differences touch the wrappers:
   differs from the plan's ``qo_indptr[-1]`` (kept in the private ``_qo_indptr_last``). A captured
   graph runs on static shapes, so its ``q`` has the bucket's row count while each plan holds the
   step's tokens; the kernel reads the row ranges from the device-side ``qo_indptr`` and never
-  touches the rows past them (0.5.3 had no such check). For such a static run only, the check is
-  told the static row count. Eager runs hand FlashInfer exactly the planned rows, on every version.
+  touches the rows past them (0.5.3 had no such check). A graph-mode or mixed wrapper tells the
+  check the row count of each run (``tell_q_rows``); an eager wrapper's runs hold exactly the
+  planned rows and need nothing.
 * **The backend per plan.** 0.7.4's paged prefill with ``backend="auto"`` picks fa2 or fa3 at each
-  plan from the longest query; earlier releases pick once. It only changes which kernels a first
-  use may compile (``picks_backend_per_plan``), and so what ``mstar warmup`` runs.
+  plan from the longest query; earlier releases pick once. Eager wrappers keep 0.7.4's choice (it
+  changes which kernels a first use may compile: ``picks_backend_per_plan``, and so what
+  ``mstar warmup`` runs); a graph-mode wrapper would keep its first plan's choice for good, so
+  "auto" is resolved at construction instead (``graph_backend``).
 """
 
 from __future__ import annotations
@@ -70,14 +73,40 @@ def picks_backend_per_plan(inner: Any, backend: str) -> bool:
     return backend == "auto" and hasattr(inner, "_determine_auto_backend")
 
 
+def graph_backend(fi: Any, backend: str, device: Any) -> str:
+    """The backend to build a graph-mode paged prefill with. Where ``"auto"`` chooses per plan
+    (0.7.4), a graph-mode wrapper keeps whatever its *first* plan chose -- fa2 if that plan's
+    prompts were all 64 tokens or shorter -- for every later plan, long prompts included (FlashInfer
+    cannot switch under a captured graph). So "auto" is resolved here, up front, the way earlier
+    releases resolve it for every plan: FlashInfer's own ``determine_attention_backend`` for
+    fp16/bf16 without custom mask or RoPE (fa3 on Hopper). Elsewhere ``backend`` is returned as is."""
+    if backend != "auto" or not hasattr(fi.BatchPrefillWithPagedKVCacheWrapper, "_determine_auto_backend"):
+        return backend
+    try:
+        from flashinfer.utils import determine_attention_backend  # type: ignore[import-not-found]
+
+        import torch
+
+        chosen = str(determine_attention_backend(device, 0, False, False, torch.bfloat16, torch.bfloat16))
+    except Exception as e:  # an API change: keep "auto" (correct, maybe slower for long prompts) and say so
+        log.warning("FlashInfer %s: could not resolve backend 'auto' for a graph-mode prefill (%s: %s); its first "
+                    "plan will fix fa2 or fa3", library_version(fi), type(e).__name__, e)
+        return backend
+    log.info("FlashInfer %s: graph-mode paged prefill built with backend %r (auto, resolved up front: a graph-mode "
+             "wrapper keeps its first plan's choice)", library_version(fi), chosen)
+    return chosen
+
+
 def checks_q_rows(inner: Any) -> bool:
     """Does this FlashInfer wrapper refuse a q whose rows differ from its plan (0.7 on)?"""
     return hasattr(inner, "_qo_indptr_last")
 
 
-def allow_static_rows(inner: Any, rows: int) -> None:
-    """Before a static-shape (graph) run with ``rows`` rows of q over a plan holding fewer: let
-    FlashInfer's row check (0.7 on) pass. The next ``plan`` resets it to the plan's own count."""
+def tell_q_rows(inner: Any, rows: int) -> None:
+    """Before a run that hands this wrapper ``rows`` rows of q: where FlashInfer checks them against
+    the plan (0.7 on), make its record say ``rows``. Called before every run of a graph-mode or mixed
+    wrapper -- not only static ones, since a static run's value would otherwise stay for a later run
+    of the planned size -- and only after mstar's own check accepted ``rows`` (the plan's tokens, or
+    the static size whose rows past the plan the kernel never reads)."""
     if checks_q_rows(inner):
         inner._qo_indptr_last = int(rows)
-

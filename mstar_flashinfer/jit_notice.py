@@ -21,7 +21,7 @@ from mstar_core.registry.spec import dtype_name
 log = logging.getLogger("mstar.flashinfer")
 
 WHY = ("FlashInfer compiles each kernel family (dtype, head dim, variant) with nvcc on its first use on a machine, "
-       "20-100 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt (flashinfer-jit-cache); "
+       "20-120 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt (flashinfer-jit-cache); "
        "`mstar warmup` does this ahead of serving")
 
 # FlashInfer 0.7.4 picks fa2 for a paged prefill plan whose longest query is at most this long and
@@ -48,7 +48,7 @@ def built_modules(d: Path | None) -> set[str]:
 
 def _describe(new: set[str]) -> str:
     if not new:
-        return "nothing compiled: loaded from a cache or a prebuilt package"
+        return "nothing compiled: already built (FlashInfer's cache, a prebuilt package, or this process)"
     return f"compiled {len(new)} module{'s' if len(new) > 1 else ''}: {', '.join(sorted(new))}"
 
 
@@ -90,9 +90,11 @@ def plan_first_use(
 
 
 def forget() -> None:
-    """Forget every selection seen (with mstar_core.first_use.forget: tests, a cleared cache)."""
-    _ready.clear()
+    """Forget every selection seen (as mstar_core.first_use.forget does, which calls this)."""
     first_use.forget()
+
+
+first_use.on_forget(_ready.clear)
 
 
 def long_queries(qo: np.ndarray) -> bool:

@@ -171,11 +171,12 @@ class FlashInferMixedWrapper:
             # takes the other branch even when the plan fills it: a graph captured then must
             # replay with every later plan.)
             if p:
+                compat.tell_q_rows(self._pre._inner, p)  # a static run before may have said n
                 self._pre._inner.run(q.index_select(0, self._perm[:p]), kv_cache_layer, out=buf[b:b + p])
         else:
             # Static (a captured bucket): every shape is fixed at capture, so the prefill half sees
-            # all n rows; the kernel reads only the planned ones (compat.allow_static_rows).
-            compat.allow_static_rows(self._pre._inner, n)
+            # all n rows; the kernel reads only the planned ones (compat.tell_q_rows).
+            compat.tell_q_rows(self._pre._inner, n)
             self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:])
         return buf.index_select(0, self._gather[:n])
 

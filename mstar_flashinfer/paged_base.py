@@ -230,8 +230,8 @@ class PagedWrapperBase:
         return self._state.tokens
 
     def _out(self, q: torch.Tensor) -> torch.Tensor:
-        """The output of a run, uninitialised: FlashInfer 0.7 zero-fills one it allocates itself
-        (an extra kernel per run), 0.5 does not; every row is written by the kernel or unread."""
+        """The output of a run, uninitialised: FlashInfer 0.7's paged prefill zero-fills one it
+        allocates itself (an extra kernel per run); every row is written by the kernel or unread."""
         return torch.empty(q.shape[0], self.num_qo_heads, self.head_dim, dtype=q.dtype, device=q.device)
 
     def _check_run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> None:

@@ -58,11 +58,11 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 fi.BatchPrefillWithPagedKVCacheWrapper, self._static_q, workspace_buffer, "NHD", use_cuda_graph=True,
                 qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
                 paged_kv_indices_buf=self._bufs["kv_indices"], paged_kv_last_page_len_buf=self._bufs["last_page_len"],
-                backend=backend,
+                backend=compat.graph_backend(fi, backend, self.device),
             )
         else:
             self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
-        self._per_plan_backend = compat.picks_backend_per_plan(self._inner, backend)
+        self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
 
     def plan(
         self,
@@ -123,7 +123,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         """
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
-            if q.shape[0] != self.planned_tokens:  # a static (graph) run: rows past the plan's are not read
-                compat.allow_static_rows(self._inner, q.shape[0])
-            # out= given: FlashInfer 0.7 zero-fills an output it allocates itself (one more kernel)
+            if self._bufs is not None:  # graph mode: the planned rows or the static size (checked above)
+                compat.tell_q_rows(self._inner, q.shape[0])
+            # out= given: FlashInfer 0.7's paged prefill zero-fills an output it allocates (one more kernel)
             return self._inner.run(q, kv_cache_layer, out=self._out(q))

@@ -3,7 +3,7 @@ verified with this plugin. The device and architecture come from the backend's d
 (checked by the registry). A release newer than the newest verified one is not refused -- the
 version guards (compat.py) detect the differences they know -- but the log says it is unverified.
 
-No tiny call: FlashInfer JIT-compiles each kernel on first use (17-100 s per module on an H200),
+No tiny call: FlashInfer JIT-compiles each kernel on first use (20-120 s per module on an H200),
 far too slow for a probe that every ``mstar backends`` and every ``auto`` runs. A broken
 install shows when the wrapper is built instead.
 """

@@ -28,7 +28,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     level = logging.WARNING if args.verbose == 0 else logging.INFO if args.verbose == 1 else logging.DEBUG
     logging.basicConfig(level=level, format="%(levelname)s %(name)s: %(message)s")
-    # A kernel library compiling on first use (FlashInfer: 20-100 s) shows as a counting line on
+    # A kernel library compiling on first use (FlashInfer: 20-120 s) shows as a counting line on
     # stderr, not as a hang.
     progress = Progress()
     first_use.add_listener(progress)

@@ -6,8 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from ..registry.spec import CAPABILITIES
-from ..warmup import WarmupConfig, warmup
+from ..warmup import WARMABLE, WarmupConfig, warmup
 
 DTYPES = ("bfloat16", "float16", "float32")
 
@@ -18,7 +17,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         "warmup",
         help="compile (or load) every kernel a configuration uses, so no request waits for it",
         description="Prepare every kernel that the given configuration will use on the device: a backend that "
-        "compiles on first use (FlashInfer: 20-100 s per kernel family on an H200, cached in ~/.cache/flashinfer "
+        "compiles on first use (FlashInfer: 20-120 s per kernel family on an H200, cached in ~/.cache/flashinfer "
         "afterwards) does it now, through a tiny plan and run of each variant. Run it at build time, on the "
         "machine (or image) that serves. Prints what was compiled or loaded and how long each took.",
     )
@@ -34,9 +33,11 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--window", type=int, action="append", metavar="WINDOW_LEFT",
                    help="a window_left the layers use, -1 for full attention; repeat for several "
                    "(default: -1 only). Full and sliding-window attention are different kernels")
-    p.add_argument("--soft-cap", type=float, default=None, help="logit soft-cap, if the model uses one")
-    p.add_argument("--capability", action="append", choices=CAPABILITIES, metavar="CAP",
-                   help=f"warm only these (repeatable; default all of {', '.join(c for c in CAPABILITIES if c != 'bounded')})")
+    p.add_argument("--soft-cap", type=float, default=None,
+                   help="logit soft-cap of the paged path, if the model's layers use one (the paged wrappers' "
+                   "logits_soft_cap); the dense path is warmed without")
+    p.add_argument("--capability", action="append", choices=WARMABLE, metavar="CAP",
+                   help=f"warm only these (repeatable; default all of {', '.join(WARMABLE)})")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 

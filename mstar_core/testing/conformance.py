@@ -102,6 +102,8 @@ def prefill_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> li
         q, p = _lens_for(ps, decode=False)
         cases.append(PagedCase(ps, 64, g, q, p, causal=True, window_left=5, seed=100 + i))
     cases.append(PagedCase(16, 64, 4, (3, 20), (40, 0), causal=True, sm_scale=0.07, seed=200))
+    # a prompt over 64 tokens: FlashInfer 0.7.4 runs a plan holding one on fa3, shorter ones on fa2
+    cases.append(PagedCase(16, 128, 4, (100, 3), (20, 0), causal=True, seed=210))
     return cases
 
 
@@ -122,6 +124,7 @@ def mixed_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list
         # decode rows and prompt rows interleaved, as a continuous-batching step sees them
         cases.append(PagedCase(ps, d, g, (1, 9, 1, ps + 1, 1), (12, 0, ps, 2, 1), seed=500 + i))
     cases.append(PagedCase(16, 64, 4, (1, 9, 1, 17), (12, 0, 16, 2), window_left=4, seed=600))
+    cases.append(PagedCase(16, 128, 4, (1, 90, 1), (30, 5, 7), seed=610))  # a prompt over 64 tokens (see prefill)
     return cases
 
 

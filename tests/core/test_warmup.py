@@ -70,8 +70,10 @@ def test_a_declared_warmup_gets_the_config_and_the_capabilities_the_backend_prov
     assert [k.capability for k in rep.kernels] == ["paged_decode"] and rep.seconds == 0.5
     with pytest.raises(ValueError, match="provides none of prefixed_ragged"):
         warmup(cfg, "jitty", "cpu", capabilities=("prefixed_ragged",))
-    with pytest.raises(ValueError, match="capabilities must be a non-empty subset"):
+    with pytest.raises(ValueError, match="capabilities to warm must be a non-empty subset"):
         warmup(cfg, "jitty", "cpu", capabilities=("paged_decod",))
+    with pytest.raises(ValueError, match="bounded compiles nothing on first use"):
+        warmup(cfg, "jitty", "cpu", capabilities=("bounded",))
 
 
 def test_cli_warmup_text_and_json(capsys):
@@ -95,9 +97,10 @@ def test_first_use_logs_once_tells_listeners_and_retries_after_a_failure(caplog)
     class L:
         def start(self, what):
             events.append(("start", what))
+            return len(events)
 
-        def end(self, what, seconds, detail):
-            events.append(("end", what, detail))
+        def end(self, handle, what, seconds, ok, detail):
+            events.append(("end", handle, what, ok, detail))
 
     li = L()
     first_use.add_listener(li)
@@ -111,24 +114,63 @@ def test_first_use_logs_once_tells_listeners_and_retries_after_a_failure(caplog)
                     pass
     finally:
         first_use.remove_listener(li)
-    assert events == [("start", "kernel K"), ("end", "kernel K", "failed"),
-                      ("start", "kernel K"), ("end", "kernel K", "compiled 1 module: k")]
+    assert events == [("start", "kernel K"), ("end", 1, "kernel K", False, None),
+                      ("start", "kernel K"), ("end", 3, "kernel K", True, "compiled 1 module: k")]
     msgs = [r.getMessage() for r in caplog.records]
     assert msgs.count("kernel K: first use in this process; it compiles") == 2
     assert sum("ready in" in m and "compiled 1 module: k" in m for m in msgs) == 1
 
 
+def test_a_detail_that_fails_does_not_fail_the_call_nor_strand_the_progress_line():
+    out = io.StringIO()
+    p = Progress(out, delay=0.01, every=0.01)
+    first_use.add_listener(p)
+    try:
+        with first_use.first_use("k2", "kernel K2", "why", detail=lambda: 1 / 0):
+            time.sleep(0.05)
+    finally:
+        first_use.remove_listener(p)
+    assert first_use.seen("k2")
+    assert out.getvalue().splitlines()[-1].startswith("mstar: kernel K2: ready in")
+    settled = out.getvalue()
+    time.sleep(0.05)
+    assert out.getvalue() == settled  # the ticker ended with the call
+
+
+def test_forget_runs_the_backends_hooks():
+    cleared = []
+    first_use.on_forget(lambda: cleared.append(1))
+    first_use.forget()
+    assert cleared == [1]
+    first_use._hooks.pop()
+
+
 def test_progress_is_silent_for_a_quick_first_use_and_counts_a_slow_one():
     quick = io.StringIO()
     p = Progress(quick, delay=0.5, every=0.05)
-    p.start("fast kernel")
-    p.end("fast kernel", 0.01, "nothing compiled")
+    t = p.start("fast kernel")
+    p.end(t, "fast kernel", 0.01, True, "nothing compiled")
     assert quick.getvalue() == ""
     slow = io.StringIO()
     p = Progress(slow, delay=0.02, every=0.02)
-    p.start("slow kernel")
+    t = p.start("slow kernel")
     time.sleep(0.15)
-    p.end("slow kernel", 0.15, "compiled 1 module: m")
+    p.end(t, "slow kernel", 0.15, True, "compiled 1 module: m")
     lines = slow.getvalue().splitlines()
     assert len(lines) >= 3 and lines[0].startswith("mstar: preparing slow kernel (first use; it may be compiling)")
     assert lines[-1] == "mstar: slow kernel: ready in 0.1 s (compiled 1 module: m)"
+
+
+def test_progress_keeps_overlapping_first_uses_apart_and_says_failed():
+    out = io.StringIO()
+    p = Progress(out, delay=0.01, every=0.01)
+    a, b = p.start("A"), p.start("B")
+    time.sleep(0.05)
+    p.end(a, "A", 0.05, False, None)
+    p.end(b, "B", 0.05, True, None)
+    assert not a.thread.is_alive() and not b.thread.is_alive()
+    text = out.getvalue()
+    assert "mstar: A: failed after 0.1 s" in text and "mstar: B: ready in 0.1 s" in text
+    settled = out.getvalue()
+    time.sleep(0.05)
+    assert out.getvalue() == settled  # no ticker left writing

@@ -21,6 +21,13 @@ def _flashinfer_modules() -> list[str]:
 STANDIN_VERSIONS = ("0.5.3", "0.7.2.post1", "0.7.4")
 
 
+def _forget():
+    """No first use remembered from the stand-in (a later test, or the real library, announces anew)."""
+    from mstar_core import first_use
+
+    first_use.forget()
+
+
 def _standin(monkeypatch, tmp_path, version):
     for name in _flashinfer_modules():
         monkeypatch.delitem(sys.modules, name)
@@ -42,6 +49,7 @@ def standin_flashinfer(monkeypatch, request, tmp_path):
     duration of the test; whatever was imported before (the real library on the GPU machine) is
     restored afterwards."""
     yield _standin(monkeypatch, tmp_path, request.param)
+    _forget()
     for name in _flashinfer_modules():
         del sys.modules[name]
 
@@ -55,5 +63,6 @@ def standin_flashinfer_like_real(monkeypatch, tmp_path):
     except ImportError:
         version = ""
     yield _standin(monkeypatch, tmp_path, version if version in STANDIN_VERSIONS else STANDIN_VERSIONS[0])
+    _forget()
     for name in _flashinfer_modules():
         del sys.modules[name]

@@ -65,10 +65,11 @@ def test_static_run_over_a_smaller_plan_passes_the_row_check_only_where_there_is
     assert out.shape[0] == 48 and err(out[:n], oracle(c, d)) < 2e-5
     if checks:
         assert w._inner._qo_indptr_last == 48
-        # the next plan puts FlashInfer's own count back, so an eager run with the planned rows passes
-        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32)
-        assert w._inner._qo_indptr_last == n
+    # a run of the planned size right after a static one, on the same plan, passes too
     assert err(w.run(d.q, d.layer), oracle(c, d)) < 2e-5
+    if checks:
+        assert w._inner._qo_indptr_last == n
+    assert err(w.run(q_static, d.layer)[:n], oracle(c, d)) < 2e-5
 
 
 def test_the_0_7_row_check_is_real_in_the_stand_in(standin_flashinfer):
@@ -102,6 +103,10 @@ def test_mixed_eager_hands_the_prefill_half_exactly_its_prompt_tokens(standin_fl
     q_static[: d.q.shape[0]] = d.q
     assert err(w.run(q_static, d.layer)[: d.q.shape[0]], oracle(c, d)) < 2e-5
     assert seen == [48]
+    # and an eager run after it, on the same plan, again hands over exactly the prompt tokens
+    seen.clear()
+    assert err(w.run(d.q, d.layer), oracle(c, d)) < 2e-5
+    assert seen == ([prompt_tokens] if prompt_tokens else [])
 
 
 @pytest.mark.parametrize("kind", ["prefill", "decode"])
@@ -144,3 +149,25 @@ def test_the_declared_range_is_the_verified_one():
     meta = tomllib.loads((Path(__file__).resolve().parents[2] / "plugins/flashinfer/pyproject.toml").read_text())
     assert probe.INSTALL in meta["project"]["dependencies"]
     assert probe.INSTALL == f"flashinfer-python>={compat.VERIFIED[0]},<={compat.VERIFIED[-1]}"
+
+
+def test_graph_prefill_resolves_auto_up_front_where_a_first_plan_would_fix_it(standin_flashinfer):
+    """0.7.4 chooses fa2/fa3 per plan, but a graph-mode wrapper keeps its first plan's choice:
+    a first plan of short prompts would put every later long prompt on fa2. Resolved at build."""
+    w = _graph_prefill(tokens=128)
+    per_plan = standin_flashinfer.__version__ == "0.7.4"
+    assert w._inner._backend == ("fa2" if per_plan else "auto")  # FlashInfer's own rule; a CPU is not sm90
+    assert w._per_plan_backend is False  # one backend for the wrapper's life: one first use
+    eager = FlashInferPrefillWrapper(WS, 4, 2, 16, 4, device=CPU)
+    assert eager._inner._backend == "auto" and eager._per_plan_backend is per_plan
+
+
+def test_the_0_7_4_graph_lock_is_real_in_the_stand_in(standin_flashinfer):
+    if standin_flashinfer.__version__ != "0.7.4":
+        pytest.skip("only 0.7.4 chooses per plan")
+    raw = standin_flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+        WS, "NHD", use_cuda_graph=True, qo_indptr_buf=torch.zeros(3, dtype=torch.int32),
+        paged_kv_indptr_buf=torch.zeros(3, dtype=torch.int32), paged_kv_indices_buf=torch.zeros(64, dtype=torch.int32),
+        paged_kv_last_page_len_buf=torch.ones(2, dtype=torch.int32), max_total_num_rows=256)
+    assert raw._plan_backend(torch.tensor([0, 8, 16])) == "fa2"
+    assert raw._plan_backend(torch.tensor([0, 100, 200])) == "fa2"  # locked by the first plan

@@ -109,6 +109,7 @@ def test_no_prebuilt_note_where_flashinfer_jit_cache_is_installed(standin_flashi
     assert [k.detail.split(":")[0] for k in got] == ["compiled 1 module"]
 
 
-def test_soft_cap_skips_the_dense_path_which_takes_none(standin_flashinfer):
+def test_the_dense_path_is_warmed_without_soft_cap_which_it_never_uses(standin_flashinfer):
     got = warmup(_cfg(soft_cap=30.0), CPU, ("prefixed_ragged",))
-    assert got == []
+    assert [k.variant for k in got[:2]] == ["full, short queries", "full, long queries"]
+    assert "use_logits_cap_False" in got[0].detail

@@ -17,8 +17,9 @@ class Profile:
     """Which release's behaviour the stand-in shows (``flashinfer.emulate``). 0.5.3 is the base:
     its signatures are the stand-in's own. From 0.7 the paged and ragged prefill ``run`` refuse a
     q whose rows differ from the plan's ``qo_indptr[-1]`` (kept in ``_qo_indptr_last``) and an
-    output they allocate is zero-filled; from 0.7.4 the paged prefill takes ``max_total_num_rows``
-    at construction."""
+    output the paged prefill allocates is zero-filled; from 0.7.4 the paged prefill takes
+    ``max_total_num_rows`` at construction and chooses fa2/fa3 per plan (a graph-mode wrapper:
+    at its first plan, for good)."""
 
     version = "0.5.3"
     q_rows_check = False

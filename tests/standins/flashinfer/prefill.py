@@ -309,8 +309,8 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         check_cached_qkv_data_type(q, k, self._cached_q_data_type, self._cached_kv_data_type)
         check_q_rows(self, q)
         sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
-        if out is None:
-            out = new_out(q.shape[:-1] + v.shape[-1:], q)
+        if out is None:  # uninitialised, as the real ragged run allocates it
+            out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v.shape[-1:], q.dtype, q.device, "out")
         return ragged_attention(q, k, v, self._qo_indptr_buf, self._kv_indptr_buf, self._causal, self._window_left,
@@ -349,6 +349,7 @@ class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper
                          jit_args, jit_kwargs)
         self._max_total_num_rows = max_total_num_rows
         self._auto = backend == "auto"
+        self._cuda_graph_backend: Optional[str] = None
 
     def _determine_auto_backend(self, max_q_len: int) -> str:
         """0.7.4 on Hopper: fa2 for a plan whose longest query is at most 64 tokens, else fa3
@@ -358,5 +359,10 @@ class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper
     def _plan_backend(self, qo_indptr_host: torch.Tensor) -> str:
         if not self._auto:
             return self._backend
+        if self._cuda_graph_backend is not None:  # graph mode: the first plan's choice, for good (4540-4547)
+            return self._cuda_graph_backend
         q_lens = qo_indptr_host[1:] - qo_indptr_host[:-1]
-        return self._determine_auto_backend(int(q_lens.max()) if len(q_lens) else 0)
+        chosen = self._determine_auto_backend(int(q_lens.max()) if len(q_lens) else 0)
+        if self._use_cuda_graph:
+            self._cuda_graph_backend = chosen
+        return chosen
