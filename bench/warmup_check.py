@@ -83,12 +83,12 @@ def first_use(windows: list[int]) -> dict:
                          ("paged decode, graph-mode bucket of 16", lambda: decode(5, w, True)),
                          ("mixed step (prompts of 90 and 30)", lambda: mixed(w)),
                          ("ragged prefill", lambda: ragged(w))):
-            before = jit_notice.built_modules(jit)
+            new = jit_notice.built_since(jit)
             t0 = time.perf_counter()
             fn()
             torch.cuda.synchronize()
             steps.append({"step": name, "window_left": w, "seconds": time.perf_counter() - t0,
-                          "built": sorted(jit_notice.built_modules(jit) - before)})
+                          "built": sorted(new())})
     return {"jit_dir": str(jit), "steps": steps, "total_seconds": sum(s["seconds"] for s in steps),
             "modules_built": sum(len(s["built"]) for s in steps)}
 

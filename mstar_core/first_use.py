@@ -50,13 +50,9 @@ def seen(key: Hashable) -> bool:
 
 
 def forget() -> None:
-    """Forget every key, and what backends recorded beside them (tests; a process that cleared the
-    library's cache)."""
+    """Forget every key (tests; a process that cleared the library's cache)."""
     with _lock:
         _seen.clear()
-        hooks = list(_hooks)
-    for hook in hooks:
-        hook()
 
 
 @contextlib.contextmanager
@@ -97,12 +93,3 @@ def first_use(
         for li, handle in handles:
             li.end(handle, what, seconds, ok, info)
 
-
-_hooks: list[Callable[[], None]] = []
-
-
-def on_forget(hook: Callable[[], None]) -> None:
-    """Run ``hook`` whenever :func:`forget` runs (a backend's own record of selections seen)."""
-    with _lock:
-        if hook not in _hooks:
-            _hooks.append(hook)

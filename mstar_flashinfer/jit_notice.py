@@ -10,7 +10,7 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, ContextManager
+from typing import ContextManager
 
 import numpy as np
 import torch
@@ -46,32 +46,38 @@ def built_modules(d: Path | None) -> set[str]:
     return {p.parent.name for p in d.glob("*/*.so") if p.stem == p.parent.name}
 
 
-def _describe(new: set[str]) -> str:
+def built_since(d: Path | None) -> Callable[[], set[str]]:
+    """Snapshot ``d`` now; the returned function gives the modules compiled into it since."""
+    before = built_modules(d)
+    return lambda: built_modules(d) - before
+
+
+def describe(new: set[str]) -> str:
     if not new:
         return "nothing compiled: already built (FlashInfer's cache, a prebuilt package, or this process)"
     return f"compiled {len(new)} module{'s' if len(new) > 1 else ''}: {', '.join(sorted(new))}"
 
 
-# Kernel selections whose every variant has been seen in this process: a plan checks one set entry.
-_ready: set[tuple[Any, ...]] = set()
+_SEEN = contextlib.nullcontext()  # reusable: what a plan gets once its selection was seen
 
 
 def plan_first_use(
     kind: str, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int, window_left: int,
     soft_cap: float | None, backend: str, qo: np.ndarray | None = None,
 ) -> ContextManager[None]:
-    """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op (one set lookup)
-    once the selection has been seen in this process. ``qo`` (a prefill plan's host qo_indptr)
-    splits it further by the longest query (0.7.4: fa2 up to SHORT_QUERY tokens, fa3 beyond)."""
+    """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op (a set lookup or
+    two) once the selection has been seen in this process. ``qo`` (a prefill plan's host qo_indptr)
+    splits it further by the longest query (0.7.4: fa2 up to SHORT_QUERY tokens, fa3 beyond); the
+    query lengths are read only while one of the two has not been seen."""
     base = ("flashinfer", kind, dtype, kv_dtype or dtype, head_dim, window_left >= 0, bool(soft_cap), backend)
-    if base in _ready:
-        return contextlib.nullcontext()
-    variants = (False, True) if qo is not None else (False,)
-    key = base + (qo is not None and long_queries(qo),)
+    if qo is None:
+        key = base + (False,)
+    elif first_use.seen(base + (False,)) and first_use.seen(base + (True,)):
+        return _SEEN
+    else:
+        key = base + (long_queries(qo),)
     if first_use.seen(key):
-        if all(first_use.seen(base + (v,)) for v in variants):
-            _ready.add(base)
-        return contextlib.nullcontext()
+        return _SEEN
     kv = kv_dtype or dtype
     parts = [dtype_name(dtype) + ("" if kv == dtype else f" q, {dtype_name(kv)} KV"), f"head_dim {head_dim}"]
     if window_left >= 0:
@@ -82,19 +88,9 @@ def plan_first_use(
         parts.append(f"queries {'over' if key[-1] else 'up to'} {SHORT_QUERY} tokens")
     if backend != "auto":
         parts.append(f"backend {backend}")
-    what = f"FlashInfer {kind} kernels ({', '.join(parts)})"
-    d = jit_dir()
-    before = built_modules(d)
-    detail: Callable[[], Any] = lambda: _describe(built_modules(d) - before)  # noqa: E731
-    return first_use.first_use(key, what, WHY, log, detail)
-
-
-def forget() -> None:
-    """Forget every selection seen (as mstar_core.first_use.forget does, which calls this)."""
-    first_use.forget()
-
-
-first_use.on_forget(_ready.clear)
+    new = built_since(jit_dir())
+    return first_use.first_use(key, f"FlashInfer {kind} kernels ({', '.join(parts)})", WHY, log,
+                               lambda: describe(new()))
 
 
 def long_queries(qo: np.ndarray) -> bool:

@@ -15,26 +15,17 @@ from typing import Any
 import numpy as np
 import torch
 
+from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmedKernel, WarmupConfig
 
 from .decode import FlashInferDecodeWrapper
-from .jit_notice import SHORT_QUERY, _describe, built_modules, jit_dir
+from .jit_notice import SHORT_QUERY, built_since, describe, jit_dir
 from .mixed import FlashInferMixedWrapper
 from .prefill import FlashInferPrefillWrapper
 from .ragged import FlashInferPrefixedPrefillWrapper
 
 WORKSPACE = 128 << 20  # what FlashInfer recommends per wrapper (split-KV scratch)
 QUERIES = {"short": (1, 8), "long": (1, SHORT_QUERY + 16)}  # per-row query lengths of a tiny plan
-
-
-def _paged(q_lens: Sequence[int], page_size: int, prefix: int = 5) -> dict[str, np.ndarray]:
-    """Host index arrays of a tiny paged batch: row i holds ``prefix + q_lens[i]`` tokens."""
-    kv = np.array([prefix + n for n in q_lens], dtype=np.int32)
-    pages = -(-kv // page_size)
-    indptr = np.concatenate([[0], np.cumsum(pages)]).astype(np.int32)
-    return {"qo": np.concatenate([[0], np.cumsum(q_lens)]).astype(np.int32), "indptr": indptr,
-            "indices": np.arange(int(indptr[-1]), dtype=np.int32),
-            "last": (kv - (pages - 1) * page_size).astype(np.int32), "kv_lens": kv}
 
 
 def _t(a: np.ndarray) -> torch.Tensor:
@@ -52,43 +43,42 @@ class _Run:
     def rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=self.cfg.dtype, device=self.device)
 
-    def layer(self, pages: int) -> torch.Tensor:
+    def data(self, q_lens: Sequence[int]) -> C.PagedData:
+        """A tiny paged batch of this config (5 cached tokens before each row's queries)."""
         c = self.cfg
-        return self.rand(pages, 2, c.page_size, c.num_kv_heads, c.head_dim)
+        case = C.PagedCase(c.page_size, c.head_dim, c.num_qo_heads // c.num_kv_heads, tuple(q_lens), (5,) * len(q_lens),
+                           num_kv_heads=c.num_kv_heads)
+        return C.make_paged(case, str(self.device), c.dtype)
 
     def timed(self, capability: str, variant: str, fn: Any) -> WarmedKernel:
-        before = built_modules(self.dir)
+        new = built_since(self.dir)
         t0 = time.perf_counter()
         fn()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        seconds = time.perf_counter() - t0
-        return WarmedKernel("flashinfer", capability, variant, seconds, _describe(built_modules(self.dir) - before))
+        return WarmedKernel("flashinfer", capability, variant, time.perf_counter() - t0, describe(new()))
 
     def paged_prefill(self, window: int, queries: str) -> None:
-        a = _paged(QUERIES[queries], self.cfg.page_size)
+        d = self.data(QUERIES[queries])
         w = FlashInferPrefillWrapper(self.ws, *self.common, device=self.device)
-        w.plan(_t(a["qo"]), _t(a["indptr"]), _t(a["indices"]), _t(a["last"]), causal=True, dtype=self.cfg.dtype,
+        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, causal=True, dtype=self.cfg.dtype,
                window_left=window, **self.extras)
-        w.run(self.rand(int(a["qo"][-1]), self.cfg.num_qo_heads, self.cfg.head_dim), self.layer(a["indices"].size))
+        w.run(d.q, d.layer)
 
     def paged_decode(self, window: int) -> None:
-        a = _paged((1, 1), self.cfg.page_size)
+        d = self.data((1, 1))
         w = FlashInferDecodeWrapper(self.ws, *self.common, device=self.device)
-        w.plan(_t(a["indptr"]), _t(a["indices"]), _t(a["last"]), dtype=self.cfg.dtype, window_left=window,
-               **self.extras)
-        w.run(self.rand(2, self.cfg.num_qo_heads, self.cfg.head_dim), self.layer(a["indices"].size))
+        w.plan(d.kv_indptr, d.kv_indices, d.last_page_len, dtype=self.cfg.dtype, window_left=window, **self.extras)
+        w.run(d.q, d.layer)
 
     def mixed(self, window: int, queries: str) -> None:
         q_lens = (1,) + QUERIES[queries][1:]
-        a = _paged(q_lens, self.cfg.page_size)
-        pages = int(a["indices"].size)
-        tokens = int(a["qo"][-1])
-        ws2 = torch.empty_like(self.ws)
-        w = FlashInferMixedWrapper(self.ws, ws2, *self.common, len(q_lens), tokens, pages, 1, self.device)
-        w.plan(_t(a["qo"]), _t(a["indptr"]), _t(a["indices"]), _t(a["last"]), causal=True, dtype=self.cfg.dtype,
+        d = self.data(q_lens)
+        w = FlashInferMixedWrapper(self.ws, torch.empty_like(self.ws), *self.common, len(q_lens), d.q.shape[0],
+                                   d.layer.shape[0], 1, self.device)
+        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, causal=True, dtype=self.cfg.dtype,
                window_left=window, **self.extras)
-        w.run(self.rand(tokens, self.cfg.num_qo_heads, self.cfg.head_dim), self.layer(pages + 1))
+        w.run(d.q, d.layer)
 
     def prefixed_ragged(self, window: int, queries: str) -> None:
         # no soft-cap here: the dense path has none, so its kernels are the plain ones whatever the config
@@ -112,7 +102,7 @@ def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[st
     """Every variant ``config`` uses, for each of ``capabilities``, in the order an engine meets them;
     a note if anything was compiled while FlashInfer's prebuilt-kernel package is not installed."""
     r = _Run(config, device)
-    before = built_modules(r.dir)
+    new = built_since(r.dir)
     done: list[WarmedKernel | str] = []
     for window in config.windows:
         win = "full" if window < 0 else f"window {window}"
@@ -128,7 +118,7 @@ def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[st
                     done.append(r.timed(cap, variant, lambda: r.mixed(window, queries)))
                 elif cap == "prefixed_ragged":
                     done.append(r.timed(cap, variant, lambda: r.prefixed_ragged(window, queries)))
-    compiled = len(built_modules(r.dir) - before)
+    compiled = len(new())
     if compiled and importlib.util.find_spec("flashinfer_jit_cache") is None:
         done.append(JIT_CACHE_HINT.format(n=compiled))
     return done

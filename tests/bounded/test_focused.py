@@ -17,23 +17,23 @@ def bstep(*spans: tuple) -> Step:
     return Step(KVStep(()), extra=(("bounded", BoundedStep(tuple(StreamPosition(*s) for s in spans))),))
 
 
-def write_and_abandon(mgr: BoundedKVManager, rid: str, n: int) -> None:
-    """A step that wrote its keys into the ring and was then rolled back (a later layer failed)."""
+def attended_step(mgr: BoundedKVManager, rid: str, n: int, commit: bool) -> None:
+    """A step of ``n`` tokens that wrote its keys into the ring, then committed -- or was rolled
+    back (a later layer failed), leaving its writes abandoned."""
     s = bstep((rid, n))
     ctx = StepContext()
     assert mgr.admit(s, ctx)
     q = torch.randn(CFG.rows, 2, n, 8, dtype=torch.float64)
     mgr.attend(0, q, q, q, plan=mgr.plan(s, ctx))
-    mgr.rollback_admit(s, ctx)
+    (mgr.commit if commit else mgr.rollback_admit)(s, ctx)
+
+
+def write_and_abandon(mgr: BoundedKVManager, rid: str, n: int) -> None:
+    attended_step(mgr, rid, n, commit=False)
 
 
 def commit_step(mgr: BoundedKVManager, rid: str, n: int) -> None:
-    s = bstep((rid, n))
-    ctx = StepContext()
-    assert mgr.admit(s, ctx)
-    q = torch.randn(CFG.rows, 2, n, 8, dtype=torch.float64)
-    mgr.attend(0, q, q, q, plan=mgr.plan(s, ctx))
-    mgr.commit(s, ctx)
+    attended_step(mgr, rid, n, commit=True)
 
 
 def test_reset_clears_the_ring_mark_of_that_request_only():

@@ -137,12 +137,13 @@ def test_a_detail_that_fails_does_not_fail_the_call_nor_strand_the_progress_line
     assert out.getvalue() == settled  # the ticker ended with the call
 
 
-def test_forget_runs_the_backends_hooks():
-    cleared = []
-    first_use.on_forget(lambda: cleared.append(1))
-    first_use.forget()
-    assert cleared == [1]
-    first_use._hooks.pop()
+def test_forget_announces_the_next_use_again(caplog):
+    with caplog.at_level(logging.INFO, logger="mstar.first_use"):
+        for _ in range(2):
+            with first_use.first_use("k3", "kernel K3", "why"):
+                pass
+            first_use.forget()
+    assert sum("kernel K3: first use" in r.getMessage() for r in caplog.records) == 2
 
 
 def test_progress_is_silent_for_a_quick_first_use_and_counts_a_slow_one():

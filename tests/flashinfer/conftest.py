@@ -35,11 +35,9 @@ def _standin(monkeypatch, tmp_path, version):
     mod = importlib.import_module("flashinfer")
     assert getattr(mod, "STANDIN", False), f"expected the stand-in, imported {mod.__file__}"
     mod.emulate(version)
-    from mstar_flashinfer import jit_notice
-
     # a JIT folder of this test's own, and no first use remembered from another test
     monkeypatch.setattr(importlib.import_module("flashinfer.jit.env"), "FLASHINFER_JIT_DIR", tmp_path / "cached_ops")
-    jit_notice.forget()
+    _forget()
     return mod
 
 

@@ -9,6 +9,7 @@ import logging
 import pytest
 import torch
 
+from mstar_core import first_use
 from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmupConfig
 from mstar_flashinfer import jit_notice
@@ -55,7 +56,7 @@ def test_warmup_builds_each_variant_once_and_a_second_warmup_builds_nothing(stan
 def test_after_warmup_a_first_plan_and_run_builds_nothing_and_says_so(standin_flashinfer, caplog):
     warmup(_cfg(), CPU, ("paged_prefill", "paged_decode"))
     before = jit_notice.built_modules(jit_notice.jit_dir())
-    jit_notice.forget()  # as a new process would
+    first_use.forget()  # as a new process would
     c = case((3, 70), (5, 2), head_dim=16, gqa=2)  # a long query: the variant 0.7.4 runs on fa3
     d = C.make_paged(c, "cpu", F32)
     with caplog.at_level(logging.INFO, logger="mstar.flashinfer"):

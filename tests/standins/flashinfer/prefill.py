@@ -319,36 +319,19 @@ class BatchPrefillWithRaggedKVCacheWrapper:
 
 class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper):
     """0.7.4's constructor: the graph-mode token budget can be given up front (prefill.py 2935-3051,
-    the same checks)."""
+    the same checks); its other parameters are 0.5.3's, passed through."""
 
-    def __init__(
-        self,
-        float_workspace_buffer: torch.Tensor,
-        kv_layout: str = "NHD",
-        use_cuda_graph: bool = False,
-        qo_indptr_buf: Optional[torch.Tensor] = None,
-        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
-        paged_kv_indices_buf: Optional[torch.Tensor] = None,
-        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
-        custom_mask_buf: Optional[torch.Tensor] = None,
-        mask_indptr_buf: Optional[torch.Tensor] = None,
-        backend: str = "auto",
-        jit_args: Optional[List[Any]] = None,
-        jit_kwargs: Optional[Dict[str, Any]] = None,
-        variant_owns_mask: bool = False,
-        max_total_num_rows: Optional[int] = None,
-    ) -> None:
+    def __init__(self, *args: Any, variant_owns_mask: bool = False, max_total_num_rows: Optional[int] = None,
+                 **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
         if max_total_num_rows is not None:
-            if not use_cuda_graph:
+            if not self._use_cuda_graph:
                 raise ValueError("max_total_num_rows requires use_cuda_graph=True")
             if not isinstance(max_total_num_rows, int) or max_total_num_rows < 0:
                 raise ValueError("max_total_num_rows must be a nonnegative integer")
         unsupported(variant_owns_mask=variant_owns_mask)
-        super().__init__(float_workspace_buffer, kv_layout, use_cuda_graph, qo_indptr_buf, paged_kv_indptr_buf,
-                         paged_kv_indices_buf, paged_kv_last_page_len_buf, custom_mask_buf, mask_indptr_buf, backend,
-                         jit_args, jit_kwargs)
         self._max_total_num_rows = max_total_num_rows
-        self._auto = backend == "auto"
+        self._auto = self._backend == "auto"
         self._cuda_graph_backend: Optional[str] = None
 
     def _determine_auto_backend(self, max_q_len: int) -> str:
