@@ -1,12 +1,12 @@
-"""Host-to-device staging for graph replays: per-slot page-locked buffers and the fences that
-guard their reuse.
+"""Host-to-device staging: per-slot host buffers (page-locked on CUDA) and the fences that guard
+their reuse.
 
 An asynchronous H2D copy reads its pinned source when the stream reaches it, not when it is
 issued. A host that plans step N+1 while step N is still queued must not overwrite the buffer
-step N's copy will read: each plan writes the slot its step was given (steps alternate), and a
-slot is reused only after the event recorded behind its last copies has fired — normally long
-ago, so the check is an ``Event.query()``, not a device sync. The same holds for the device
-buffers a captured graph reads: step N+1's copies go to its own slot's buffers.
+step N's copy will read: each plan takes the next slot (round robin), and a slot is reused only
+after the event recorded behind its last copies has fired — normally long ago, so the check is
+an ``Event.query()``, not a device sync. (The KV manager's page table stages each plan's row
+arrays here; the FlashInfer plugin stages its plans' host arrays.)
 
 ``copy`` and the fence class are attributes so a test can stand in a deferred copy engine and
 provoke the race on a CPU (tests/core/test_staging_race.py).
@@ -14,7 +14,14 @@ provoke the race on a CPU (tests/core/test_staging_race.py).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
+
+try:
+    import numpy as np
+except ImportError:  # mstar-core does not depend on numpy; only the plugins' numpy arrays need it
+    np = None
 
 
 class Fence:
@@ -40,41 +47,76 @@ class Fence:
         return self._event is not None and not self._event.query()
 
 
-class SlotStaging:
-    """``slots`` sets of named buffers: pinned host ones and the static device ones a captured
-    graph reads. ``stage(slot, {name: host_tensor})`` waits for the slot's previous copies,
-    writes the host data into the slot's pinned buffers and issues the async copies."""
+class _Buf:
+    __slots__ = ("tensor", "_array")
+
+    def __init__(self, n: int, pin: bool, dtype: torch.dtype) -> None:
+        self.tensor = torch.empty(n, dtype=dtype, pin_memory=pin)
+        self._array: Any = None
+
+    @property
+    def array(self) -> Any:
+        """A numpy view (made on first use: mstar_core itself stages torch tensors and does not
+        need numpy; the plugins stage numpy arrays)."""
+        if self._array is None:
+            self._array = self.tensor.numpy()
+        return self._array
+
+
+class Staging:
+    """``slots`` sets of named, growable host buffers (page-locked on CUDA). Per plan: ``begin()``
+    (takes the next slot, waiting for its previous copies), ``put(name, array)`` for each host
+    array (a host view of the staged copy, to copy from), then ``end()`` once every copy from this
+    slot has been issued. Off CUDA the buffers are ordinary memory and the fences no-ops."""
 
     fence_class: type = Fence
 
-    def __init__(self, device: torch.device, slots: int, sizes: dict[str, int], dtype: torch.dtype = torch.int64) -> None:
+    def __init__(self, device: torch.device, slots: int = 2) -> None:
         if slots < 1:
             raise ValueError(f"slots must be >= 1, got {slots}")
         self.device = device
-        pin = device.type == "cuda" and torch.cuda.is_available()
-        self.host = [{n: torch.zeros(k, dtype=dtype, pin_memory=pin) for n, k in sizes.items()} for _ in range(slots)]
-        self.dev = [{n: torch.zeros(k, dtype=dtype, device=device) for n, k in sizes.items()} for _ in range(slots)]
-        self.fences = [self.fence_class(device) for _ in range(slots)]
-        self.sizes = dict(sizes)
+        self.pinned = device.type == "cuda" and torch.cuda.is_available()
+        self._bufs: list[dict[str, _Buf]] = [{} for _ in range(slots)]
+        self._fences = [self.fence_class(device) for _ in range(slots)]
+        self.slot = -1
 
     @property
     def slots(self) -> int:
-        return len(self.host)
+        return len(self._bufs)
+
+    def reserve(self, sizes: dict[str, int], dtype: torch.dtype = torch.int32) -> None:
+        """Allocate every slot's buffers now (graph mode: no allocation in the step path)."""
+        for bufs in self._bufs:
+            for name, n in sizes.items():
+                if name not in bufs or bufs[name].tensor.numel() < n:
+                    bufs[name] = _Buf(max(n, 1), self.pinned, dtype)
+
+    def begin(self) -> int:
+        self.slot = (self.slot + 1) % len(self._bufs)
+        self._fences[self.slot].wait()
+        return self.slot
+
+    def put(self, name: str, arr: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """Copy ``arr`` (a 1-D host torch tensor or numpy array) into this slot's buffer ``name``."""
+        bufs = self._bufs[self.slot]
+        n = int(arr.shape[0])
+        buf = bufs.get(name)
+        if buf is None or buf.tensor.numel() < n or buf.tensor.dtype != dtype:
+            # grow to the next power of two: eager shapes vary step to step
+            buf = bufs[name] = _Buf(1 << max(n - 1, 0).bit_length(), self.pinned, dtype)
+        if isinstance(arr, torch.Tensor):
+            buf.tensor[:n].copy_(arr)
+        else:  # a numpy array: only the plugins stage them, and they depend on numpy
+            np.copyto(buf.array[:n], arr, casting="unsafe")
+        return buf.tensor[:n]
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """Issue the copy of a staged host view to the device (between ``begin`` and ``end``)."""
         dst.copy_(src, non_blocking=True)
 
-    def stage(self, slot: int, arrays: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """Device views (of the slot's static buffers) holding ``arrays`` once the copies run."""
-        self.fences[slot].wait()
-        out = {}
-        for name, a in arrays.items():
-            n = a.numel()
-            if n > self.sizes[name]:
-                raise ValueError(f"staging: {name} has {n} entries, the static buffer holds {self.sizes[name]}")
-            h, d = self.host[slot][name][:n], self.dev[slot][name][:n]
-            h.copy_(a)
-            self.copy(d, h)
-            out[name] = d
-        self.fences[slot].record()
-        return out
+    def end(self) -> None:
+        self._fences[self.slot].record()
+
+    def buffer(self, slot: int, name: str) -> torch.Tensor:
+        """The whole host buffer ``name`` of ``slot`` (tests check where a plan staged)."""
+        return self._bufs[slot][name].tensor

@@ -91,8 +91,10 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
                 self._arange = np.arange(2 * rows + 2, dtype=np.int32)
             qo = self._arange[: rows + 1]
             keep = (qo, indptr, indices, last, lens)
+            pad = 0
             if self._bufs is not None:
                 self._check_graph_fit(rows, rows, indices, max_page)
+                pad = self.batch_size - rows  # type: ignore[operator]
                 if rows < self.batch_size:
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
@@ -100,7 +102,7 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
             with self._plan_slot(keep, max_page) as st:
                 indptr_s, last_s = st.put("kv_indptr", indptr), st.put("last_page_len", last)
                 lens_s = None if lens is None else st.put("kv_lens", lens)
-                indices_s = self._stage_indices(indices, self._bufs)
+                indices_s = self._stage_indices(indices, self._bufs, pad)
                 self._fence.wait()
                 with plan_first_use(self._family, dtype,
                                     extras["kv_data_type"], self.head_dim, window_left, extras["logits_soft_cap"],

@@ -36,9 +36,10 @@ def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[st
             "q_data_type": dtype, "kv_data_type": kv_dtype}
 
 
-# A plan's host arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
-# kv_indices, last_page_len, kv_lens (None: derived from the pages).
-HostPlan = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]
+# A plan's arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
+# kv_indices (host, or a device tensor), last_page_len, kv_lens (None: derived from the pages).
+Indices = np.ndarray | torch.Tensor
+HostPlan = tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray | None]
 
 
 @dataclass
@@ -47,7 +48,7 @@ class PlanState:
 
     qo_indptr: np.ndarray
     kv_indptr: np.ndarray
-    kv_indices: np.ndarray
+    kv_indices: Indices  # a device tensor where the caller gave one
     kv_lens: np.ndarray
     tokens: int
     locations: KVWriteLocations | None = field(default=None)
@@ -57,18 +58,20 @@ class PlanState:
 
 
 def pad_rows(
-    rows_to: int, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+    rows_to: int, qo: np.ndarray, indptr: np.ndarray, indices: Indices, last: np.ndarray,
     kv_lens: np.ndarray | None, sink_page: int,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+) -> tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray | None]:
     """Pad a plan to ``rows_to`` rows: each extra row has no query and one key (the first slot of
-    ``sink_page``), so it is cheap, valid for every kernel, and its output is never read."""
+    ``sink_page``), so it is cheap, valid for every kernel, and its output is never read. Device
+    indices are left as they are: :meth:`PagedWrapperBase._stage_indices` pads them in place."""
     pad = rows_to - (indptr.shape[0] - 1)
     if pad <= 0:
         return qo, indptr, indices, last, kv_lens
     one = np.ones(pad, dtype=np.int32)
     qo = np.concatenate([qo, np.full(pad, qo[-1], dtype=np.int32)])
     indptr = np.concatenate([indptr, indptr[-1] + np.cumsum(one, dtype=np.int32)])
-    indices = np.concatenate([indices, np.full(pad, sink_page, dtype=np.int32)])
+    if isinstance(indices, np.ndarray):
+        indices = np.concatenate([indices, np.full(pad, sink_page, dtype=np.int32)])
     last = np.concatenate([last, one])
     if kv_lens is not None:
         kv_lens = np.concatenate([kv_lens, one])
@@ -140,21 +143,26 @@ class PagedWrapperBase:
             self._dtype_checked = dtype
 
     def _check_plan(self, indptr: Any, indices: Any, last: Any, kv_lens: Any, window_left: Any,
-                    qo: Any = None) -> tuple[np.ndarray, ...]:
-        """The plan's index arrays as host int32 arrays, refused (before anything is staged, so a
+                    qo: Any = None) -> tuple[Any, ...]:
+        """The plan's index arrays as host int32 arrays (``kv_indices`` stays a device tensor
+        where it is one: its values are not read), refused (before anything is staged, so a
         refused plan keeps the previous one) where a kernel would read out of bounds. Returns
-        ``(qo or None, indptr, indices, last, kv_lens or None, max_page)``."""
+        ``(qo or None, indptr, indices, last, kv_lens or None, max_page)``; ``max_page`` is -1
+        for device indices (unknown without a sync)."""
         who = f"{type(self).__name__}.plan"
         validate.check_window_and_scale(who, window_left, None)
         qo_a = None if qo is None else validate.host_index("qo_indptr", qo, who)
         indptr_a = validate.host_index("kv_indptr", indptr, who)
-        indices_a = validate.host_index("kv_indices", indices, who)
+        if isinstance(indices, torch.Tensor) and indices.device.type != "cpu":
+            indices_a = validate.device_indices(indices, self.device, who)
+        else:
+            indices_a = validate.host_index("kv_indices", indices, who)
         last_a = validate.host_index("last_page_len", last, who)
         lens_a = None if kv_lens is None else validate.host_index("kv_lens", kv_lens, who)
         top = validate.check_paged_plan(who, indptr_a, indices_a, last_a, self.page_size, qo=qo_a, kv_lens=lens_a)
         return qo_a, indptr_a, indices_a, last_a, lens_a, top
 
-    def _check_graph_fit(self, rows: int, tokens: int, indices: np.ndarray, max_page: int) -> None:
+    def _check_graph_fit(self, rows: int, tokens: int, indices: Indices, max_page: int) -> None:
         """Refuse a plan the static buffers cannot hold, naming the limit (FlashInfer's own
         errors do not say which buffer or by how much), then a page index past them."""
         pages = indices.shape[0]
@@ -172,14 +180,26 @@ class PagedWrapperBase:
             raise ValueError(
                 f"{name}.plan: {tokens} tokens exceed max_total_tokens={self.max_total_tokens} of the static buffers"
             )
-        validate.check_page_range(f"{name}.plan", indices, max_page, self.max_num_pages)
+        if isinstance(indices, np.ndarray):
+            validate.check_page_range(f"{name}.plan", indices, max_page, self.max_num_pages)
 
-    def _stage_indices(self, indices: np.ndarray, bufs: dict[str, torch.Tensor] | None) -> torch.Tensor:
+    def _stage_indices(self, indices: Indices, bufs: dict[str, torch.Tensor] | None, pad: int = 0) -> torch.Tensor:
         """The page indices as FlashInfer's plan should receive them. In graph mode they are
-        copied here, asynchronously from the pinned slot, into the static buffer, and FlashInfer
-        is handed that very view: its own ``buf[:n].copy_(indices, non_blocking=<same device>)``
-        is then a copy of a tensor onto itself, which torch skips -- a host array there would be
-        a blocking copy, i.e. a device sync in every plan."""
+        copied here into the static buffer (asynchronously from the pinned slot, or device to
+        device), and FlashInfer is handed that very view: its own
+        ``buf[:n].copy_(indices, non_blocking=<same device>)`` is then a copy of a tensor onto
+        itself, which torch skips -- a host array there would be a blocking copy, i.e. a device
+        sync in every plan. ``pad``: padding rows whose sink page device indices still lack
+        (host ones have them already, from :func:`pad_rows`)."""
+        if isinstance(indices, torch.Tensor):  # on the device already
+            if bufs is None:
+                return indices
+            n = indices.shape[0]
+            view = bufs["kv_indices"][: n + pad]
+            view[:n].copy_(indices)
+            if pad:
+                view[n:].fill_(self.SINK_PAGE)
+            return view
         staged = self._staging.put("kv_indices", indices)
         if bufs is None:
             return staged
@@ -219,7 +239,10 @@ class PagedWrapperBase:
         if st is None:
             raise RuntimeError(f"{type(self).__name__}.kv_write_locations before plan")
         if st.locations is None:
-            pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
+            indices = st.kv_indices
+            if isinstance(indices, torch.Tensor):  # given on the device: read back once, on request
+                indices = indices.cpu().numpy()
+            pages, offs = write_locations(st.qo_indptr, st.kv_indptr, indices, st.kv_lens, self.page_size)
             st.locations = to_device(pages, offs, self.device)
         return st.locations
 

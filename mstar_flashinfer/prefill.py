@@ -93,8 +93,10 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             qo, indptr, indices, last, lens, max_page = self._check_plan(
                 paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens, window_left, qo=qo_indptr)
             keep = (qo, indptr, indices, last, lens)
+            pad = 0
             if self._bufs is not None:
                 self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices, max_page)
+                pad = self.batch_size - (qo.shape[0] - 1)  # type: ignore[operator]
                 if qo.shape[0] - 1 < self.batch_size:  # type: ignore[operator]
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
@@ -103,7 +105,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 qo_s, indptr_s = st.put("qo_indptr", qo), st.put("kv_indptr", indptr)
                 last_s = st.put("last_page_len", last)
                 lens_s = None if lens is None else st.put("kv_lens", lens)
-                indices_s = self._stage_indices(indices, self._bufs)
+                indices_s = self._stage_indices(indices, self._bufs, pad)
                 self._fence.wait()
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
                                     extras["logits_soft_cap"], self.backend,

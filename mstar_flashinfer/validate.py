@@ -110,10 +110,22 @@ def check_indptr(name: str, indptr: np.ndarray, who: str, rows: int | None = Non
     return lengths
 
 
+def device_indices(value: torch.Tensor, device: torch.device, who: str) -> torch.Tensor:
+    """Page indices already on the wrapper's device (the KV manager gathers them there): the
+    dtype, rank and device are checked; the values are not, since reading them would wait for
+    the device. A plan from them reads whatever pages they name."""
+    if value.dtype != torch.int32:
+        raise TypeError(f"{who}: kv_indices on {value.device} must be int32, got {value.dtype}")
+    if value.dim() != 1:
+        raise ValueError(f"{who}: kv_indices must be 1-D, got shape {tuple(value.shape)}")
+    check_same_device(who, device, kv_indices=value)
+    return value
+
+
 def check_paged_plan(
     who: str,
     indptr: np.ndarray,
-    indices: np.ndarray,
+    indices: np.ndarray | torch.Tensor,
     last: np.ndarray,
     page_size: int,
     *,
@@ -132,6 +144,9 @@ def check_paged_plan(
     (prefill, mixed): rows + 1 entries from 0, non-decreasing, no row with more queries than
     keys; ``kv_lens``, when given, what the pages and last_page_len say.
 
+    ``kv_indices`` may be a device tensor (:func:`device_indices`): its length is checked, not its
+    values, and the largest page index returned is -1 (unknown).
+
     About a dozen vectorised numpy ops in all; the error paths alone look for the first bad row."""
     n_pages = check_indptr("kv_indptr", indptr, who)
     rows = n_pages.shape[0]
@@ -149,7 +164,7 @@ def check_paged_plan(
         raise ValueError(f"{who}: last_page_len[{i}] = {int(last[i])} for a row with {int(n_pages[i])} pages; "
                          f"allowed: {allowed}")
     top = -1
-    if indices.shape[0]:
+    if isinstance(indices, np.ndarray) and indices.shape[0]:
         top = int(indices.view(np.uint32).max())  # a negative index, seen as uint32, is the largest
         if top > _INT32.max:
             i = _first(indices < 0)

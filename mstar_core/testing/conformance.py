@@ -41,9 +41,15 @@ class WrapperSet:
     dtype: torch.dtype = torch.float32
     workspace_bytes: int = 1 << 20
     extra_plan_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Prefill and decode plans get kv_indices on ``device``, as the paged KV manager passes them
+    # (gathered there from its page table); the other index arrays stay on the host.
+    device_indices: bool = False
 
     def workspace(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+
+    def indices(self, data: PagedData) -> torch.Tensor:
+        return data.kv_indices.to(self.device) if self.device_indices else data.kv_indices
 
 
 @dataclass(frozen=True)
@@ -219,7 +225,7 @@ def check_prefill(backend: WrapperSet, case: PagedCase) -> float:
     hq = case.num_kv_heads * case.gqa
     w = backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
                         device=torch.device(backend.device))
-    w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
+    w.plan(data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
            dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
     out = w.run(data.q, data.layer)
     return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal))
@@ -231,7 +237,7 @@ def check_decode(backend: WrapperSet, case: PagedCase) -> float:
     hq = case.num_kv_heads * case.gqa
     w = backend.decode(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
                        device=torch.device(backend.device))
-    w.plan(data.kv_indptr, data.kv_indices, data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
+    w.plan(data.kv_indptr, backend.indices(data), data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
            window_left=case.window_left, **_scale_kwargs(backend, case))
     out = w.run(data.q, data.layer)
     return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True))

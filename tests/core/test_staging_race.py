@@ -1,17 +1,20 @@
 """The pre-plan race, provoked on a CPU with a deferred copy engine standing in for the GPU's
-DMA queue: plan(N+1) runs before step N's host-to-device copies have executed."""
+DMA queue: plan N+1 stages its host arrays before step N's host-to-device copy has executed.
+The KV manager's page table (each plan's row arrays) and the FlashInfer wrappers stage through
+:class:`mstar_core.staging.Staging`."""
 
-import pytest
+import torch
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
+from mstar_core.staging import Staging
 
 from .helpers import small_kv
 
 
 class DeferredGPU:
-    """One stream: copies and replays are queued in order and run later; a copy reads its
-    source when it runs (like an async H2D from pinned memory). A fence waits until the queue
-    has run up to its record point."""
+    """One stream: copies and reads are queued in order and run later; a copy reads its source
+    when it runs (like an async H2D from pinned memory). A fence waits until the queue has run
+    up to its record point."""
 
     def __init__(self):
         self.queue = []
@@ -44,42 +47,65 @@ class DeferredGPU:
         return F()
 
 
-def positions_seen(slots, fences):
-    kv = small_kv(max_pages=32, page_size=4)
-    kv.build_accelerator_graph_buffers(slots, 4, 64)
+def staged_seen(slots, fences, plans=4):
+    """The host stages ``plans`` arrays (plan n stages n, n, n) before the GPU runs anything;
+    returns what each plan's device copy held when its step read it, and what it should hold."""
     gpu = DeferredGPU()
-    st = kv._staging
+    st = Staging(torch.device("cpu"), slots)
     st.copy = gpu.copy
-    st.fences = [gpu.fence(fences) for _ in range(slots)]
-    for r in "ab":
-        kv.ingest_request(r)
+    st._fences = [gpu.fence(fences) for _ in range(slots)]
     seen = []
-    for n in range(4):  # the host runs ahead: four steps planned before the GPU runs them
-        step = Step(KVStep((KVSpan("a", "t", 1), KVSpan("b", "t", 1))))
-        ctx = StepContext(slot=n % slots, bucket=4)
-        assert kv.admit(step, ctx)
-        lay = kv.plan(step, ctx).layout("t")
-        kv.commit(step, ctx)
-        want = [s.length - 1 for s in lay.spans]
-        # the replay of step n, queued behind its copies, reads its slot's static buffer
-        gpu.enqueue(lambda p=lay.positions, w=want: seen.append((p[:2].tolist(), w)))
+    for n in range(plans):
+        st.begin()
+        dev = torch.empty(3, dtype=torch.int32)
+        st.copy(dev, st.put("rows", torch.full((3,), n, dtype=torch.int32)))
+        st.end()
+        gpu.enqueue(lambda d=dev, n=n: seen.append((d.tolist(), [n] * 3)))  # step n reads its copy
     gpu.run_until(len(gpu.queue))
     return seen
 
 
 def test_double_buffered_slots_with_fences_never_corrupt_a_step():
-    for got, want in positions_seen(slots=2, fences=True):
+    for got, want in staged_seen(slots=2, fences=True):
         assert got == want
 
 
 def test_one_slot_with_fence_serialises_and_stays_correct():
-    for got, want in positions_seen(slots=1, fences=True):
+    for got, want in staged_seen(slots=1, fences=True):
         assert got == want
 
 
 def test_the_race_is_real_without_the_mechanism():
-    """Control: one slot, no fence. Step 0's copy runs after plan(3) overwrote the staging
-    buffer, so step 0 would attend at step 3's positions. The test above can fail."""
-    seen = positions_seen(slots=1, fences=False)
+    """Control: one slot, no fence. Step 0's copy runs after plan 3 overwrote the staging
+    buffer, so step 0 would read step 3's arrays. The tests above can fail."""
+    seen = staged_seen(slots=1, fences=False)
     assert any(got != want for got, want in seen)
-    assert seen[0][0] == seen[3][1]  # step 0 reads step 3's positions
+    assert seen[0][0] == seen[3][1]  # step 0 reads step 3's arrays
+
+
+def test_kv_plans_stage_through_the_page_tables_fenced_slots():
+    """The KV manager's plans go through that mechanism: each plan takes the next slot and waits
+    on its fence before writing it, so plans can run ahead of the device."""
+    kv = small_kv(max_pages=32, page_size=4)
+    waited = []
+    st = kv.table._staging
+
+    class Spy:
+        def __init__(self, i):
+            self.i = i
+
+        def record(self):
+            pass
+
+        def wait(self):
+            waited.append(self.i)
+
+    st._fences = [Spy(i) for i in range(st.slots)]
+    kv.ingest_request("a")
+    for _ in range(3):
+        step = Step(KVStep((KVSpan("a", "t", 1),)))
+        ctx = StepContext()
+        assert kv.admit(step, ctx)
+        kv.plan(step, ctx)
+        kv.commit(step, ctx)
+    assert waited == [i % st.slots for i in range(3)]

@@ -30,12 +30,14 @@ def _at_128(cases):
     return [c if c.head_dim == 128 else dataclasses.replace(c, head_dim=128) for c in cases]
 
 
-def _ws(name):
+def _ws(name, device_indices=False):
     return C.WrapperSet(name, FlashInferPrefillWrapper, FlashInferDecodeWrapper, FlashInferMixedWrapper,
-                        FlashInferPrefixedPrefillWrapper, device="cuda", dtype=BF16, workspace_bytes=128 << 20)
+                        FlashInferPrefixedPrefillWrapper, device="cuda", dtype=BF16, workspace_bytes=128 << 20,
+                        device_indices=device_indices)
 
 
 REAL, STANDIN = _ws("flashinfer"), _ws("flashinfer-standin-gpu")
+REAL_DEVICE_INDICES = _ws("flashinfer-device-indices", device_indices=True)
 PREFILL = _at_128([c for c in C.prefill_cases() if c.head_dim == 128 or c.window_left >= 0 or c.sm_scale])
 DECODE = _at_128([c for c in C.decode_cases() if c.head_dim == 128 or c.window_left >= 0])
 MIXED = _at_128([c for c in C.mixed_cases() if c.head_dim == 128 or c.window_left >= 0])
@@ -49,11 +51,11 @@ def real_flashinfer():
     return fi
 
 
-@pytest.fixture(params=["real", "standin"])
+@pytest.fixture(params=["real", "real-device-indices", "standin"])
 def backend(request):
-    if request.param == "real":
+    if request.param.startswith("real"):
         request.getfixturevalue("real_flashinfer")
-        return REAL
+        return REAL if request.param == "real" else REAL_DEVICE_INDICES
     request.getfixturevalue("standin_flashinfer_like_real")
     return STANDIN
 
@@ -104,15 +106,19 @@ def _build(kind):
     return FlashInferMixedWrapper(ws(), ws(), HKV * GQA, HKV, D, PS, BATCH, TOKENS, PAGES, 2, cuda)
 
 
-def _plan(w, kind, d):
+def _plan(w, kind, d, on_device=False):
+    # on_device: kv_indices on the GPU, as the paged KV manager passes them (the padding rows'
+    # sink entries are then written on the device too)
+    idx = d.kv_indices.cuda() if on_device else d.kv_indices
     if kind == "decode":
-        w.plan(d.kv_indptr, d.kv_indices, d.last_page_len, dtype=BF16, kv_lens=d.kv_lens)
+        w.plan(d.kv_indptr, idx, d.last_page_len, dtype=BF16, kv_lens=d.kv_lens)
     else:
-        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, causal=True, dtype=BF16, kv_lens=d.kv_lens)
+        w.plan(d.qo_indptr, d.kv_indptr, idx, d.last_page_len, causal=True, dtype=BF16, kv_lens=d.kv_lens)
 
 
-@pytest.mark.parametrize("kind", ["prefill", "decode", "mixed"])
-def test_graph_replay_with_fresh_plans(real_flashinfer, kind):
+@pytest.mark.parametrize("kind,on_device", [("prefill", False), ("decode", False), ("mixed", False),
+                                            ("prefill", True), ("decode", True)])
+def test_graph_replay_with_fresh_plans(real_flashinfer, kind, on_device):
     w = _build(kind)
     rows_static = BATCH if kind == "decode" else TOKENS
     q_static = torch.randn(rows_static, HKV * GQA, D, device="cuda", dtype=BF16)
@@ -135,7 +141,7 @@ def test_graph_replay_with_fresh_plans(real_flashinfer, kind):
         q_static.normal_()
         q_static[:n].copy_(d.q)
         out_static.fill_(float("nan"))  # poison: a replay that skips rows shows
-        _plan(w, kind, d)
+        _plan(w, kind, d, on_device)
         graph.replay()
         torch.cuda.synchronize()
         from mstar_core.testing.oracle import rel_error

@@ -1,7 +1,10 @@
 """Reference paged wrappers: seed 001's constructor, ``plan`` and ``run`` signatures, in plain
-PyTorch on any device. ``plan`` does every index computation once (row chunks, query blocks and
-each chunk's page slots, see :mod:`.math`); ``run`` (per layer) gathers each chunk's keys and
-computes, with no host sync."""
+PyTorch on any device. ``plan`` takes the per-row arrays; the first ``run`` after it does every
+index computation (row chunks, query blocks and each chunk's page slots, see :mod:`.math`),
+kept for the other layers, so a plan's host work grows with its rows, not with their context. ``plan``
+keeps its index tensors until then (as FlashInfer keeps device inputs): do not change them in
+place before the step runs. ``run`` (per layer) gathers each chunk's keys and computes, with no
+host sync."""
 
 from __future__ import annotations
 
@@ -50,6 +53,7 @@ class ReferencePrefillWrapper:
         self.batch_size = batch_size
         self._pad: Padding | None = None
         self._slots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        self._planned: tuple | None = None  # plan's per-row arrays and index tensors
         self._sm_scale: float | None = None
 
     def plan(
@@ -67,15 +71,25 @@ class ReferencePrefillWrapper:
         qo_indptr = qo_indptr.cpu().to(torch.int64)
         indptr = paged_kv_indptr.cpu().to(torch.int64)
         lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)
-        q_lens = qo_indptr[1:] - qo_indptr[:-1]
-        self._pad = build_padding(q_lens, lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
-                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        self._slots = gather_paged_slots(self._pad, indptr, paged_kv_indices, self.page_size)
+        # The padding (row chunks, each key's page slot) is built at the first run, not here: it
+        # grows with the keys, and a plan's host work stays O(rows) (the paged manager plans while
+        # the previous step runs). Every layer's run reuses it.
+        self._pad, self._slots = None, None
+        self._planned = (qo_indptr[1:] - qo_indptr[:-1], lens, causal, window_left, indptr, paged_kv_indices)
         self._sm_scale = kwargs.get("sm_scale")
         self._total = int(qo_indptr[-1])
 
-    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    def _padding(self) -> tuple[Padding, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
         if self._pad is None or self._slots is None:
+            assert self._planned is not None
+            q_lens, lens, causal, window_left, indptr, indices = self._planned
+            self._pad = build_padding(q_lens, lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
+                                      num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
+            self._slots = gather_paged_slots(self._pad, indptr, indices, self.page_size)
+        return self._pad, self._slots
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+        if self._planned is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         want = (self._total, self.num_qo_heads, self.head_dim)
         padded = self.accelerator_graph and q.shape[0] == self.batch_size and q.shape[0] > self._total
@@ -91,8 +105,9 @@ class ReferencePrefillWrapper:
                 f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
                 f"[max_pages, {', '.join(map(str, want_kv))}] [pages, 2, page_size, Hkv, D]"
             )
+        pad, slots = self._padding()
         # [pages, page_size, Hkv, D] views; each chunk gathers its own keys through its slots
-        return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], self._pad, self._sm_scale, self._slots)
+        return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], pad, self._sm_scale, slots)
 
 
 class ReferenceDecodeWrapper(ReferencePrefillWrapper):

@@ -214,7 +214,10 @@ class PagedAttentionManager(AttentionManager):
             w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
                    window_left=window_left, **kw)
         else:
-            w.plan(lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, causal=causal,
+            # The mixed split is host arithmetic over the pages: it gets them from the host lists
+            # (no device sync); decode and prefill take the indices gathered on the device.
+            indices = lay.kv_indices_host if kind == "mixed" else lay.kv_indices
+            w.plan(lay.qo_indptr, lay.kv_indptr, indices, lay.kv_last_page_len, causal=causal,
                    dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
 
     def run(

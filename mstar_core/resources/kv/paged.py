@@ -21,10 +21,10 @@ from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from .config import KVConfig
-from .plan import KVPlan, LabelLayout, SpanLayout, token_arrays
+from .page_table import PageTable
+from .plan import KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
 from .pool import PagePool
 from .streams import CacheStream
-from ...staging import SlotStaging
 
 log = logging.getLogger(__name__)
 
@@ -38,10 +38,6 @@ class _Admitted:
     taken: dict[tuple[str, str], list[int]]
     created: list[tuple[str, str]]
     streams: dict[tuple[str, str], CacheStream]
-
-
-def i32(values: list[int]) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.int32)
 
 
 def _pages_for(tokens: int, page_size: int) -> int:
@@ -66,12 +62,14 @@ class KVManager(Resource):
         self.name = name
         self.storage = torch.zeros(config.shape, dtype=dtype, device=self.device)
         self.pool = PagePool(config.max_pages)
+        # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
+        self.table = PageTable(self.device, config.max_pages)
         self.streams: dict[tuple[str, str], CacheStream] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
-        # Graph mode (build_accelerator_graph_buffers): per-slot static buffers for the
+        # Graph mode (build_accelerator_graph_buffers): per-slot static device buffers for the
         # per-token arrays, and a sink page that padding rows write to.
-        self._staging: SlotStaging | None = None
+        self._graph_bufs: list[dict[str, torch.Tensor]] = []
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
         # Streams reset or removed while a step was in flight on them, by id: their pages go back
@@ -114,6 +112,7 @@ class KVManager(Resource):
                 self._parked[id(old)] = old
             else:
                 self.pool.give_back(old.pages)
+                self._drop(old)
             # A new object, not the old one emptied: a step admitted before the reset holds the
             # old one, and its commit or rollback recognise by identity that it is stale.
             self.streams[key] = CacheStream(*key, generation=next(self._generations))
@@ -135,6 +134,18 @@ class KVManager(Resource):
             return
         self._free_streams(rid)
         self._forget(rid)
+
+    def _append(self, stream: CacheStream, pages: list[int]) -> None:
+        """Give ``stream`` more pages: on the host list, and as pending writes to its table row."""
+        if stream.table_row < 0:
+            stream.table_row = self.table.assign()
+        self.table.write(stream.table_row, len(stream.pages), pages)
+        stream.pages.extend(pages)
+
+    def _drop(self, stream: CacheStream) -> None:
+        """``stream`` is gone and no step in flight plans from it: its table row is free."""
+        self.table.release(stream.table_row)
+        stream.table_row = -1
 
     def _forget(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
@@ -160,7 +171,9 @@ class KVManager(Resource):
         pages = self.pool.take(n)
         if n:
             self.storage[:, pages] = self.storage[:, src.pages[:n]]
-        self.streams[(dst_rid, label)] = CacheStream(dst_rid, label, pages, src.length, next(self._generations))
+        dst = CacheStream(dst_rid, label, [], src.length, next(self._generations))
+        self._append(dst, pages)
+        self.streams[(dst_rid, label)] = dst
         src.generation = next(self._generations)
         return AdmitOutcome.ok()
 
@@ -227,7 +240,7 @@ class KVManager(Resource):
                 if n:
                     pages = self.pool.take(n)
                     taken[key] = pages
-                    self.streams[key].pages.extend(pages)
+                    self._append(self.streams[key], pages)
                 self.streams[key].in_flight = True
         except BaseException:
             # All or nothing, whatever interrupted the admit (KeyboardInterrupt included).
@@ -250,18 +263,20 @@ class KVManager(Resource):
                 # The step's pages are the tail of the stream's list: admit appended them (an
                 # admit interrupted between take and append left them only in the record).
                 if stream.pages[-len(pages):] == pages:
-                    del stream.pages[-len(pages):]
+                    stream.pages = stream.pages[: -len(pages)]  # a new list, as in commit
                 elif set(pages) & set(stream.pages):
                     raise RuntimeError(f"{self.name}: stream {key}: pages changed between admit and rollback")
                 self.pool.give_back(pages)
             if key in rec.created and not stream.pages and not stream.length:
                 del self.streams[key]
+                self._drop(stream)
 
     def _unpark(self, stream: CacheStream) -> None:
         """The step in flight on a reset or removed stream landed: its pages go back now."""
         if self._parked.pop(id(stream), None) is not None:
             stream.in_flight = False
             self.pool.give_back(stream.pages)
+            self._drop(stream)
 
     def _record(self, ctx: StepContext, step: Step, what: str) -> _Admitted:
         """This context's admit record, covering every stream of ``step``; an error naming the
@@ -294,70 +309,94 @@ class KVManager(Resource):
         rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
         by_label: dict[str, list[SpanLayout]] = {}
+        q_next: dict[str, int] = {}
         for s in step.kv.spans:
             stream = self._live(rec, (s.request_id, s.label))
             if stream is None:
                 raise RuntimeError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
                                    "after this step's admit; roll the step back and admit it again")
             length = stream.length + s.num_tokens
-            npages = _pages_for(length, ps)
+            npages = -(-length // ps)
             if npages > len(stream.pages):
                 raise RuntimeError(
                     f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
                     f"holds {len(stream.pages)}"
                 )
-            rows = by_label.setdefault(s.label, [])
-            q_start = sum(r.to_compute for r in rows)
-            rows.append(
-                SpanLayout(s.request_id, s.label, tuple(stream.pages[:npages]), length,
-                           s.num_tokens, s.commit, q_start, stream.generation)
-            )
+            rows = by_label.get(s.label)
+            if rows is None:
+                rows = by_label[s.label] = []
+            q_start = q_next.get(s.label, 0)
+            q_next[s.label] = q_start + s.num_tokens
+            rows.append(SpanLayout(s.request_id, s.label, length, s.num_tokens, s.commit, q_start,
+                                   stream.generation, npages, stream.table_row, stream.pages))
         if ctx.bucket is not None and len(by_label) != 1:
             raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(by_label)}")
-        plan = KVPlan(tuple((lab, self._layout(rows, ctx)) for lab, rows in by_label.items()), ps)
+        if ctx.bucket is not None:
+            self._check_graph_step(ctx.bucket, sum(q_next.values()))
+        cols = self.table.prepare()
+        plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in by_label.items()), ps)
         self._current = plan
         return plan
 
-    def _layout(self, rows: list[SpanLayout], ctx: StepContext) -> LabelLayout:
+    def _layout(self, rows: list[SpanLayout], ctx: StepContext, cols: int) -> LabelLayout:
+        """The label's row arrays in one staged copy, then ``kv_indices`` (and, for a graph step,
+        the per-token arrays) gathered on the device: O(rows) host work, a few kernels."""
         ps = self.config.page_size
-        # Host arrays from Python lists: a step's layout is a few small sums over its rows, and
-        # one torch.tensor() per array costs less than a chain of tiny tensor operations.
-        q_lens = [r.to_compute for r in rows]
-        kv_lens = [r.length for r in rows]
-        n_pages = [len(r.pages) for r in rows]
-        qo_indptr = i32([0, *itertools.accumulate(q_lens)])
-        kv_indptr = i32([0, *itertools.accumulate(n_pages)])
-        kv_indices = i32(list(itertools.chain.from_iterable(r.pages for r in rows)))
-        last = i32([n - (p - 1) * ps if p else 0 for n, p in zip(kv_lens, n_pages)])
-        kv_lens_t = i32(kv_lens)
+        qo, kvp = [0], [0]
+        last, lens, page_base, pos_base, table_base = [], [], [], [], []
+        for r in rows:
+            base = r.table_row * cols
+            page_base.append(base - kvp[-1])
+            table_base.append(base)
+            pos_base.append(r.length - r.to_compute - qo[-1])
+            qo.append(qo[-1] + r.to_compute)
+            kvp.append(kvp[-1] + r.num_pages)
+            lens.append(r.length)
+            last.append(r.length - (r.num_pages - 1) * ps if r.num_pages else 0)
+        pack = RowPack(len(rows))
+        host, dev = self.table.upload(qo + kvp + last + lens + page_base + pos_base + table_base)
+        kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), kvp[-1])
         per_token: dict[str, torch.Tensor] = {}
         if ctx.bucket is not None:
-            host = token_arrays(qo_indptr, kv_indptr, kv_indices, kv_lens_t, ps)
-            per_token = self._stage_padded(host, ctx.bucket, ctx.slot)
+            one_per_row = qo[-1] == len(rows)
+            per_token = self._stage_graph(token_arrays(self.table, pack, dev, qo[-1], one_per_row, ps), ctx.slot,
+                                          ctx.bucket)
         return LabelLayout(
             spans=tuple(rows),
-            qo_indptr=qo_indptr,
-            kv_indptr=kv_indptr,
+            qo_indptr=pack.qo(host),
+            kv_indptr=pack.kv_indptr(host),
             kv_indices=kv_indices,
-            kv_last_page_len=last,
-            kv_lens=kv_lens_t,
+            kv_last_page_len=pack.last(host),
+            kv_lens=pack.kv_lens(host),
             page_size=ps,
             device=self.device,
             per_token=per_token,
+            table=self.table,
+            rows_device=dev,
         )
 
-    def _stage_padded(self, per_token: dict[str, torch.Tensor], bucket: int, slot: int) -> dict[str, torch.Tensor]:
-        """Graph step: pad to ``bucket`` tokens (padding writes go to the sink page, at
-        position 0) and copy into ``slot``'s static buffers, which the captured graph reads."""
-        if self._staging is None or self._sink_page is None:
+    def _check_graph_step(self, bucket: int, tokens: int) -> None:
+        if not self._graph_bufs or self._sink_page is None:
             raise RuntimeError("a graph step needs build_accelerator_graph_buffers first")
-        n = per_token["positions"].numel()
-        if n > bucket or bucket > self._staging.sizes["positions"]:
-            raise ValueError(f"graph step: {n} tokens for bucket {bucket}; static buffers hold {self._staging.sizes['positions']}")
-        pad = bucket - n
-        fill = {"write_pages": self._sink_page, "write_offsets": 0, "positions": 0}
-        padded = {k: torch.cat([t, t.new_full((pad,), fill[k])]) for k, t in per_token.items()}
-        return self._staging.stage(slot, padded)
+        size = self._graph_bufs[0]["positions"].numel()
+        if tokens > bucket or bucket > size:
+            raise ValueError(f"graph step: {tokens} tokens for bucket {bucket}; static buffers hold {size}")
+
+    def _stage_graph(self, arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slot: int,
+                     bucket: int) -> dict[str, torch.Tensor]:
+        """Graph step: the per-token arrays into ``slot``'s static buffers (which the captured
+        graph reads), padded to ``bucket`` tokens: padding writes go to the sink page, at
+        position 0. Device to device, in stream order after the replay that last read the slot."""
+        bufs = self._graph_bufs[slot]
+        n = arrays[0].numel()
+        out = {}
+        for (name, fill), a in zip((("write_pages", self._sink_page), ("write_offsets", 0), ("positions", 0)), arrays):
+            buf = bufs[name]
+            buf[:n].copy_(a)
+            if n < bucket:
+                buf[n:bucket].fill_(fill)
+            out[name] = buf[:bucket]
+        return out
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Static per-slot buffers for ``max_bs`` tokens a graph step, and one sink page taken
@@ -367,12 +406,13 @@ class KVManager(Resource):
             if self.pool.num_free < 1:
                 raise RuntimeError("build_accelerator_graph_buffers: no free page left for the sink page")
             self._sink_page = self.pool.take(1)[0]
-        cur = self._staging
-        if cur is not None and cur.slots >= slots and cur.sizes["positions"] >= max_bs:
+        cur = self._graph_bufs
+        have = cur[0]["positions"].numel() if cur else 0
+        if len(cur) >= slots and have >= max_bs:
             return
-        slots = max(slots, cur.slots if cur else 0)
-        max_bs = max(max_bs, cur.sizes["positions"] if cur else 0)
-        self._staging = SlotStaging(self.device, slots, {k: max_bs for k in ("write_pages", "write_offsets", "positions")})
+        slots, max_bs = max(slots, len(cur)), max(max_bs, have)
+        self._graph_bufs = [{k: torch.zeros(max_bs, dtype=torch.int32, device=self.device)
+                             for k in ("write_pages", "write_offsets", "positions")} for _ in range(slots)]
 
     def can_capture(self) -> bool:
         """Yes: graph steps plan into the static per-slot buffers that
@@ -422,7 +462,10 @@ class KVManager(Resource):
             if len(stream.pages) > keep:
                 # Pages held only for commit=False tokens: nothing will read them again.
                 self.pool.give_back(stream.pages[keep:])
-                del stream.pages[keep:]
+                # A new list, not the old one cut: plans made before hold the old one (SpanLayout
+                # .source) and stay readable. A C-level copy of the kept entries, and only on
+                # this path (tokens held without commit).
+                stream.pages = stream.pages[:keep]
 
     # -- data --------------------------------------------------------------------------------
     def _check_layer(self, layer_idx: int) -> int:
@@ -480,5 +523,6 @@ class KVManager(Resource):
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)
         self._current = None
-        self._staging = None
+        self._graph_bufs = []
         self._sink_page = None
+        self.table = PageTable(self.device, self.config.max_pages)

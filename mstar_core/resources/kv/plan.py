@@ -2,25 +2,40 @@
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
+
+from .page_table import PageTable
 
 
 @dataclass(frozen=True)
 class SpanLayout:
     """Where one span's tokens live. ``length`` counts the stream's tokens after this step;
     this step's ``to_compute`` tokens sit at positions ``length - to_compute .. length - 1``
-    and at packed offsets ``q_start .. q_start + to_compute - 1`` of their label."""
+    and at packed offsets ``q_start .. q_start + to_compute - 1`` of their label. Its first
+    ``num_pages`` pages (:attr:`pages`) hold them."""
 
     request_id: str
     label: str
-    pages: tuple[int, ...]
     length: int
     to_compute: int
     commit: bool
     q_start: int
     generation: int
+    num_pages: int
+    table_row: int = field(default=-1, compare=False, repr=False)
+    # The stream's page list itself, not a copy (a plan is O(rows), not O(pages)). Its first
+    # ``num_pages`` entries never change: the manager only appends to a stream's list, and where
+    # it drops pages (commit of uncommitted tokens, rollback) it gives the stream a new list.
+    source: list[int] = field(default_factory=list, compare=False, repr=False)
+
+    @property
+    def pages(self) -> tuple[int, ...]:
+        """The stream's first ``num_pages`` pages (a tuple made on each call: O(pages))."""
+        return tuple(self.source[: self.num_pages])
 
     @property
     def prefix_len(self) -> int:
@@ -28,56 +43,109 @@ class SpanLayout:
         return self.length - self.to_compute
 
 
-def token_arrays(qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor, kv_lens: torch.Tensor,
-                 page_size: int) -> dict[str, torch.Tensor]:
-    """Per packed token (int64, on the host): its page, its slot in that page, its position."""
-    qo, kv_indptr, kv_indices, kv_lens = (t.to(torch.int64) for t in (qo_indptr, kv_indptr, kv_indices, kv_lens))
-    q_lens = qo[1:] - qo[:-1]
-    row_of = torch.repeat_interleave(torch.arange(q_lens.numel()), q_lens)
-    pos = (kv_lens - q_lens)[row_of] + (torch.arange(int(qo[-1])) - qo[row_of])
-    pages = kv_indices[kv_indptr[row_of] + pos // page_size] if kv_indices.numel() else torch.zeros(0, dtype=torch.int64)
-    return {"write_pages": pages, "write_offsets": pos % page_size, "positions": pos}
+class RowPack(NamedTuple):
+    """Offsets of the per-row arrays in the one int32 array a plan stages (host and device):
+    ``qo_indptr``, ``kv_indptr`` (rows + 1 each), then ``last_page_len``, ``kv_lens``,
+    ``page_base`` (``table_row * cols - kv_indptr``: entry j of the step's ``kv_indices`` is
+    ``table[page_base[row] + j]``), ``pos_base`` (``prefix_len - qo_indptr``: token t's position
+    is ``pos_base[row] + t``) and ``table_base`` (``table_row * cols``), rows entries each."""
+
+    rows: int
+
+    def qo(self, a: torch.Tensor) -> torch.Tensor:
+        return a[: self.rows + 1]
+
+    def kv_indptr(self, a: torch.Tensor) -> torch.Tensor:
+        return a[self.rows + 1: 2 * self.rows + 2]
+
+    def _field(self, a: torch.Tensor, i: int) -> torch.Tensor:
+        return a[2 * self.rows + 2 + i * self.rows: 2 * self.rows + 2 + (i + 1) * self.rows]
+
+    def last(self, a: torch.Tensor) -> torch.Tensor:
+        return self._field(a, 0)
+
+    def kv_lens(self, a: torch.Tensor) -> torch.Tensor:
+        return self._field(a, 1)
+
+    def page_base(self, a: torch.Tensor) -> torch.Tensor:
+        return self._field(a, 2)
+
+    def pos_base(self, a: torch.Tensor) -> torch.Tensor:
+        return self._field(a, 3)
+
+    def table_base(self, a: torch.Tensor) -> torch.Tensor:
+        return self._field(a, 4)
+
+
+def token_arrays(table: PageTable, pack: RowPack, dev: torch.Tensor, tokens: int, one_per_row: bool,
+                 page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per packed token, on the device (int32): its page, its slot in that page, its position,
+    from the staged row arrays and the page table (a few kernels, no host loop over tokens)."""
+    t = table.arange(tokens)
+    if one_per_row:  # decode: token t is row t
+        pos = pack.pos_base(dev) + t
+        page = table.table.index_select(0, pack.table_base(dev) + pos // page_size)
+    else:
+        pos_base, table_base = table.spread(pack.qo(dev), tokens, pack.pos_base(dev), pack.table_base(dev))
+        pos = pos_base + t
+        page = table.table.index_select(0, table_base + pos // page_size)
+    return page, pos % page_size, pos
 
 
 @dataclass(frozen=True)
 class LabelLayout:
-    """One label's packed rows. Index arrays are int32 on the host (what FlashInfer's ``plan``
-    wants); write locations and positions are on the cache's device (what the layers read).
+    """One label's packed rows. Row arrays are int32 on the host (what FlashInfer's ``plan``
+    wants); ``kv_indices``, write locations and positions are on the cache's device, built there
+    from the persistent page table (:mod:`.page_table`): the host work of a plan grows with its
+    rows, not with the context they hold.
 
     The per-token device arrays of an eager step are built on first use: a backend that never
     writes through the plan (the dense one) and a model that supplies its own positions never
-    pay for them. A graph step has them staged at plan time, in the static buffers."""
+    pay for them. A graph step has them built at plan time, in the static buffers."""
 
     spans: tuple[SpanLayout, ...]
     qo_indptr: torch.Tensor  # [rows + 1] int32, on cpu
     kv_indptr: torch.Tensor  # [rows + 1] int32, on cpu
-    kv_indices: torch.Tensor  # [pages] int32, on cpu
+    kv_indices: torch.Tensor  # [pages] int32, on the cache's device
     kv_last_page_len: torch.Tensor  # [rows] int32, on cpu; 0 for a row with no pages
     kv_lens: torch.Tensor  # [rows] int32, on cpu
     page_size: int
     device: torch.device
     per_token: dict[str, torch.Tensor] = field(default_factory=dict, compare=False, repr=False)
+    # what the lazy per-token arrays are built from: the page table, the staged rows on the device
+    table: PageTable | None = field(default=None, compare=False, repr=False)
+    rows_device: torch.Tensor | None = field(default=None, compare=False, repr=False)
 
     def _token(self, name: str) -> torch.Tensor:
         if not self.per_token:
-            host = token_arrays(self.qo_indptr, self.kv_indptr, self.kv_indices, self.kv_lens, self.page_size)
-            self.per_token.update({k: t.to(self.device) for k, t in host.items()})
+            if self.table is None or self.rows_device is None:
+                raise RuntimeError("this layout has no per-token arrays (built without the page table)")
+            page, off, pos = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
+                                          all(s.to_compute == 1 for s in self.spans), self.page_size)
+            self.per_token.update(write_pages=page, write_offsets=off, positions=pos)
         return self.per_token[name]
 
     @property
     def write_pages(self) -> torch.Tensor:
-        """``[tokens]`` int64 on the device: the page of each packed token."""
+        """``[tokens]`` int32 on the device: the page of each packed token."""
         return self._token("write_pages")
 
     @property
     def write_offsets(self) -> torch.Tensor:
-        """``[tokens]`` int64 on the device: its slot within that page."""
+        """``[tokens]`` int32 on the device: its slot within that page."""
         return self._token("write_offsets")
 
     @property
     def positions(self) -> torch.Tensor:
-        """``[tokens]`` int64 on the device: its position in its stream."""
+        """``[tokens]`` int32 on the device: its position in its stream."""
         return self._token("positions")
+
+    @property
+    def kv_indices_host(self) -> torch.Tensor:
+        """``kv_indices`` as an int32 host tensor, from the host page lists (O(pages), no device
+        sync): for a consumer that does host arithmetic on the pages (the mixed wrapper's split)."""
+        return torch.tensor(list(itertools.chain.from_iterable(s.source[: s.num_pages] for s in self.spans)),
+                            dtype=torch.int32)
 
     @property
     def num_tokens(self) -> int:

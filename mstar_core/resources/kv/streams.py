@@ -22,3 +22,5 @@ class CacheStream:
     # An admitted step is neither committed nor rolled back. A reset replaces the object, so the
     # mark goes with the stream it was set on.
     in_flight: bool = False
+    # Its row in the manager's device page table (page_table.py); -1 until it first gets pages.
+    table_row: int = -1
