@@ -14,6 +14,7 @@ provoke the race on a CPU (tests/core/test_staging_race.py).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -96,19 +97,41 @@ class Staging:
         self._fences[self.slot].wait()
         return self.slot
 
-    def put(self, name: str, arr: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
-        """Copy ``arr`` (a 1-D host torch tensor or numpy array) into this slot's buffer ``name``."""
+    def _buf(self, name: str, n: int, dtype: torch.dtype) -> _Buf:
         bufs = self._bufs[self.slot]
-        n = int(arr.shape[0])
         buf = bufs.get(name)
         if buf is None or buf.tensor.numel() < n or buf.tensor.dtype != dtype:
             # grow to the next power of two: eager shapes vary step to step
             buf = bufs[name] = _Buf(1 << max(n - 1, 0).bit_length(), self.pinned, dtype)
+        return buf
+
+    def put_many(self, name: str, arrays: Sequence[Any], dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
+        """Several 1-D numpy arrays into one buffer ``name`` of this slot, back to back; returns a
+        view of each (one buffer and one slicing call for a plan's arrays, not one per array)."""
+        sizes = [int(a.shape[0]) for a in arrays]
+        total = sum(sizes)
+        buf = self._buf(name, total, dtype)
+        host, at = buf.array, 0
+        for a, n in zip(arrays, sizes):
+            np.copyto(host[at: at + n], a, casting="unsafe")
+            at += n
+        return list(buf.tensor[:total].split(sizes))
+
+    def put(self, name: str, arr: Any, dtype: torch.dtype = torch.int32) -> torch.Tensor:
+        """Copy ``arr`` (a 1-D host torch tensor or numpy array) into this slot's buffer ``name``."""
+        n = int(arr.shape[0])
+        buf = self._buf(name, n, dtype)
         if isinstance(arr, torch.Tensor):
             buf.tensor[:n].copy_(arr)
         else:  # a numpy array: only the plugins stage them, and they depend on numpy
             np.copyto(buf.array[:n], arr, casting="unsafe")
         return buf.tensor[:n]
+
+    def wait_previous(self) -> None:
+        """Wait for the copies issued up to the end of the plan before this one (its slot's
+        fence): what guards a buffer that is not staged here but reused by every plan (FlashInfer's
+        own page-locked plan buffer). One event per plan serves both purposes."""
+        self._fences[(self.slot - 1) % len(self._fences)].wait()
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         """Issue the copy of a staged host view to the device (between ``begin`` and ``end``)."""

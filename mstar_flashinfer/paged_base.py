@@ -20,7 +20,7 @@ import torch
 from . import validate
 from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from .nvtx import Nvtx
-from .staging import Fence, Staging
+from .staging import Staging
 
 # plan() keyword arguments forwarded to FlashInfer's plan (seed 001: ``**kwargs``).
 PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
@@ -113,7 +113,6 @@ class PagedWrapperBase:
         self.max_total_tokens = max_total_tokens
         self.max_num_pages = max_num_pages
         self._staging = Staging(self.device)
-        self._fence = Fence(self.device)  # FlashInfer's own pinned plan buffer: see staging.py
         self._nvtx = Nvtx(f"mstar.flashinfer.{self.kind}", enable_nvtx, self.device)
         self._dtype_checked: torch.dtype | None = None
         self._state: PlanState | None = None
@@ -133,7 +132,7 @@ class PagedWrapperBase:
         }
         if with_qo:
             bufs["qo_indptr"] = torch.zeros(b + 1, **i32)
-        self._staging.reserve({"qo_indptr": b + 1, "kv_indptr": b + 1, "kv_indices": p, "last_page_len": b, "kv_lens": b})
+        self._staging.reserve({"rows": 4 * b + 2, "kv_indices": p})
         return bufs
 
     # -- plan helpers --------------------------------------------------------------------------
@@ -183,6 +182,14 @@ class PagedWrapperBase:
         if isinstance(indices, np.ndarray):
             validate.check_page_range(f"{name}.plan", indices, max_page, self.max_num_pages)
 
+    @staticmethod
+    def _stage_rows(st: Staging, arrays: tuple[np.ndarray, ...], lens: np.ndarray | None) -> list[Any]:
+        """The plan's per-row host arrays (and ``kv_lens`` where given, else None last) staged in
+        one page-locked buffer of this slot; views in the same order."""
+        if lens is None:
+            return [*st.put_many("rows", arrays), None]
+        return st.put_many("rows", (*arrays, lens))
+
     def _stage_indices(self, indices: Indices, bufs: dict[str, torch.Tensor] | None, pad: int = 0) -> torch.Tensor:
         """The page indices as FlashInfer's plan should receive them. In graph mode they are
         copied here into the static buffer (asynchronously from the pinned slot, or device to
@@ -223,7 +230,6 @@ class PagedWrapperBase:
             self._state = None
             raise
         finally:
-            self._fence.record()
             st.end()
 
     def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,

@@ -102,11 +102,9 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
             with self._plan_slot(keep, max_page) as st:
-                qo_s, indptr_s = st.put("qo_indptr", qo), st.put("kv_indptr", indptr)
-                last_s = st.put("last_page_len", last)
-                lens_s = None if lens is None else st.put("kv_lens", lens)
+                qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)
-                self._fence.wait()
+                st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
                                     extras["logits_soft_cap"], self.backend,
                                     keep[0] if self._per_plan_backend else None):

@@ -11,7 +11,7 @@ from . import validate
 from .jit_notice import plan_first_use
 from .library import flashinfer
 from .nvtx import Nvtx
-from .staging import Fence, Staging
+from .staging import Staging
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -45,7 +45,6 @@ class FlashInferPrefixedPrefillWrapper:
         self.backend = backend
         self._inner = flashinfer().BatchPrefillWithRaggedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
         self._staging = Staging(self.device)
-        self._fence = Fence(self.device)
         self._nvtx = Nvtx("mstar.flashinfer.ragged", False, self.device)
         self._dtype_checked: torch.dtype | None = None
         self._tokens: tuple[int, int] | None = None
@@ -71,13 +70,12 @@ class FlashInferPrefixedPrefillWrapper:
         st = self._staging
         st.begin()
         q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)
-        self._fence.wait()
+        st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
         with plan_first_use("ragged prefill", dtype, dtype, self.head_dim, window_left, None, self.backend):
             self._inner.plan(
                 q_s, k_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=causal, window_left=window_left,
                 sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
             )
-        self._fence.record()
         st.end()
         self._tokens = (int(q_arr[-1]), int(k_arr[-1]))
 

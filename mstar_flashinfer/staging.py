@@ -7,9 +7,10 @@ only after the event recorded behind its last copies has fired -- normally long 
 is an ``Event.query()``, not a device sync.
 
 FlashInfer's own ``plan`` has one page-locked buffer per wrapper (its plan info, copied with
-``cudaMemcpyAsync``), which no slot of ours can protect: :class:`Fence` waits, before the next
-inner ``plan``, for the previous one's copies. That bounds the host to one plan ahead of the
-GPU on one wrapper object; a manager that keeps one wrapper per slot (seed 000's
+``cudaMemcpyAsync``), which no slot of ours can protect: ``Staging.wait_previous`` waits, before
+the next inner ``plan``, for the previous plan's fence (recorded after its copies and FlashInfer's,
+so one event per plan guards both). That bounds the host to one plan ahead of the GPU on one
+wrapper object; a manager that keeps one wrapper per slot (seed 000's
 ``force_double_buffer`` note) never waits on it.
 
 Off CUDA (CPU tests through a stand-in) buffers are ordinary host memory and fences are no-ops.
@@ -20,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_core.staging import Fence, Staging  # noqa: F401  (re-exported: the wrappers stage through them)
+from mstar_core.staging import Staging  # noqa: F401  (re-exported: the wrappers stage through it)
 
 
 def host_i32(t: torch.Tensor | np.ndarray | list[int]) -> np.ndarray:

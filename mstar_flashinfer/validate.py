@@ -65,6 +65,8 @@ _INT32 = np.iinfo(np.int32)
 def host_index(name: str, value: Any, who: str) -> np.ndarray:
     """``value`` as a 1-D int32 host array, refusing floats, bools, other ranks and values outside
     int32 (which a cast would wrap into plausible-looking indices)."""
+    if type(value) is torch.Tensor and value.dtype is torch.int32 and value.dim() == 1 and value.is_cpu:
+        return value.numpy()  # the common case, what the KV manager passes: no copy, no other check
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
             raise TypeError(f"{who}: {name} must hold integers (int32), got dtype {value.dtype}")

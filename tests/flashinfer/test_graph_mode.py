@@ -115,12 +115,13 @@ def test_per_slot_staging_keeps_the_previous_plans_arrays():
         w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32)
         slot = w._staging.slot
         n = d.kv_indptr.numel()
-        assert w._staging.buffer(slot, "kv_indptr")[:n].tolist() == d.kv_indptr.tolist()
+        # one buffer per slot holds the plan's row arrays: qo_indptr (padded to batch + 1), then kv_indptr
+        assert w._staging.buffer(slot, "rows")[5: 5 + n].tolist() == d.kv_indptr.tolist()
         staged.append((slot, d.kv_indptr.tolist()))
         if i == 1:
             # plan 2 went to slot 1 and left slot 0 -- plan 1's copy source -- exactly as it was
             s0, want = staged[0]
-            assert s0 == 0 and w._staging.buffer(0, "kv_indptr")[: len(want)].tolist() == want
+            assert s0 == 0 and w._staging.buffer(0, "rows")[5: 5 + len(want)].tolist() == want
     assert [s for s, _ in staged] == [0, 1, 0]
 
 
