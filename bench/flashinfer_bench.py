@@ -15,82 +15,14 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import statistics
-import time
 from pathlib import Path
 
 import torch
+from timing import copy_bandwidth, host_us, kernel_ms, paired_host_us, paired_ms
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
 DEV = torch.device("cuda")
-
-
-def kernel_ms(fn, reps=20, rounds=7) -> float:
-    """Median over rounds of the mean time of ``reps`` back-to-back calls (CUDA events)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
-
-
-def paired_ms(raw_fn, w_fn, reps=10, rounds=15) -> tuple[float, float]:
-    """Raw and wrapper timed in alternating rounds (clock and cache drift hit both alike);
-    medians of each."""
-    for _ in range(3):
-        raw_fn()
-        w_fn()
-    torch.cuda.synchronize()
-    t = {0: [], 1: []}
-    for i in range(2 * rounds):
-        fn = (raw_fn, w_fn)[i % 2]
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        t[i % 2].append(a.elapsed_time(b) / reps)
-    return statistics.median(t[0]), statistics.median(t[1])
-
-
-def paired_host_us(raw_fn, w_fn, reps=61) -> tuple[float, float]:
-    """Host time of raw and wrapper plan() in alternating calls, GPU idle before each; medians.
-    Host timings drift run to run by more than the overhead measured (seen here: the same raw
-    plan at 343 us in one run and 480 us in the next), so the two are interleaved."""
-    raw_fn()
-    w_fn()
-    t: dict[int, list[float]] = {0: [], 1: []}
-    for i in range(2 * reps):
-        fn = (raw_fn, w_fn)[i % 2]
-        torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        fn()
-        t[i % 2].append((time.perf_counter() - t0) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(t[0]), statistics.median(t[1])
-
-
-def host_us(fn, reps=25) -> float:
-    """Median host time of ``fn`` with the GPU idle before each call (no queued work to wait on)."""
-    fn()
-    out = []
-    for _ in range(reps):
-        torch.cuda.synchronize()
-        t = time.perf_counter()
-        fn()
-        out.append((time.perf_counter() - t) * 1e6)
-    torch.cuda.synchronize()
-    return statistics.median(out)
 
 
 def paged_layout(rows: int, kv_len: int, q_len: int, shuffle: bool = True):
@@ -114,16 +46,6 @@ def ws():
     return torch.empty(128 << 20, dtype=torch.uint8, device=DEV)
 
 
-def copy_bandwidth() -> dict:
-    n = 4 << 30
-    src = torch.empty(n, dtype=torch.uint8, device=DEV)
-    dst = torch.empty_like(src)
-    ms = kernel_ms(lambda: dst.copy_(src), reps=5, rounds=5)
-    del src, dst
-    torch.cuda.empty_cache()
-    return {"bytes": n, "ms": ms, "tb_per_s": 2 * n / (ms * 1e-3) / 1e12}  # read + write
-
-
 def bench_decode(fi, cache, rows, kv_len, results, graph_copy_bw=None):
     from mstar_flashinfer.decode import FlashInferDecodeWrapper, use_tensor_cores
 
@@ -138,7 +60,7 @@ def bench_decode(fi, cache, rows, kv_len, results, graph_copy_bw=None):
     w_plan = lambda: w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], dtype=BF16,  # noqa: E731
                             kv_lens=lay["kv_lens"])
     r = {"workload": f"paged decode {rows}x{kv_len}", "use_tensor_cores": tc,
-         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us(raw_plan, w_plan)))}
+         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us([raw_plan, w_plan])))}
     raw_plan()
     w_plan()
     # out= on both sides (the wrapper passes one): FlashInfer 0.7 zero-fills an output it allocates
@@ -185,7 +107,7 @@ def bench_prefill(fi, cache, rows, q_len, results):
     w_plan = lambda: w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], causal=True,  # noqa: E731
                             dtype=BF16, kv_lens=lay["kv_lens"])
     r = {"workload": f"paged prefill causal {rows}x{q_len}",
-         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us(raw_plan, w_plan)))}
+         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us([raw_plan, w_plan])))}
     raw_plan()
     w_plan()
     raw_out = torch.empty_like(q)
@@ -207,7 +129,7 @@ def bench_ragged(fi, results, segs=4, prefix=256, fresh=4096):
     w = FlashInferPrefixedPrefillWrapper(HQ, HKV, D, DEV)
     w_plan = lambda: w.plan(cu_q, cu_k, fresh, prefix + fresh, causal=False, dtype=BF16)  # noqa: E731
     r = {"workload": f"ragged prefill {segs}x({prefix}+{fresh}) not causal",
-         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us(raw_plan, w_plan)))}
+         **dict(zip(("raw_plan_us", "plan_us"), paired_host_us([raw_plan, w_plan])))}
     raw_plan()
     w_plan()
     r["raw_ms"], r["ms"] = paired_ms(lambda: raw.run(q, k, v), lambda: w.run(q, k, v), reps=5)

@@ -10,39 +10,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
+from timing import copy_bandwidth, events_ms
 
 from mstar_core.step import StepContext
 from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
-
-
-def events_ms(fn, reps=20, warm=3) -> float:
-    for _ in range(warm):
-        fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
-
-
-def copy_bandwidth(gib: int = 4) -> float:
-    """Device-to-device copy, bytes read + written per second: the memory ceiling."""
-    n = gib << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda").random_(0, 255)
-    dst = torch.empty_like(src)
-    ms = events_ms(lambda: dst.copy_(src), reps=10)
-    del src, dst
-    torch.cuda.empty_cache()
-    return 2 * n / (ms / 1e3)
 
 
 def main() -> int:
@@ -56,7 +31,7 @@ def main() -> int:
     a = ap.parse_args()
     import flashinfer
 
-    bw = copy_bandwidth()
+    bw = copy_bandwidth()["tb_per_s"] * 1e12
     o = BenchOptions(layers=a.layers, qo_heads=32, kv_heads=8, head_dim=128, hidden=a.hidden, batch=a.batch,
                      context=a.context, page_size=16, backend="flashinfer", graphs=True, preplan=False,
                      steps=a.steps, warmup=5, device="cuda", dtype="bfloat16")
