@@ -89,7 +89,8 @@ def decode_bandwidth(copy_tbps: float, batches, cap: int = 4096, sink: int = 4) 
     out = []
     window = cap - sink
     # A small sweep (each variant compiles once); the default launch is what the targets count.
-    tuning = [dict(block_n=bn, num_warps=w, num_splits=sp) for sp in (1, 2, 4, 8) for bn, w in ((64, 4), (64, 8))]
+    tuning = [dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp) for sp in (1, 2)
+              for bn, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)) for st in (2, 3, 4)]
     from mstar_core.kernels.bounded_attention.table import NUM_COLS, NO_SOURCE
     from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton, pick_splits
 
@@ -106,7 +107,7 @@ def decode_bandwidth(copy_tbps: float, batches, cap: int = 4096, sink: int = 4) 
         row["default_ms"] = cuda_time(lambda: bounded_attention(q, k, v, cache, table, sink=sink, window=window))
         best = None
         for t in tuning:
-            tag = f"[{t['num_splits']},{t['block_n']},{t['num_warps']}]"
+            tag = f"[{t['num_splits']},{t['block_n']},{t['num_warps']},{t['num_stages']}]"
             try:
                 ms = cuda_time(lambda: bounded_attention_triton(q, k, v, cache, table, sink=sink, window=window, **t))
             except Exception as e:  # e.g. out of shared memory for the larger tiles
@@ -175,19 +176,19 @@ def markdown(res: dict) -> str:
                      f"{r['retained_lo']} / {r['retained_hi']} | {r['attend_ms_lo']:.4f} | {r['attend_ms_hi']:.4f} | "
                      f"{r['ratio']:.3f} | {r['plan_host_ms_lo']:.3f} / {r['plan_host_ms_hi']:.3f} |")
     lines += ["\n## Decode over retained keys vs copy bandwidth (target >= 70%) and vs SDPA (target <= 1.10x)\n",
-              "| B | keys/row | MB read | default splits | default ms | % of copy | / SDPA | best ms (splits, block_n, warps) | "
+              "| B | keys/row | MB read | default splits | default ms | % of copy | / SDPA | best ms (splits, block_n, warps, stages) | "
               "best % | SDPA contiguous ms | SDPA % | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("decode", []):
         t = r["best_tuning"]
         lines.append(f"| {r['B']} | {r['cap']} | {r['bytes_read'] / 1e6:.0f} | {r.get('default_splits', 1)} | "
                      f"{r['default_ms']:.4f} | {100 * r['default_vs_copy']:.1f} | {r['default_ms'] / r['sdpa_ms']:.3f} | "
-                     f"{r['best_ms']:.4f} ({t.get('num_splits', 1)}, {t['block_n']}, {t['num_warps']}) | "
+                     f"{r['best_ms']:.4f} ({t.get('num_splits', 1)}, {t['block_n']}, {t['num_warps']}, {t.get('num_stages', '-')}) | "
                      f"{100 * r['best_vs_copy']:.1f} | {r['sdpa_ms']:.4f} | {100 * r['sdpa_vs_copy']:.1f} | "
                      f"{r['rel_err_vs_fp32_reference']:.2e} |")
     sweep = [(r["B"], k, v) for r in res.get("decode", []) for k, v in r.items() if k.startswith("ms[")]
     if sweep:
-        lines += ["\nSweep (ms, [splits, block_n, warps]): " + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
+        lines += ["\nSweep (ms, [splits, block_n, warps, stages]): " + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
     lines += ["\n## Memory per request (32 layers, sink 4 + window 4092, page size 16)\n",
               "| stream tokens | bounded MiB | paged, all pages MiB | paged, evicting behind window MiB | bounded / all | bounded / evicting |",
               "|---|---|---|---|---|---|"]
@@ -204,6 +205,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--quick", action="store_true", help="fewer batch sizes")
+    ap.add_argument("--sections", default="flatness,decode,memory", help="which sections to run (comma-separated)")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("bounded_bench: needs a CUDA GPU", file=sys.stderr)
@@ -224,11 +226,14 @@ def main(argv=None) -> int:
 
     section("copy", copy_bandwidth)
     # 1k vs 64k with a 1k slot (both rings full), and 4k vs 64k with a 4k slot.
-    section("flatness", lambda: flatness(64, 4, 1020) + flatness(64, 4, 4092, spans=(1,), at=(4096, 65536)))
+    wanted = set(args.sections.split(","))
+    if "flatness" in wanted:
+        section("flatness", lambda: flatness(64, 4, 1020) + flatness(64, 4, 4092, spans=(1,), at=(4096, 65536)))
     batches = (64, 128) if args.quick else (64, 128, 256)
-    if "copy" in res:
+    if "copy" in res and "decode" in wanted:
         section("decode", lambda: decode_bandwidth(res["copy"]["tb_per_s"], batches))
-    section("memory", memory)
+    if "memory" in wanted:
+        section("memory", memory)
     targets = {}
     if "flatness" in res:
         targets["flat_ratios"] = [r["ratio"] for r in res["flatness"]]

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import inspect
 import math
+import os
 
 import torch
 import triton
@@ -40,13 +41,15 @@ LOG2E = 1.4426950408889634
 _PER_STEP = ["stride_qr", "stride_qh", "stride_qt", "stride_kr", "stride_kh", "stride_kt", "stride_vr", "stride_vh",
              "stride_vt", "stride_ss", "stride_sr", "stride_sh", "stride_sn", "stride_rs", "stride_rr", "stride_rh",
              "stride_rn", "stride_br", "stride_bh", "stride_bt", "stride_or", "stride_ot", "stride_oh",
-             "T", "ROWS", "H", "SRC_L", "ROW_L", "NB", "SINK", "WINDOW", "QW", "SPLIT_N"]
+             "T", "ROWS", "H", "SRC_L", "ROW_L", "NB", "SINK", "WINDOW", "QW", "SPLIT_N", "HAS_SRC", "HAS_ROW"]
 
 
 def _jit_options(names: list[str]) -> dict:
+    # MSTAR_BOUNDED_SPECIALIZE=1 keeps Triton's default specialisation (for an A/B in the benchmark)
+    if os.environ.get("MSTAR_BOUNDED_SPECIALIZE") == "1":
+        return {}
     opts = inspect.signature(triton.jit).parameters
-    kw = {k: names for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in opts}
-    return kw
+    return {k: names for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in opts}
 
 
 @triton.jit
@@ -102,10 +105,9 @@ def _bounded_fwd(
     stride_rs, stride_rr, stride_rh, stride_rn,
     stride_br, stride_bh, stride_bt,
     stride_or, stride_ot, stride_oh,
-    T, ROWS, H, SRC_L, ROW_L, NB, qk_scale, SINK, WINDOW, QW, SPLIT_N,
+    T, ROWS, H, SRC_L, ROW_L, NB, qk_scale, SINK, WINDOW, QW, SPLIT_N, HAS_SRC, HAS_ROW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-    BLOCK_N: tl.constexpr, NCOL: tl.constexpr,
-    HAS_SRC: tl.constexpr, HAS_ROW: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QW: tl.constexpr,
+    BLOCK_N: tl.constexpr, NCOL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QW: tl.constexpr,
     IEEE: tl.constexpr, SPLIT: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -141,13 +143,15 @@ def _bounded_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    if HAS_SRC:
+    # HAS_SRC / HAS_ROW are runtime flags, not constexpr: a step with or without a prefix source
+    # runs the same compiled kernel (the prefix loops cost nothing where no row has a source).
+    if HAS_SRC != 0:
         if (src >= 0) & (pid_s == 0):
             n_keys = tl.where(src_len < 0, SRC_L, src_len)
             base = Src + src.to(tl.int64) * stride_ss + r * stride_sr + hkv * stride_sh
             acc, m_i, l_i = _prefix_segment(acc, m_i, l_i, q, base, stride_sn, n_keys, m_valid,
                                             offs_d, d_mask, qk_scale, D, BLOCK_N, IEEE)
-    if HAS_ROW:
+    if HAS_ROW != 0:
         if (src == -1) & (pid_s == 0):
             rslot = tl.load(RowSlots + b).to(tl.int64)
             n_keys = tl.where(src_len < 0, ROW_L, src_len)
@@ -389,9 +393,8 @@ def bounded_attention_triton(
         bias.stride(0), bias.stride(1), bias.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         T, rows, H, src.shape[3], rstore.shape[3], nb, scale * LOG2E, sink, window,
-        query_window if query_window is not None else 0, split_n,
+        query_window if query_window is not None else 0, split_n, int(source is not None), int(row_source is not None),
         G=G, D=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=block_n, NCOL=tb.NUM_COLS,
-        HAS_SRC=source is not None, HAS_ROW=row_source is not None,
         HAS_BIAS=rel_bias is not None, HAS_QW=query_window is not None, IEEE=ieee, SPLIT=splits > 1,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
