@@ -33,6 +33,6 @@ c)
   setup
   T 120 profile_plan python3 bench/profile_plan.py
   T 200 bounded_decode python3 bench/bounded_bench.py --out "$R/nospec" --sections decode
-  MSTAR_BOUNDED_SPECIALIZE=1 T 200 bounded_decode_spec python3 bench/bounded_bench.py --out "$R/spec" --sections decode
+  T 200 bounded_decode_spec env MSTAR_BOUNDED_SPECIALIZE=1 python3 bench/bounded_bench.py --out "$R/spec" --sections decode
   T 200 tests_bounded python3 -m pytest -m gpu tests/bounded -v -rs --durations=10 -p no:cacheprovider ;;
 esac
