@@ -83,16 +83,16 @@ def flatness(B: int, sink: int, window: int, spans=(1, 64), at=(1024, 65536)) ->
 
 
 def decode_bandwidth(copy_tbps: float, batches, cap: int = 4096, sink: int = 4) -> list[dict]:
-    """Decode over full rings: the default launch (split count from pick_splits), a sweep of
-    split counts and tiles, and torch SDPA over the same keys in one contiguous buffer (the
-    target: default <= 1.10x SDPA at every batch, issue 12)."""
+    """Decode over full rings: the default launch (tiles from decode_tiles), a sweep of tiles and
+    pipeline stages, and torch SDPA over the same keys in one contiguous buffer (the target:
+    default <= 1.10x SDPA at every batch, issue 12)."""
     out = []
     window = cap - sink
     # A small sweep (each variant compiles once); the default launch is what the targets count.
-    tuning = [dict(block_n=bn, num_warps=w, num_stages=st, num_splits=sp) for sp in (1, 2)
+    tuning = [dict(block_n=bn, num_warps=w, num_stages=st)
               for bn, w in ((32, 4), (64, 4), (64, 8), (128, 4), (128, 8)) for st in (2, 3, 4)]
     from mstar_core.kernels.bounded_attention.table import NUM_COLS, NO_SOURCE
-    from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton, pick_splits
+    from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton, decode_tiles
 
     for B in batches:
         cache = torch.randn(B, 1, HKV, cap, 2 * D, device=DEV, dtype=DT)
@@ -103,11 +103,11 @@ def decode_bandwidth(copy_tbps: float, batches, cap: int = 4096, sink: int = 4) 
         q = torch.randn(B, HQ, 1, D, device=DEV, dtype=DT)
         k, v = (torch.randn(B, HKV, 1, D, device=DEV, dtype=DT) for _ in range(2))
         read = cache.numel() * cache.element_size()
-        row = {"B": B, "cap": cap, "bytes_read": read, "default_splits": pick_splits(B * HKV, cap, 64, q.device)}
+        row = {"B": B, "cap": cap, "bytes_read": read, "default_tiles": decode_tiles(D, cache.element_size())}
         row["default_ms"] = cuda_time(lambda: bounded_attention(q, k, v, cache, table, sink=sink, window=window))
         best = None
         for t in tuning:
-            tag = f"[{t['num_splits']},{t['block_n']},{t['num_warps']},{t['num_stages']}]"
+            tag = f"[{t['block_n']},{t['num_warps']},{t['num_stages']}]"
             try:
                 ms = cuda_time(lambda: bounded_attention_triton(q, k, v, cache, table, sink=sink, window=window, **t))
             except Exception as e:  # e.g. out of shared memory for the larger tiles
@@ -126,14 +126,11 @@ def decode_bandwidth(copy_tbps: float, batches, cap: int = 4096, sink: int = 4) 
         row["sdpa_ms"] = cuda_time(lambda: torch.nn.functional.scaled_dot_product_attention(q, kc, vc, enable_gqa=True))
         row["sdpa_vs_copy"] = read / row["sdpa_ms"] / 1e9 / copy_tbps
         row["default_vs_sdpa"] = row["default_ms"] / row["sdpa_ms"]
-        # Correctness of the timed kernel on this input (the default launch, splits and all).
+        # Correctness of the timed kernel on this input (the default launch).
         ref = bounded_attention(q[:4].float(), k[:4].float(), v[:4].float(), cache[:4].float(), table[:4],
                                 sink=sink, window=window, impl="reference")
         got = bounded_attention(q[:4], k[:4], v[:4], cache[:4], table[:4], sink=sink, window=window)
         row["rel_err_vs_fp32_reference"] = ((got.float() - ref).norm() / ref.norm()).item()
-        full = bounded_attention(q, k, v, cache, table, sink=sink, window=window)
-        one = bounded_attention_triton(q, k, v, cache, table, sink=sink, window=window, num_splits=1)
-        row["rel_diff_default_vs_one_split"] = ((full.float() - one.float()).norm() / one.float().norm()).item()
         out.append(row)
         del cache
         torch.cuda.empty_cache()
@@ -176,19 +173,19 @@ def markdown(res: dict) -> str:
                      f"{r['retained_lo']} / {r['retained_hi']} | {r['attend_ms_lo']:.4f} | {r['attend_ms_hi']:.4f} | "
                      f"{r['ratio']:.3f} | {r['plan_host_ms_lo']:.3f} / {r['plan_host_ms_hi']:.3f} |")
     lines += ["\n## Decode over retained keys vs copy bandwidth (target >= 70%) and vs SDPA (target <= 1.10x)\n",
-              "| B | keys/row | MB read | default splits | default ms | % of copy | / SDPA | best ms (splits, block_n, warps, stages) | "
+              "| B | keys/row | MB read | default (block_n, warps, stages) | default ms | % of copy | / SDPA | best ms (block_n, warps, stages) | "
               "best % | SDPA contiguous ms | SDPA % | rel err |",
               "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in res.get("decode", []):
         t = r["best_tuning"]
-        lines.append(f"| {r['B']} | {r['cap']} | {r['bytes_read'] / 1e6:.0f} | {r.get('default_splits', 1)} | "
+        lines.append(f"| {r['B']} | {r['cap']} | {r['bytes_read'] / 1e6:.0f} | {tuple(r.get('default_tiles', ()))} | "
                      f"{r['default_ms']:.4f} | {100 * r['default_vs_copy']:.1f} | {r['default_ms'] / r['sdpa_ms']:.3f} | "
-                     f"{r['best_ms']:.4f} ({t.get('num_splits', 1)}, {t['block_n']}, {t['num_warps']}, {t.get('num_stages', '-')}) | "
+                     f"{r['best_ms']:.4f} ({t['block_n']}, {t['num_warps']}, {t.get('num_stages', '-')}) | "
                      f"{100 * r['best_vs_copy']:.1f} | {r['sdpa_ms']:.4f} | {100 * r['sdpa_vs_copy']:.1f} | "
                      f"{r['rel_err_vs_fp32_reference']:.2e} |")
     sweep = [(r["B"], k, v) for r in res.get("decode", []) for k, v in r.items() if k.startswith("ms[")]
     if sweep:
-        lines += ["\nSweep (ms, [splits, block_n, warps, stages]): " + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
+        lines += ["\nSweep (ms, [block_n, warps, stages]): " + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
     lines += ["\n## Memory per request (32 layers, sink 4 + window 4092, page size 16)\n",
               "| stream tokens | bounded MiB | paged, all pages MiB | paged, evicting behind window MiB | bounded / all | bounded / evicting |",
               "|---|---|---|---|---|---|"]

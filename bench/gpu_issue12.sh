@@ -3,8 +3,9 @@
 #   a   carry .gpu/flashinfer .gpu/flashinfer-aot.tgz: host_bench (prepare vs raw plan, 8-layer decode),
 #       flashinfer_bench (wrapper plan overhead), runner_bench (32 layers, 64 x 8192); compiled modules back
 #   b   (machine kept warm from a, or carry as for a): the GPU test suite with durations, bounded_bench
-#   c   (as b): where prepare()'s host time goes (profile_plan), the bounded decode sweep with and without
-#       Triton's default specialisation, the bounded GPU tests with durations
+#   c   (as b; ran at 233bb63): where prepare()'s host time goes (profile_plan), the bounded decode sweep with
+#       and without Triton's default specialisation (MSTAR_BOUNDED_SPECIALIZE, since removed), bounded GPU tests
+#   d   (as a): the final pass: every benchmark, the GPU test suite with durations, profile_plan
 stage=${1:?stage}
 R=$OUT/r; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 OUT
@@ -35,4 +36,12 @@ c)
   T 200 bounded_decode python3 bench/bounded_bench.py --out "$R/nospec" --sections decode
   T 200 bounded_decode_spec env MSTAR_BOUNDED_SPECIALIZE=1 python3 bench/bounded_bench.py --out "$R/spec" --sections decode
   T 200 tests_bounded python3 -m pytest -m gpu tests/bounded -v -rs --durations=10 -p no:cacheprovider ;;
+d)
+  setup
+  T 300 host_bench python3 bench/host_bench.py --out "$R" --commit "${COMMIT:-unknown}"
+  T 170 flashinfer_bench python3 bench/flashinfer_bench.py --out "$R"
+  T 100 runner_bench python3 bench/runner_bench.py --out "$R"
+  T 200 bounded_bench python3 bench/bounded_bench.py --out "$R"
+  T 330 tests_gpu python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -v -rs --durations=20 -p no:cacheprovider
+  T 60 profile_plan python3 bench/profile_plan.py ;;
 esac

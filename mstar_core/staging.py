@@ -5,8 +5,9 @@ An asynchronous H2D copy reads its pinned source when the stream reaches it, not
 issued. A host that plans step N+1 while step N is still queued must not overwrite the buffer
 step N's copy will read: each plan takes the next slot (round robin), and a slot is reused only
 after the event recorded behind its last copies has fired — normally long ago, so the check is
-an ``Event.query()``, not a device sync. (The KV manager's page table stages each plan's row
-arrays here; the FlashInfer plugin stages its plans' host arrays.)
+an ``Event.query()``, not a device sync. (The FlashInfer plugin stages its plans' host arrays
+here, in buffers it reuses; the KV manager's page table copies from fresh tensors of torch's
+caching host allocator instead, which does this bookkeeping itself.)
 
 ``copy`` and the fence class are attributes so a test can stand in a deferred copy engine and
 provoke the race on a CPU (tests/core/test_staging_race.py).

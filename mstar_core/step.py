@@ -95,8 +95,13 @@ class KVStep:
         return tuple(dict.fromkeys(s.request_id for s in self.spans))
 
     def keys(self) -> tuple[tuple[str, str], ...]:
-        """The ``(request_id, label)`` streams this step touches, in packing order."""
-        return tuple((s.request_id, s.label) for s in self.spans)
+        """The ``(request_id, label)`` streams this step touches, in packing order (computed once
+        per step: admit, plan and commit each ask)."""
+        keys = self.__dict__.get("_keys")
+        if keys is None:
+            keys = tuple((s.request_id, s.label) for s in self.spans)
+            object.__setattr__(self, "_keys", keys)
+        return keys
 
 
 @dataclass(frozen=True)

@@ -55,30 +55,6 @@ def test_kernel_matches_reference(triton_interp, T, G, D, qw, bias):
     assert torch.equal(c_ref, c_tri)
 
 
-@pytest.mark.parametrize("T,G,splits", [(1, 4, 2), (1, 1, 4), (3, 2, 3), (20, 1, 2)])
-def test_split_over_keys_matches_reference(triton_interp, T, G, splits):
-    """Keys cut into ranges (flash-decoding): the first split takes the prefixes, the last the
-    step's own keys, and the merge gives the same softmax as one pass."""
-    rng = random.Random(T * 31 + splits)
-    gen = torch.Generator().manual_seed(splits)
-    B, rows, H, sink, window, slots, D = 3, 1, 2, 4, 60, 4, 16
-    table = random_table(rng, B, T, slots, sink, window, n_src=2, row=True)
-    table[0, tb.START], table[0, tb.NUM_TOKENS] = 10 * window, T  # one row with a full ring
-    table[0, tb.SINK_KEPT], table[0, tb.RING_KEPT] = sink, window
-    cache = torch.randn(slots, rows, H, sink + window, 2 * D, generator=gen)
-    q = torch.randn(B * rows, H * G, T, D, generator=gen)
-    k, v = (torch.randn(B * rows, H, T, D, generator=gen) for _ in range(2))
-    kw = dict(sink=sink, window=window, query_window=None,
-              source=torch.randn(2, rows, H, 7, 2 * D, generator=gen),
-              row_source=(torch.randn(4, rows, H, 3, 2 * D, generator=gen), torch.tensor([3, 0, 2])),
-              rel_bias=None, ieee=True)
-    ref = bounded_attention_reference(q, k, v, cache, table, **kw)
-    one = triton_interp.bounded_attention_triton(q, k, v, cache, table, block_n=16, num_splits=1, **kw)
-    out = triton_interp.bounded_attention_triton(q, k, v, cache, table, block_n=16, num_splits=splits, **kw)
-    assert torch.allclose(one, ref, atol=2e-5, rtol=1e-4), (one - ref).abs().max()
-    assert torch.allclose(out, ref, atol=2e-5, rtol=1e-4), (out - ref).abs().max()
-
-
 def test_manager_with_triton_kernels_matches_oracle(bk, triton_interp, monkeypatch):
     """The manager end to end with the interpreted Triton kernels in place of the reference."""
     def attn(q, k, v, cache, table, *, impl="auto", **kw):

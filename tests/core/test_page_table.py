@@ -67,7 +67,7 @@ def test_random_lifecycle_matches_the_host_page_lists():
             kv.rollback_admit(step, ctx)
         else:
             kv.commit(step, ctx)
-        check(lay)  # a plan stays readable after its step lands (copy-on-truncate)
+            check(lay)  # a plan stays readable after its step lands (copy-on-truncate)
     kv.post_warmup_validate()
     assert len(grew) > 1, "the table never grew: the test did not cover growth"
 

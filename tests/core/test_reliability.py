@@ -153,19 +153,20 @@ def test_admit_interrupted_midway_leaves_nothing_taken(monkeypatch, exc):
         node.ingest_request(r)
     node.step(step_of(a=5), lambda ctx: None)
     before = snapshot(kv)
-    take, calls = kv.pool.take, []
+    append, calls = kv._append, []
 
-    def flaky(n):
-        calls.append(n)
+    def flaky(stream, pages):
+        # the second stream's pages: taken from the pool, recorded, not yet on the stream
+        calls.append(len(pages))
         if len(calls) == 2:
             raise exc("interrupted")
-        return take(n)
+        return append(stream, pages)
 
-    monkeypatch.setattr(kv.pool, "take", flaky)
+    monkeypatch.setattr(kv, "_append", flaky)
     with pytest.raises(exc):
         node.step(step_of(a=4, b=9, c=1), lambda ctx: None)
     assert len(calls) == 2 and snapshot(kv) == before
-    monkeypatch.setattr(kv.pool, "take", take)
+    monkeypatch.setattr(kv, "_append", append)
     assert node.step(step_of(a=4, b=9, c=1), lambda ctx: None).outcome
 
 

@@ -1,20 +1,16 @@
 """Bounded attention in Triton (GPU).
 
-One program per (query block, request row, KV head, key split). It walks the keys in four
-segments — source prefix, row-source prefix, retained cache (sink + ring), the step's own keys —
-with an online softmax in fp32, so no score matrix ever reaches global memory, and for decode (one
-query block per row) each retained key is read exactly once. The query heads sharing a KV head are
+One program per (query block, request row, KV head). It walks the keys in four segments —
+source prefix, row-source prefix, retained cache (sink + ring), the step's own keys — with an
+online softmax in fp32, so no score matrix ever reaches global memory, and for decode (one query
+block per row) each retained key is read exactly once. The query heads sharing a KV head are
 packed into the query block (query ``m`` is token ``m // G``, head ``kv_head * G + m % G``).
 
-Split over keys (flash-decoding): with few rows there are too few programs to keep the memory
-system busy, so the retained keys are cut into ``num_splits`` ranges, one program each (the first
-also takes the prefixes, the last the step's own keys); each writes its unnormalised partial
-(accumulator, running max, running sum) and a second kernel merges them. :func:`pick_splits`
-chooses the count from the program count and the device's SM count.
-
-Integer arguments that change from step to step (token counts, strides of per-step tensors) are
-not specialised on (``do_not_specialize``): Triton would otherwise compile a variant per value
-class (== 1, divisible by 16) it meets, which is what made a long run compile dozens of times.
+Compiles: the prefix sources are runtime flags, and the integers that change from step to step
+without touching the hot loop (strides of the per-step tensors, prefix lengths) are not
+specialised on, so a long run with and without sources compiles each variant once. The integers
+the key loop computes with (T, SINK, WINDOW, QW, the cache strides) keep Triton's specialisation:
+dropping it measured ~5% slower decode on an H200 (results/h200/issue12).
 
 This module imports triton at import time; the package imports it only when the Triton path is
 taken, so a machine without triton still imports the package. Absolute imports only: the tests
@@ -25,7 +21,6 @@ from __future__ import annotations
 
 import inspect
 import math
-import os
 
 import torch
 import triton
@@ -35,21 +30,25 @@ from mstar_core.kernels.bounded_attention import table as tb
 
 LOG2E = 1.4426950408889634
 
-# Runtime integers that vary per step; specialising on them (value 1, divisibility by 16) only
-# multiplies compiles. Strides of the cache are left specialised: its rows' alignment lets the
-# key/value loads vectorise.
-_PER_STEP = ["stride_qr", "stride_qh", "stride_qt", "stride_kr", "stride_kh", "stride_kt", "stride_vr", "stride_vh",
-             "stride_vt", "stride_ss", "stride_sr", "stride_sh", "stride_sn", "stride_rs", "stride_rr", "stride_rh",
-             "stride_rn", "stride_br", "stride_bh", "stride_bt", "stride_or", "stride_ot", "stride_oh",
-             "T", "ROWS", "H", "SRC_L", "ROW_L", "NB", "SINK", "WINDOW", "QW", "SPLIT_N", "HAS_SRC", "HAS_ROW"]
+# Runtime integers that vary per step but stay out of the key loop's arithmetic.
+_NOT_SPECIALISED = ["stride_qr", "stride_qh", "stride_qt", "stride_kr", "stride_kh", "stride_kt", "stride_vr",
+                    "stride_vh", "stride_vt", "stride_ss", "stride_sr", "stride_sh", "stride_sn", "stride_rs",
+                    "stride_rr", "stride_rh", "stride_rn", "stride_br", "stride_bh", "stride_bt", "stride_or",
+                    "stride_ot", "stride_oh", "SRC_L", "ROW_L", "NB", "HAS_SRC", "HAS_ROW"]
 
 
 def _jit_options(names: list[str]) -> dict:
-    # MSTAR_BOUNDED_SPECIALIZE=1 keeps Triton's default specialisation (for an A/B in the benchmark)
-    if os.environ.get("MSTAR_BOUNDED_SPECIALIZE") == "1":
-        return {}
     opts = inspect.signature(triton.jit).parameters
     return {k: names for k in ("do_not_specialize", "do_not_specialize_on_alignment") if k in opts}
+
+
+def decode_tiles(head_dim: int, element_size: int) -> tuple[int, int, int | None]:
+    """(block_n, num_warps, num_stages) of the one-query-block (decode) launch: 128 keys a step in
+    two stages where a tile of K and V fits shared memory twice over (16-bit, head dim <= 128),
+    Triton's defaults with 64 keys otherwise (results/h200/issue12/bounded_bench.md)."""
+    if element_size <= 2 and head_dim <= 128:
+        return 128, 4, 2
+    return 64, 4, None
 
 
 @triton.jit
@@ -94,9 +93,9 @@ def _prefix_segment(acc, m_i, l_i, q, base, stride_n, n_keys, m_valid, offs_d, d
     return acc, m_i, l_i
 
 
-@triton.jit(**_jit_options(_PER_STEP))
+@triton.jit(**_jit_options(_NOT_SPECIALISED))
 def _bounded_fwd(
-    Q, K, V, Cache, Table, Src, RowSrc, RowSlots, Bias, Out, PartAcc, PartML,
+    Q, K, V, Cache, Table, Src, RowSrc, RowSlots, Bias, Out,
     stride_qr, stride_qh, stride_qt,
     stride_kr, stride_kh, stride_kt,
     stride_vr, stride_vh, stride_vt,
@@ -105,15 +104,13 @@ def _bounded_fwd(
     stride_rs, stride_rr, stride_rh, stride_rn,
     stride_br, stride_bh, stride_bt,
     stride_or, stride_ot, stride_oh,
-    T, ROWS, H, SRC_L, ROW_L, NB, qk_scale, SINK, WINDOW, QW, SPLIT_N, HAS_SRC, HAS_ROW,
+    T, ROWS, H, SRC_L, ROW_L, NB, qk_scale, SINK, WINDOW, QW, HAS_SRC, HAS_ROW,
     G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, NCOL: tl.constexpr, HAS_BIAS: tl.constexpr, HAS_QW: tl.constexpr,
-    IEEE: tl.constexpr, SPLIT: tl.constexpr,
+    IEEE: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_bh = tl.program_id(1)
-    pid_s = tl.program_id(2)
-    n_splits = tl.num_programs(2)
     hkv = pid_bh % H
     br = pid_bh // H
     b = br // ROWS
@@ -143,16 +140,15 @@ def _bounded_fwd(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
 
-    # HAS_SRC / HAS_ROW are runtime flags, not constexpr: a step with or without a prefix source
-    # runs the same compiled kernel (the prefix loops cost nothing where no row has a source).
+    # runtime flags, not constexpr: a step with or without a prefix source runs the same kernel
     if HAS_SRC != 0:
-        if (src >= 0) & (pid_s == 0):
+        if src >= 0:
             n_keys = tl.where(src_len < 0, SRC_L, src_len)
             base = Src + src.to(tl.int64) * stride_ss + r * stride_sr + hkv * stride_sh
             acc, m_i, l_i = _prefix_segment(acc, m_i, l_i, q, base, stride_sn, n_keys, m_valid,
                                             offs_d, d_mask, qk_scale, D, BLOCK_N, IEEE)
     if HAS_ROW != 0:
-        if (src == -1) & (pid_s == 0):
+        if src == -1:
             rslot = tl.load(RowSlots + b).to(tl.int64)
             n_keys = tl.where(src_len < 0, ROW_L, src_len)
             base = RowSrc + rslot * stride_rs + r * stride_rr + hkv * stride_rh
@@ -164,9 +160,7 @@ def _bounded_fwd(
     # Retained keys: cache indices [0, sink_kept) and [SINK, SINK + ring_kept).
     c_base = Cache + slot * stride_cs + r * stride_cr + hkv * stride_ch
     c_hi = tl.where(ring_kept > 0, SINK + ring_kept, sink_kept)
-    c_lo = pid_s * SPLIT_N  # this split's keys: [c_lo, c_lo + SPLIT_N), a multiple of BLOCK_N
-    c_hi = tl.minimum(c_hi, c_lo + SPLIT_N)
-    for n0 in range(c_lo, c_hi, BLOCK_N):
+    for n0 in range(0, c_hi, BLOCK_N):
         j = n0 + tl.arange(0, BLOCK_N)
         kvalid = (j < sink_kept) | ((j >= SINK) & (j < SINK + ring_kept))
         back = (start - 1 - j) % WINDOW  # >= 0 wherever kvalid
@@ -188,7 +182,7 @@ def _bounded_fwd(
 
     # The step's own keys, causal: the block's last token bounds the keys it can see.
     last_t = (pid_m * BLOCK_M + BLOCK_M - 1) // G
-    own_hi = tl.where(pid_s == n_splits - 1, tl.minimum(ntok, last_t + 1), 0)  # the last split takes them
+    own_hi = tl.minimum(ntok, last_t + 1)
     k_base = K + br64 * stride_kr + hkv * stride_kh
     v_base = V + br64 * stride_vr + hkv * stride_vh
     for n0 in range(0, own_hi, BLOCK_N):
@@ -209,81 +203,12 @@ def _bounded_fwd(
         s = tl.where(vis, s, float("-inf"))
         acc, m_i, l_i = _online_update(acc, m_i, l_i, s, vb, IEEE)
 
-    if SPLIT:
-        # unnormalised partial of this split: [split, bh, m-block, BLOCK_M, BLOCK_D] and (max, sum)
-        part = (pid_s * tl.num_programs(1) + pid_bh) * tl.num_programs(0) + pid_m
-        rows_m = tl.arange(0, BLOCK_M)
-        tl.store(PartAcc + part.to(tl.int64) * BLOCK_M * BLOCK_D + rows_m[:, None] * BLOCK_D + offs_d[None, :], acc)
-        tl.store(PartML + part.to(tl.int64) * 2 * BLOCK_M + rows_m, m_i)
-        tl.store(PartML + part.to(tl.int64) * 2 * BLOCK_M + BLOCK_M + rows_m, l_i)
-    else:
-        out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding queries saw nothing: 0
-        o_ptr = Out + br64 * stride_or + t[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=(t < T)[:, None] & d_mask[None, :])
-
-
-@triton.jit(**_jit_options(["T", "H", "stride_or", "stride_ot", "stride_oh", "NUM_SPLITS"]))
-def _merge_splits(
-    PartAcc, PartML, Out, stride_or, stride_ot, stride_oh, T, H, NUM_SPLITS,
-    G: tl.constexpr, D: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """Merge the splits' partials of one (query block, row, KV head): the softmax over all keys
-    is the partials rescaled to their common max."""
-    pid_m = tl.program_id(0)
-    pid_bh = tl.program_id(1)
-    n_m = tl.num_programs(0)
-    n_bh = tl.num_programs(1)
-    hkv = pid_bh % H
-    br64 = (pid_bh // H).to(tl.int64)
-    rows_m = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, BLOCK_D)
-    m_all = tl.full([BLOCK_M], float("-inf"), tl.float32)
-    for s in range(0, NUM_SPLITS):
-        part = ((s * n_bh + pid_bh) * n_m + pid_m).to(tl.int64)
-        m_all = tl.maximum(m_all, tl.load(PartML + part * 2 * BLOCK_M + rows_m))
-    m_safe = tl.where(m_all == float("-inf"), 0.0, m_all)
-    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    l_all = tl.zeros([BLOCK_M], tl.float32)
-    for s in range(0, NUM_SPLITS):
-        part = ((s * n_bh + pid_bh) * n_m + pid_m).to(tl.int64)
-        w = tl.exp2(tl.load(PartML + part * 2 * BLOCK_M + rows_m) - m_safe)  # 0 for a split that saw nothing
-        l_all += w * tl.load(PartML + part * 2 * BLOCK_M + BLOCK_M + rows_m)
-        acc += w[:, None] * tl.load(PartAcc + part * BLOCK_M * BLOCK_D + rows_m[:, None] * BLOCK_D + offs_d[None, :])
-    out = acc / tl.where(l_all > 0, l_all, 1.0)[:, None]
-    offs_m = pid_m * BLOCK_M + rows_m
-    t = offs_m // G
-    hq = hkv * G + offs_m % G
+    out = acc / tl.where(l_i > 0, l_i, 1.0)[:, None]  # padding queries saw nothing: 0
     o_ptr = Out + br64 * stride_or + t[:, None] * stride_ot + hq[:, None] * stride_oh + offs_d[None, :]
-    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=(t < T)[:, None] & (offs_d < D)[None, :])
+    tl.store(o_ptr, out.to(Out.dtype.element_ty), mask=(t < T)[:, None] & d_mask[None, :])
 
 
-def pick_splits(programs: int, keys: int, block_n: int, device: torch.device) -> int:
-    """How many ranges to cut the retained keys into: enough programs for ``SPLIT_TARGET`` per SM,
-    never a range under ``MIN_SPLIT_KEYS`` keys (a split's fixed cost: its partial's write and
-    merge)."""
-    if keys <= MIN_SPLIT_KEYS or device.type != "cuda":
-        return 1
-    want = -(-SPLIT_TARGET * _sm_count(device) // max(programs, 1))
-    return max(1, min(want, keys // MIN_SPLIT_KEYS, MAX_SPLITS))
-
-
-# Tuned on an H200 (results/h200/issue12/bounded_bench.md): programs per SM the split aims for, and
-# the smallest key range worth a program of its own.
-SPLIT_TARGET = 8
-MIN_SPLIT_KEYS = 512
-MAX_SPLITS = 16
-_SMS: dict[int, int] = {}
-
-
-def _sm_count(device: torch.device) -> int:
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    if idx not in _SMS:
-        _SMS[idx] = torch.cuda.get_device_properties(idx).multi_processor_count
-    return _SMS[idx]
-
-
-@triton.jit(**_jit_options(["stride_kr", "stride_kh", "stride_kt", "stride_vr", "stride_vh", "stride_vt", "T",
-                             "ROWS", "H", "SINK", "WINDOW"]))
+@triton.jit(**_jit_options(["stride_kr", "stride_kh", "stride_kt", "stride_vr", "stride_vh", "stride_vt"]))
 def _write_step(
     K, V, Cache, Table,
     stride_kr, stride_kh, stride_kt,
@@ -339,14 +264,13 @@ def bounded_attention_triton(
     sm_scale: float | None = None,
     ieee: bool = False,
     block_m: int | None = None,
-    block_n: int = 64,
-    num_warps: int = 4,
+    block_n: int | None = None,
+    num_warps: int | None = None,
     num_stages: int | None = None,
-    num_splits: int | None = None,
 ) -> torch.Tensor:
     """See :func:`mstar_core.kernels.bounded_attention.bounded_attention`. ``block_m``,
-    ``block_n``, ``num_warps``, ``num_stages``: launch tuning (the benchmark sweeps them);
-    ``num_splits``: key ranges per row (None: :func:`pick_splits`)."""
+    ``block_n``, ``num_warps``, ``num_stages``: launch tuning (the benchmark sweeps them; None:
+    :func:`decode_tiles` for a decode launch, 64 keys and 4 warps otherwise)."""
     q, k, v = (_inner_contiguous(x) for x in (q, k, v))
     B = table.shape[0]
     BR, Hq, T, D = q.shape
@@ -358,6 +282,13 @@ def bounded_attention_triton(
     table = table.to(q.device, torch.int32)
     # Decode packs the G heads of one token; min 16 rows for tl.dot.
     bm = block_m or (16 if T * G <= 16 else 64)
+    if bm == 16 and T * G <= 16:
+        tiles = decode_tiles(D, cache.element_size())
+    else:
+        tiles = (64, 4, None)
+    block_n = tiles[0] if block_n is None else block_n
+    num_warps = tiles[1] if num_warps is None else num_warps
+    num_stages = tiles[2] if num_stages is None else num_stages
     block_d = max(16, triton.next_power_of_2(D))
     src = _inner_contiguous(source) if source is not None else cache
     if row_source is not None:
@@ -368,22 +299,9 @@ def bounded_attention_triton(
     nb = rel_bias.shape[-1] if rel_bias is not None else 1
     if rel_bias is not None:
         bias = _inner_contiguous(rel_bias)
-    n_m = triton.cdiv(T * G, bm)
-    cap = cache.shape[3]
-    splits = pick_splits(n_m * BR * H, cap, block_n, q.device) if num_splits is None else int(num_splits)
-    if splits < 1:
-        raise ValueError(f"num_splits must be >= 1, got {num_splits}")
-    # each split's key range a whole number of blocks; no more splits than ranges that hold keys
-    split_n = triton.cdiv(triton.cdiv(cap, splits), block_n) * block_n
-    splits = max(1, triton.cdiv(cap, split_n))
-    if splits > 1:
-        part_acc = torch.empty(splits * BR * H * n_m * bm * block_d, dtype=torch.float32, device=q.device)
-        part_ml = torch.empty(splits * BR * H * n_m * 2 * bm, dtype=torch.float32, device=q.device)
-    else:
-        part_acc = part_ml = out  # unused
-    grid = (n_m, BR * H, splits)
+    grid = (triton.cdiv(T * G, bm), BR * H)
     _bounded_fwd[grid](
-        q, k, v, cache, table, src, rstore, rslots, bias, out, part_acc, part_ml,
+        q, k, v, cache, table, src, rstore, rslots, bias, out,
         q.stride(0), q.stride(1), q.stride(2),
         k.stride(0), k.stride(1), k.stride(2),
         v.stride(0), v.stride(1), v.stride(2),
@@ -393,17 +311,12 @@ def bounded_attention_triton(
         bias.stride(0), bias.stride(1), bias.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
         T, rows, H, src.shape[3], rstore.shape[3], nb, scale * LOG2E, sink, window,
-        query_window if query_window is not None else 0, split_n, int(source is not None), int(row_source is not None),
+        query_window if query_window is not None else 0, int(source is not None), int(row_source is not None),
         G=G, D=D, BLOCK_D=block_d, BLOCK_M=bm, BLOCK_N=block_n, NCOL=tb.NUM_COLS,
-        HAS_BIAS=rel_bias is not None, HAS_QW=query_window is not None, IEEE=ieee, SPLIT=splits > 1,
+        HAS_BIAS=rel_bias is not None, HAS_QW=query_window is not None, IEEE=ieee,
         num_warps=num_warps,
         **({} if num_stages is None else {"num_stages": num_stages}),
     )
-    if splits > 1:
-        _merge_splits[(n_m, BR * H)](
-            part_acc, part_ml, out, out.stride(0), out.stride(1), out.stride(2), T, H, splits,
-            G=G, D=D, BLOCK_D=block_d, BLOCK_M=bm, num_warps=4,
-        )
     return out
 
 

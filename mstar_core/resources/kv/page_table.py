@@ -20,8 +20,6 @@ from collections.abc import Sequence
 
 import torch
 
-from ...staging import Staging
-
 _I32_MAX = (1 << 31) - 1
 
 
@@ -33,7 +31,7 @@ class PageTable:
     """``[rows, cols]`` int32 on ``device`` (stored flat), grown by doubling; see the module
     docstring. ``cols`` never needs to exceed the cache's page count."""
 
-    def __init__(self, device: torch.device, max_pages: int, slots: int = 2) -> None:
+    def __init__(self, device: torch.device, max_pages: int) -> None:
         self.device = device
         self.max_pages = max_pages
         self.rows = 0
@@ -45,7 +43,6 @@ class PageTable:
         # reused, or a stream truncated and grown again, before the next upload).
         self._writes: dict[tuple[int, int], int] = {}
         self._want_cols = 0
-        self._staging = Staging(device, slots)
         self._arange = torch.arange(0, dtype=torch.int32, device=device)
 
     # -- host bookkeeping ------------------------------------------------------------------------
@@ -95,19 +92,21 @@ class PageTable:
         """One copy to the device: the pending writes (as flat index, page) followed by ``host``
         (the caller's per-row arrays); applies the writes with one scatter. Returns ``host`` as an
         int32 CPU tensor and its device copy. Call :meth:`prepare` first (``host`` is computed
-        with its ``cols``)."""
+        with its ``cols``).
+
+        The host side is a fresh page-locked tensor from torch's caching host allocator, copied
+        asynchronously: the allocator does not hand that memory out again before the copy has
+        run (it records an event on the stream), so a plan made while earlier steps are still
+        queued needs no slot or fence of ours."""
         cols = self.cols
         writes = self._writes
         m = len(writes)
         values = [r * cols + c for r, c in writes] + list(writes.values()) + host if m else host
-        cpu = torch.tensor(values, dtype=torch.int32)
-        dev = torch.empty_like(cpu, device=self.device)
-        st = self._staging
-        st.begin()
-        try:
-            st.copy(dev, st.put("rows", cpu))
-        finally:
-            st.end()
+        if self.device.type == "cpu":
+            dev = cpu = torch.tensor(values, dtype=torch.int32)
+        else:
+            cpu = torch.tensor(values, dtype=torch.int32, pin_memory=True)
+            dev = cpu.to(self.device, non_blocking=True)
         if m:
             self.table.index_put_((dev[:m],), dev[m: 2 * m])
             writes.clear()

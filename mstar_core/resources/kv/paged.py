@@ -22,7 +22,7 @@ from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from .config import KVConfig
 from .page_table import PageTable
-from .plan import KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
+from .plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
 from .pool import PagePool
 from .streams import CacheStream
 
@@ -42,6 +42,44 @@ class _Admitted:
 
 def _pages_for(tokens: int, page_size: int) -> int:
     return -(-tokens // page_size)
+
+
+class _LabelRows:
+    """One label's rows as a plan collects them: plain lists, one pass over the spans."""
+
+    __slots__ = ("spans", "qo", "kvp", "last", "lens", "table_row", "pos_base", "write_page", "decode")
+
+    def __init__(self) -> None:
+        self.spans: list[SpanLayout] = []
+        self.qo, self.kvp = [0], [0]
+        self.last: list[int] = []
+        self.lens: list[int] = []
+        self.table_row: list[int] = []
+        self.pos_base: list[int] = []  # prefix_len - qo_indptr: token t sits at pos_base[row] + t
+        self.write_page: list[int] = []  # one-token rows: the page their token goes to
+        self.decode = True  # every row so far one token
+
+    def add(self, s: Any, stream: CacheStream, ps: int) -> None:
+        n = s.num_tokens
+        length = stream.length + n
+        npages = -(-length // ps)
+        pages = stream.pages
+        if npages > len(pages):
+            raise RuntimeError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
+                               f"holds {len(pages)}")
+        q0 = self.qo[-1]
+        self.spans.append(SpanLayout(s.request_id, s.label, length, n, s.commit, q0, stream.generation, npages,
+                                     stream.table_row, pages))
+        self.qo.append(q0 + n)
+        self.kvp.append(self.kvp[-1] + npages)
+        self.lens.append(length)
+        self.last.append(length - (npages - 1) * ps if npages else 0)
+        self.table_row.append(stream.table_row)
+        self.pos_base.append(length - n - q0)
+        if n == 1 and self.decode:
+            self.write_page.append(pages[(length - 1) // ps])
+        else:
+            self.decode = False
 
 
 class KVManager(Resource):
@@ -69,7 +107,8 @@ class KVManager(Resource):
         self._current: KVPlan | None = None
         # Graph mode (build_accelerator_graph_buffers): per-slot static device buffers for the
         # per-token arrays, and a sink page that padding rows write to.
-        self._graph_bufs: list[dict[str, torch.Tensor]] = []
+        self._graph_bufs: torch.Tensor | None = None  # [slots, 3, max_bs] int32
+        self._pad_cols: torch.Tensor | None = None
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
         # Streams reset or removed while a step was in flight on them, by id: their pages go back
@@ -197,26 +236,34 @@ class KVManager(Resource):
         """Reserve the pages every span needs, all or nothing. A stream may have one step in
         flight: admitting it again before that step's ``commit`` or ``rollback_admit`` is an
         error (both steps would plan the same positions)."""
-        self._check_spans(step)
         if self.name in ctx.admitted:
             raise RuntimeError(
                 f"{self.name}: this StepContext already holds an admitted step; one step per context "
                 "(commit or roll it back, and admit the next step into a new StepContext)"
             )
-        busy = [k for k in step.kv.keys() if k in self.streams and self.streams[k].in_flight]
+        ps = self.config.page_size
+        streams, requests = self.streams, self._requests
+        need: dict[tuple[str, str], int] = {}
+        busy = []
+        total = 0
+        for s in step.kv.spans:  # one pass: checks and the pages each stream needs
+            if s.request_id not in requests:
+                self._check_spans(step)  # raises, naming the request
+            key = (s.request_id, s.label)
+            stream = streams.get(key)
+            if stream is None:
+                n = -(-s.num_tokens // ps)
+            else:
+                if stream.in_flight:
+                    busy.append(key)
+                n = max(0, -(-(stream.length + s.num_tokens) // ps) - len(stream.pages))
+            need[key] = n
+            total += n
         if busy:
             raise RuntimeError(
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
-        ps = self.config.page_size
-        need: dict[tuple[str, str], int] = {}
-        for s in step.kv.spans:
-            stream = self.streams.get((s.request_id, s.label))
-            have = len(stream.pages) if stream else 0
-            length = (stream.length if stream else 0) + s.num_tokens
-            need[(s.request_id, s.label)] = max(0, _pages_for(length, ps) - have)
-        total = sum(need.values())
         free = self.pool.num_free
         if total > free:
             # The step waits as a whole (all or nothing); name the requests that do not fit once
@@ -231,20 +278,29 @@ class KVManager(Resource):
         taken: dict[tuple[str, str], list[int]] = {}
         created: list[tuple[str, str]] = []
         rec = _Admitted(taken, created, {})
+        pages: list[int] = []
         try:
+            pages = self.pool.take(total) if total else []  # one take, handed out in span order
+            at = 0
             for key, n in need.items():
-                if key not in self.streams:
-                    self.streams[key] = CacheStream(*key, generation=next(self._generations))
+                stream = streams.get(key)
+                if stream is None:
+                    stream = streams[key] = CacheStream(*key, generation=next(self._generations))
                     created.append(key)
-                rec.streams[key] = self.streams[key]
+                rec.streams[key] = stream
                 if n:
-                    pages = self.pool.take(n)
-                    taken[key] = pages
-                    self._append(self.streams[key], pages)
-                self.streams[key].in_flight = True
+                    taken[key] = pages[at: at + n]
+                    at += n
+                    self._append(stream, taken[key])
+                stream.in_flight = True
         except BaseException:
-            # All or nothing, whatever interrupted the admit (KeyboardInterrupt included).
+            # All or nothing, whatever interrupted the admit (KeyboardInterrupt included): undo
+            # gives back what the record holds, and the rest of the one take goes back here.
             self._undo(rec)
+            recorded = {p for k in rec.streams for p in taken.get(k, ())}
+            rest = [p for p in pages if p not in recorded]
+            if rest:
+                self.pool.give_back(rest)
             raise
         ctx.admitted[self.name] = rec
         return AdmitOutcome.ok()
@@ -263,7 +319,8 @@ class KVManager(Resource):
                 # The step's pages are the tail of the stream's list: admit appended them (an
                 # admit interrupted between take and append left them only in the record).
                 if stream.pages[-len(pages):] == pages:
-                    stream.pages = stream.pages[: -len(pages)]  # a new list, as in commit
+                    # in place (O(pages dropped)): the rolled-back step's plan is dead, nothing reads it
+                    del stream.pages[-len(pages):]
                 elif set(pages) & set(stream.pages):
                     raise RuntimeError(f"{self.name}: stream {key}: pages changed between admit and rollback")
                 self.pool.give_back(pages)
@@ -282,7 +339,8 @@ class KVManager(Resource):
         """This context's admit record, covering every stream of ``step``; an error naming the
         streams otherwise (never admitted, committed already, or rolled back)."""
         rec: _Admitted | None = ctx.admitted.get(self.name)
-        missing = [k for k in step.kv.keys() if rec is None or k not in rec.streams]
+        held = rec.streams if rec is not None else {}
+        missing = [k for k in step.kv.keys() if k not in held]
         if rec is None or missing:
             raise RuntimeError(
                 f"{self.name}: {what} of streams {missing} that this StepContext has no live admit for "
@@ -305,69 +363,56 @@ class KVManager(Resource):
             self._undo(rec)
 
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
-        self._check_spans(step)
         rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
-        by_label: dict[str, list[SpanLayout]] = {}
-        q_next: dict[str, int] = {}
+        labels: dict[str, _LabelRows] = {}
         for s in step.kv.spans:
             stream = self._live(rec, (s.request_id, s.label))
             if stream is None:
                 raise RuntimeError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
                                    "after this step's admit; roll the step back and admit it again")
-            length = stream.length + s.num_tokens
-            npages = -(-length // ps)
-            if npages > len(stream.pages):
-                raise RuntimeError(
-                    f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
-                    f"holds {len(stream.pages)}"
-                )
-            rows = by_label.get(s.label)
+            rows = labels.get(s.label)
             if rows is None:
-                rows = by_label[s.label] = []
-            q_start = q_next.get(s.label, 0)
-            q_next[s.label] = q_start + s.num_tokens
-            rows.append(SpanLayout(s.request_id, s.label, length, s.num_tokens, s.commit, q_start,
-                                   stream.generation, npages, stream.table_row, stream.pages))
-        if ctx.bucket is not None and len(by_label) != 1:
-            raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(by_label)}")
+                rows = labels[s.label] = _LabelRows()
+            rows.add(s, stream, ps)
         if ctx.bucket is not None:
-            self._check_graph_step(ctx.bucket, sum(q_next.values()))
+            if len(labels) != 1:
+                raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
+            self._check_graph_step(ctx.bucket, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
-        plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in by_label.items()), ps)
+        plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
         self._current = plan
         return plan
 
-    def _layout(self, rows: list[SpanLayout], ctx: StepContext, cols: int) -> LabelLayout:
-        """The label's row arrays in one staged copy, then ``kv_indices`` (and, for a graph step,
-        the per-token arrays) gathered on the device: O(rows) host work, a few kernels."""
+    def _layout(self, rows: _LabelRows, ctx: StepContext, cols: int) -> LabelLayout:
+        """The label's row arrays (and a decode step's per-token arrays, known on the host) in one
+        copy to the device, then ``kv_indices`` gathered there: O(rows) host work, a few kernels."""
         ps = self.config.page_size
-        qo, kvp = [0], [0]
-        last, lens, page_base, pos_base, table_base = [], [], [], [], []
-        for r in rows:
-            base = r.table_row * cols
-            page_base.append(base - kvp[-1])
-            table_base.append(base)
-            pos_base.append(r.length - r.to_compute - qo[-1])
-            qo.append(qo[-1] + r.to_compute)
-            kvp.append(kvp[-1] + r.num_pages)
-            lens.append(r.length)
-            last.append(r.length - (r.num_pages - 1) * ps if r.num_pages else 0)
-        pack = RowPack(len(rows))
-        host, dev = self.table.upload(qo + kvp + last + lens + page_base + pos_base + table_base)
-        kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), kvp[-1])
+        n = len(rows.spans)
+        decode = rows.decode and rows.qo[-1] == n
+        pack = RowPack(n, decode)
+        host = rows.qo + rows.kvp + rows.last + rows.lens
+        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp)]  # page_base
+        host += rows.pos_base
+        host += [t * cols for t in rows.table_row]  # table_base
+        if decode:  # one token per row: its page, slot and position are known here, O(1) each
+            pos = [n - 1 for n in rows.lens]
+            host += rows.write_page + [p % ps for p in pos] + pos
+        host_t, dev = self.table.upload(host)
+        kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
         per_token: dict[str, torch.Tensor] = {}
         if ctx.bucket is not None:
-            one_per_row = qo[-1] == len(rows)
-            per_token = self._stage_graph(token_arrays(self.table, pack, dev, qo[-1], one_per_row, ps), ctx.slot,
-                                          ctx.bucket)
+            block = pack.token_block(dev) if decode else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps))
+            per_token = self._stage_graph(block, ctx.slot, ctx.bucket)
+        elif decode:
+            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev)))
         return LabelLayout(
-            spans=tuple(rows),
-            qo_indptr=pack.qo(host),
-            kv_indptr=pack.kv_indptr(host),
+            spans=tuple(rows.spans),
+            qo_indptr=pack.qo(host_t),
+            kv_indptr=pack.kv_indptr(host_t),
             kv_indices=kv_indices,
-            kv_last_page_len=pack.last(host),
-            kv_lens=pack.kv_lens(host),
+            kv_last_page_len=pack.last(host_t),
+            kv_lens=pack.kv_lens(host_t),
             page_size=ps,
             device=self.device,
             per_token=per_token,
@@ -376,27 +421,24 @@ class KVManager(Resource):
         )
 
     def _check_graph_step(self, bucket: int, tokens: int) -> None:
-        if not self._graph_bufs or self._sink_page is None:
+        if self._graph_bufs is None or self._sink_page is None:
             raise RuntimeError("a graph step needs build_accelerator_graph_buffers first")
-        size = self._graph_bufs[0]["positions"].numel()
+        size = self._graph_bufs.shape[2]
         if tokens > bucket or bucket > size:
             raise ValueError(f"graph step: {tokens} tokens for bucket {bucket}; static buffers hold {size}")
 
-    def _stage_graph(self, arrays: tuple[torch.Tensor, torch.Tensor, torch.Tensor], slot: int,
-                     bucket: int) -> dict[str, torch.Tensor]:
-        """Graph step: the per-token arrays into ``slot``'s static buffers (which the captured
-        graph reads), padded to ``bucket`` tokens: padding writes go to the sink page, at
-        position 0. Device to device, in stream order after the replay that last read the slot."""
-        bufs = self._graph_bufs[slot]
-        n = arrays[0].numel()
-        out = {}
-        for (name, fill), a in zip((("write_pages", self._sink_page), ("write_offsets", 0), ("positions", 0)), arrays):
-            buf = bufs[name]
-            buf[:n].copy_(a)
-            if n < bucket:
-                buf[n:bucket].fill_(fill)
-            out[name] = buf[:bucket]
-        return out
+    def _stage_graph(self, block: torch.Tensor, slot: int, bucket: int) -> dict[str, torch.Tensor]:
+        """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
+        into ``slot``'s static buffers, which the captured graph reads, padded to ``bucket``
+        tokens (padding writes go to the sink page, at position 0). Two device copies at most, in
+        stream order after the replay that last read the slot."""
+        assert self._graph_bufs is not None and self._pad_cols is not None
+        buf = self._graph_bufs[slot]  # [3, max_bs]
+        n = block.shape[1]
+        buf[:, :n].copy_(block)
+        if n < bucket:
+            buf[:, n:bucket].copy_(self._pad_cols[:, : bucket - n])
+        return {name: buf[i, :bucket] for i, name in enumerate(TOKEN_ARRAYS)}
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Static per-slot buffers for ``max_bs`` tokens a graph step, and one sink page taken
@@ -407,12 +449,14 @@ class KVManager(Resource):
                 raise RuntimeError("build_accelerator_graph_buffers: no free page left for the sink page")
             self._sink_page = self.pool.take(1)[0]
         cur = self._graph_bufs
-        have = cur[0]["positions"].numel() if cur else 0
-        if len(cur) >= slots and have >= max_bs:
+        if cur is not None and cur.shape[0] >= slots and cur.shape[2] >= max_bs:
             return
-        slots, max_bs = max(slots, len(cur)), max(max_bs, have)
-        self._graph_bufs = [{k: torch.zeros(max_bs, dtype=torch.int32, device=self.device)
-                             for k in ("write_pages", "write_offsets", "positions")} for _ in range(slots)]
+        slots = max(slots, cur.shape[0] if cur is not None else 0)
+        max_bs = max(max_bs, cur.shape[2] if cur is not None else 0)
+        self._graph_bufs = torch.zeros((slots, 3, max_bs), dtype=torch.int32, device=self.device)
+        # what padding tokens hold: the sink page, offset 0, position 0
+        self._pad_cols = torch.zeros((3, max_bs), dtype=torch.int32, device=self.device)
+        self._pad_cols[0] = self._sink_page
 
     def can_capture(self) -> bool:
         """Yes: graph steps plan into the static per-slot buffers that
@@ -523,6 +567,6 @@ class KVManager(Resource):
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)
         self._current = None
-        self._graph_bufs = []
+        self._graph_bufs = self._pad_cols = None
         self._sink_page = None
         self.table = PageTable(self.device, self.config.max_pages)

@@ -11,12 +11,11 @@ import torch
 from .page_table import PageTable
 
 
-@dataclass(frozen=True)
-class SpanLayout:
+class SpanLayout(NamedTuple):
     """Where one span's tokens live. ``length`` counts the stream's tokens after this step;
     this step's ``to_compute`` tokens sit at positions ``length - to_compute .. length - 1``
     and at packed offsets ``q_start .. q_start + to_compute - 1`` of their label. Its first
-    ``num_pages`` pages (:attr:`pages`) hold them."""
+    ``num_pages`` pages (:attr:`pages`) hold them. (A NamedTuple: a plan makes one per row.)"""
 
     request_id: str
     label: str
@@ -26,11 +25,12 @@ class SpanLayout:
     q_start: int
     generation: int
     num_pages: int
-    table_row: int = field(default=-1, compare=False, repr=False)
+    table_row: int = -1
     # The stream's page list itself, not a copy (a plan is O(rows), not O(pages)). Its first
-    # ``num_pages`` entries never change: the manager only appends to a stream's list, and where
-    # it drops pages (commit of uncommitted tokens, rollback) it gives the stream a new list.
-    source: list[int] = field(default_factory=list, compare=False, repr=False)
+    # ``num_pages`` entries do not change once the plan is made: the manager only appends to a
+    # stream's list, and where a commit drops pages (uncommitted tokens) it gives the stream a
+    # new list. (A rollback cuts the list in place: the rolled-back plan is not read again.)
+    source: list[int] = []
 
     @property
     def pages(self) -> tuple[int, ...]:
@@ -43,14 +43,21 @@ class SpanLayout:
         return self.length - self.to_compute
 
 
+# The per-token arrays of a layout, in the order they are staged.
+TOKEN_ARRAYS = ("write_pages", "write_offsets", "positions")
+
+
 class RowPack(NamedTuple):
     """Offsets of the per-row arrays in the one int32 array a plan stages (host and device):
     ``qo_indptr``, ``kv_indptr`` (rows + 1 each), then ``last_page_len``, ``kv_lens``,
     ``page_base`` (``table_row * cols - kv_indptr``: entry j of the step's ``kv_indices`` is
     ``table[page_base[row] + j]``), ``pos_base`` (``prefix_len - qo_indptr``: token t's position
-    is ``pos_base[row] + t``) and ``table_base`` (``table_row * cols``), rows entries each."""
+    is ``pos_base[row] + t``) and ``table_base`` (``table_row * cols``), rows entries each; a
+    decode step (one token per row) then has its per-token arrays, rows entries each: pages,
+    slots, positions (:meth:`token_block`)."""
 
     rows: int
+    decode: bool = False
 
     def qo(self, a: torch.Tensor) -> torch.Tensor:
         return a[: self.rows + 1]
@@ -58,8 +65,8 @@ class RowPack(NamedTuple):
     def kv_indptr(self, a: torch.Tensor) -> torch.Tensor:
         return a[self.rows + 1: 2 * self.rows + 2]
 
-    def _field(self, a: torch.Tensor, i: int) -> torch.Tensor:
-        return a[2 * self.rows + 2 + i * self.rows: 2 * self.rows + 2 + (i + 1) * self.rows]
+    def _field(self, a: torch.Tensor, i: int, k: int = 1) -> torch.Tensor:
+        return a[2 * self.rows + 2 + i * self.rows: 2 * self.rows + 2 + (i + k) * self.rows]
 
     def last(self, a: torch.Tensor) -> torch.Tensor:
         return self._field(a, 0)
@@ -76,19 +83,21 @@ class RowPack(NamedTuple):
     def table_base(self, a: torch.Tensor) -> torch.Tensor:
         return self._field(a, 4)
 
+    def token_block(self, a: torch.Tensor) -> torch.Tensor:
+        """``[3, rows]``: a decode step's pages, slots and positions (one view)."""
+        assert self.decode
+        return self._field(a, 5, 3).view(3, self.rows)
 
-def token_arrays(table: PageTable, pack: RowPack, dev: torch.Tensor, tokens: int, one_per_row: bool,
+
+def token_arrays(table: PageTable, pack: RowPack, dev: torch.Tensor, tokens: int,
                  page_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Per packed token, on the device (int32): its page, its slot in that page, its position,
-    from the staged row arrays and the page table (a few kernels, no host loop over tokens)."""
+    from the staged row arrays and the page table (a few kernels, no host loop over tokens). A
+    decode step has them from the host instead (:meth:`RowPack.token_block`)."""
     t = table.arange(tokens)
-    if one_per_row:  # decode: token t is row t
-        pos = pack.pos_base(dev) + t
-        page = table.table.index_select(0, pack.table_base(dev) + pos // page_size)
-    else:
-        pos_base, table_base = table.spread(pack.qo(dev), tokens, pack.pos_base(dev), pack.table_base(dev))
-        pos = pos_base + t
-        page = table.table.index_select(0, table_base + pos // page_size)
+    pos_base, table_base = table.spread(pack.qo(dev), tokens, pack.pos_base(dev), pack.table_base(dev))
+    pos = pos_base + t
+    page = table.table.index_select(0, table_base + pos // page_size)
     return page, pos % page_size, pos
 
 
@@ -99,9 +108,10 @@ class LabelLayout:
     from the persistent page table (:mod:`.page_table`): the host work of a plan grows with its
     rows, not with the context they hold.
 
-    The per-token device arrays of an eager step are built on first use: a backend that never
-    writes through the plan (the dense one) and a model that supplies its own positions never
-    pay for them. A graph step has them built at plan time, in the static buffers."""
+    A decode step's per-token arrays are computed on the host (one page lookup per row) and come
+    in the same copy; another eager step's are built on the device on first use, so a backend that
+    never writes through the plan (the dense one) and a model that supplies its own positions
+    never pay for them. A graph step has them in its slot's static buffers."""
 
     spans: tuple[SpanLayout, ...]
     qo_indptr: torch.Tensor  # [rows + 1] int32, on cpu
@@ -120,9 +130,9 @@ class LabelLayout:
         if not self.per_token:
             if self.table is None or self.rows_device is None:
                 raise RuntimeError("this layout has no per-token arrays (built without the page table)")
-            page, off, pos = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
-                                          all(s.to_compute == 1 for s in self.spans), self.page_size)
-            self.per_token.update(write_pages=page, write_offsets=off, positions=pos)
+            arrays = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
+                                  self.page_size)
+            self.per_token.update(zip(TOKEN_ARRAYS, arrays))
         return self.per_token[name]
 
     @property
