@@ -85,7 +85,9 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         Inputs may be on CPU, and that is preferred: FlashInfer's plan reads ``indptr`` and
         ``last_page_len`` on the host, and a device tensor there forces a synchronisation. Host
         arrays are staged in this wrapper's page-locked per-slot buffers and copied
-        asynchronously.
+        asynchronously. ``paged_kv_indices`` may also be an int32 tensor already on the device
+        (the KV manager gathers it there): it is used as it is, its length checked but its values
+        not (reading them would synchronise), so a wrong page index there is not caught here.
         """
         with self._nvtx("plan"):
             self._check_dtype(dtype)

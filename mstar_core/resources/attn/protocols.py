@@ -2,7 +2,11 @@
 prefixed ragged one is the dense path's (seed 000): query = fresh tokens, keys = [prefix | fresh].
 
 Index arrays may be host tensors: that is preferred (FlashInfer's own ``plan`` reads them on the
-host, and a device tensor there forces a synchronisation).
+host, and a device tensor there forces a synchronisation). The one exception is the paged
+``paged_kv_indices``: the paged KV manager passes it as an int32 tensor on the cache's device
+(gathered there from its page table, so a plan's host work does not grow with the context), and
+the host arrays beside it; only the mixed wrapper gets host page indices (its split is host
+arithmetic). A paged wrapper must accept either.
 """
 
 from __future__ import annotations
