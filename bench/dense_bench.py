@@ -31,11 +31,13 @@ import statistics
 import sys
 import time
 import traceback
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # timing.py, when loaded by path (the smoke test)
+
+import timing  # noqa: E402
 
 from mstar_core.resources.attn.dense import DenseAttentionManager  # noqa: E402
 from mstar_core.resources.attn.paged import PagedAttentionManager  # noqa: E402
@@ -51,32 +53,15 @@ BF16 = torch.bfloat16
 
 
 def sync() -> None:
-    if DEV.type == "cuda":
-        torch.cuda.synchronize()
-
-
-class _HostEvent:
-    """``torch.cuda.Event``'s timing surface on the host clock (the CPU smoke run)."""
-
-    def __init__(self, enable_timing: bool = True) -> None:
-        self.t = 0.0
-
-    def record(self) -> None:
-        self.t = time.perf_counter()
-
-    def elapsed_time(self, end: _HostEvent) -> float:
-        return (end.t - self.t) * 1e3
+    timing.sync(DEV)
 
 
 def Event():
-    return torch.cuda.Event(enable_timing=True) if DEV.type == "cuda" else _HostEvent()
+    return timing.event(DEV)
 
 
 def _version(dist: str) -> str:
-    try:
-        return version(dist)
-    except PackageNotFoundError:
-        return "not installed"
+    return timing.dist_version(dist) or "not installed"
 
 
 class Data:

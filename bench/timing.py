@@ -19,26 +19,33 @@ import torch
 Fn = Callable[[], object]
 
 
-def events_ms(fn: Fn, reps: int = 20, warm: int = 3) -> float:
-    """Median of ``reps`` single calls, each timed by CUDA events (after ``warm`` untimed)."""
-    for _ in range(warm):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
+class HostEvent:
+    """``torch.cuda.Event``'s timing surface on the host clock (a benchmark's CPU smoke run)."""
+
+    def __init__(self, enable_timing: bool = True) -> None:
+        self.t = 0.0
+
+    def record(self) -> None:
+        self.t = time.perf_counter()
+
+    def elapsed_time(self, end: HostEvent) -> float:
+        return (end.t - self.t) * 1e3
 
 
-def kernel_ms(fn: Fn, reps: int = 20, rounds: int = 7) -> float:
+def event(device: torch.device) -> torch.cuda.Event | HostEvent:
+    """A timing event on ``device``: a CUDA event, or the host clock off CUDA."""
+    return torch.cuda.Event(enable_timing=True) if device.type == "cuda" else HostEvent()
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def kernel_ms(fn: Fn, reps: int = 20, rounds: int = 7, warm: int = 3) -> float:
     """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls (CUDA events):
     for kernels short enough that one call's launch gap would dominate a single-call timing."""
-    for _ in range(3):
+    for _ in range(warm):
         fn()
     torch.cuda.synchronize()
     times = []
@@ -51,6 +58,11 @@ def kernel_ms(fn: Fn, reps: int = 20, rounds: int = 7) -> float:
         b.synchronize()
         times.append(a.elapsed_time(b) / reps)
     return statistics.median(times)
+
+
+def events_ms(fn: Fn, reps: int = 20, warm: int = 3) -> float:
+    """Median of ``reps`` single calls, each timed by CUDA events (after ``warm`` untimed)."""
+    return kernel_ms(fn, reps=1, rounds=reps, warm=warm)
 
 
 def paired_ms(raw_fn: Fn, w_fn: Fn, reps: int = 10, rounds: int = 15) -> tuple[float, float]:
@@ -111,7 +123,7 @@ def copy_bandwidth(gib: int = 4) -> dict:
     return {"bytes": n, "ms": ms, "tb_per_s": 2 * n / (ms * 1e-3) / 1e12}
 
 
-def _version(dist: str) -> str | None:
+def dist_version(dist: str) -> str | None:
     try:
         return version(dist)
     except PackageNotFoundError:
@@ -122,5 +134,5 @@ def versions(*dists: str) -> dict:
     """Device, torch, CUDA, Python and the named distributions' versions (None: not installed)."""
     out = {"device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
-    out.update({d: _version(d) for d in dists})
+    out.update({d: dist_version(d) for d in dists})
     return out

@@ -5,8 +5,9 @@ The host keeps each stream's page list (``CacheStream.pages``, the truth); the t
 row ``stream.table_row``, column i holds the stream's i-th page. Admit and fork record the pages
 they append (:meth:`PageTable.write`); a plan sends the pending writes and the step's per-row
 arrays to the device in one copy (:meth:`PageTable.upload`), applies the writes with one scatter
-and gathers ``kv_indices`` and the per-token arrays with a few kernels, whatever the context
-length (vLLM keeps a persistent block table the same way). Entries past a stream's page count
+and gathers ``kv_indices`` (and, for a step that is not one token per row, the per-token
+arrays) with a few kernels, whatever the context length (vLLM keeps a persistent block table
+the same way). Entries past a stream's page count
 are stale and never read, so releasing pages costs nothing on the device.
 
 Ordering: every device operation here is issued on the current stream, in plan order, so a gather

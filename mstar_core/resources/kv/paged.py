@@ -388,15 +388,14 @@ class KVManager(Resource):
         """The label's row arrays (and a decode step's per-token arrays, known on the host) in one
         copy to the device, then ``kv_indices`` gathered there: O(rows) host work, a few kernels."""
         ps = self.config.page_size
-        n = len(rows.spans)
-        decode = rows.decode and rows.qo[-1] == n
-        pack = RowPack(n, decode)
+        decode = rows.decode  # every row one token
+        pack = RowPack(len(rows.spans), decode)
         host = rows.qo + rows.kvp + rows.last + rows.lens
         host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp)]  # page_base
         host += rows.pos_base
         host += [t * cols for t in rows.table_row]  # table_base
         if decode:  # one token per row: its page, slot and position are known here, O(1) each
-            pos = [n - 1 for n in rows.lens]
+            pos = [length - 1 for length in rows.lens]
             host += rows.write_page + [p % ps for p in pos] + pos
         host_t, dev = self.table.upload(host)
         kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
