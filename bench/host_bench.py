@@ -92,8 +92,6 @@ def prepare_vs_raw(batch: int, context: int, reps: int) -> dict:
     res = {"batch": batch, "context": context, "pages": int(indices.numel()), "raw_plan_us": raw_us,
            "prepare_us": prep_us, "ratio": prep_us / raw_us,
            "parts_us": {k: statistics.median(v) for k, v in parts.items()}}
-    del s, raw
-    torch.cuda.empty_cache()
     return res
 
 
@@ -107,8 +105,6 @@ def eight_layers(batch: int, context: int, steps: int) -> dict:
         r = run_decode_bench(opts, s)
         out[mode] = {"median_step_ms": r.median_step_ms, "median_host_ms": r.median_host_ms,
                      "gpu_step_ms": r.gpu_step_ms, "vs_gpu": r.median_step_ms / r.gpu_step_ms}
-    del s
-    torch.cuda.empty_cache()
     return {"batch": batch, "context": context, **out}
 
 
@@ -157,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         # one failing shape still leaves the others' figures in the results file
         try:
             res[name].append(fn())
-        except Exception:  # noqa: BLE001
+        except Exception:  # one shape's failure is recorded, the others still run
             import traceback
 
             res["errors"][f"{name}"] = res["errors"].get(name, "") + traceback.format_exc()[-3000:]
             traceback.print_exc()
+        torch.cuda.empty_cache()  # the setup of one shape is gone before the next is built
 
     for b, c in SHAPES:
         section("prepare", lambda: prepare_vs_raw(b, c, a.reps))

@@ -111,15 +111,18 @@ def host_us(fn: Fn, reps: int = 25) -> float:
     return paired_host_us([fn], reps)[0]
 
 
+def _copy_ms(n: int) -> float:
+    src = torch.empty(n, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return kernel_ms(lambda: dst.copy_(src), reps=5, rounds=5)
+
+
 def copy_bandwidth(gib: int = 4) -> dict:
     """Device-to-device copy of ``gib`` GiB: bytes read + written per second, the memory ceiling
     a bandwidth-bound kernel is held against."""
     n = gib << 30
-    src = torch.empty(n, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = kernel_ms(lambda: dst.copy_(src), reps=5, rounds=5)
-    del src, dst
-    torch.cuda.empty_cache()
+    ms = _copy_ms(n)
+    torch.cuda.empty_cache()  # the two buffers are gone with _copy_ms
     return {"bytes": n, "ms": ms, "tb_per_s": 2 * n / (ms * 1e-3) / 1e12}
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -30,7 +31,7 @@ class SpanLayout(NamedTuple):
     # ``num_pages`` entries do not change once the plan is made: the manager only appends to a
     # stream's list, and where a commit drops pages (uncommitted tokens) it gives the stream a
     # new list. (A rollback cuts the list in place: the rolled-back plan is not read again.)
-    source: list[int] = []
+    source: Sequence[int] = ()
 
     @property
     def pages(self) -> tuple[int, ...]:
