@@ -42,22 +42,24 @@ def sync(device: torch.device) -> None:
         torch.cuda.synchronize()
 
 
+def _round_ms(fn: Fn, reps: int) -> float:
+    """Mean time of ``reps`` back-to-back calls, bracketed by one pair of CUDA events."""
+    a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    a.record()
+    for _ in range(reps):
+        fn()
+    b.record()
+    b.synchronize()
+    return a.elapsed_time(b) / reps
+
+
 def kernel_ms(fn: Fn, reps: int = 20, rounds: int = 7, warm: int = 3) -> float:
     """Median over ``rounds`` of the mean time of ``reps`` back-to-back calls (CUDA events):
     for kernels short enough that one call's launch gap would dominate a single-call timing."""
     for _ in range(warm):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / reps)
-    return statistics.median(times)
+    return statistics.median(_round_ms(fn, reps) for _ in range(rounds))
 
 
 def events_ms(fn: Fn, reps: int = 20, warm: int = 3) -> float:
@@ -74,14 +76,7 @@ def paired_ms(raw_fn: Fn, w_fn: Fn, reps: int = 10, rounds: int = 15) -> tuple[f
     torch.cuda.synchronize()
     t: dict[int, list[float]] = {0: [], 1: []}
     for i in range(2 * rounds):
-        fn = (raw_fn, w_fn)[i % 2]
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        t[i % 2].append(a.elapsed_time(b) / reps)
+        t[i % 2].append(_round_ms((raw_fn, w_fn)[i % 2], reps))
     return statistics.median(t[0]), statistics.median(t[1])
 
 

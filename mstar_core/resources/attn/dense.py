@@ -253,7 +253,7 @@ class DenseAttentionManager(AttentionManager):
             if s.to_compute == 0:
                 continue  # no query: nothing to attend for this stream
             prefix = s.prefix_len
-            pages = s.pages[: -(-prefix // ps)]
+            pages = tuple(s.source[: -(-prefix // ps)])  # the prefix's pages only
             segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation))
             starts.append(s.q_start)
             # Free a stream's stale layers now rather than as each layer misses.

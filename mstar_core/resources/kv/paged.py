@@ -19,7 +19,7 @@ import torch
 
 from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
-from ...step import AdmitOutcome, Shortage, Step, StepContext, is_int
+from ...step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 from .config import KVConfig
 from .page_table import PageTable
 from .plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
@@ -59,7 +59,7 @@ class _LabelRows:
         self.write_page: list[int] = []  # one-token rows: the page their token goes to
         self.decode = True  # every row so far one token
 
-    def add(self, s: Any, stream: CacheStream, ps: int) -> None:
+    def add(self, s: KVSpan, stream: CacheStream, ps: int) -> None:
         n = s.num_tokens
         length = stream.length + n
         npages = -(-length // ps)
