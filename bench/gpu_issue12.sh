@@ -6,6 +6,7 @@
 #   c   (as b; ran at 233bb63): where prepare()'s host time goes (profile_plan), the bounded decode sweep with
 #       and without Triton's default specialisation (MSTAR_BOUNDED_SPECIALIZE, since removed), bounded GPU tests
 #   d   (as a): the final pass: every benchmark, the GPU test suite with durations, profile_plan
+#   e   (as a): after the review commit (bench/timing.py restructured): the benchmarks that use it, once more
 stage=${1:?stage}
 R=$OUT/r; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 OUT
@@ -44,4 +45,10 @@ d)
   T 200 bounded_bench python3 bench/bounded_bench.py --out "$R"
   T 330 tests_gpu python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -v -rs --durations=20 -p no:cacheprovider
   T 60 profile_plan python3 bench/profile_plan.py ;;
+e)
+  setup
+  T 300 host_bench python3 bench/host_bench.py --out "$R" --commit "${COMMIT:-unknown}"
+  T 170 flashinfer_bench python3 bench/flashinfer_bench.py --out "$R"
+  T 100 runner_bench python3 bench/runner_bench.py --out "$R"
+  T 200 bounded_bench python3 bench/bounded_bench.py --out "$R" --sections decode ;;
 esac
