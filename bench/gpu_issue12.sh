@@ -7,6 +7,7 @@
 #       and without Triton's default specialisation (MSTAR_BOUNDED_SPECIALIZE, since removed), bounded GPU tests
 #   d   (as a): the final pass: every benchmark, the GPU test suite with durations, profile_plan
 #   e   (as a): after the review commit (bench/timing.py restructured): the benchmarks that use it, once more
+#   f   (as a): bounded decode with kernels timed back to back (launch cost excluded), twice
 stage=${1:?stage}
 R=$OUT/r; mkdir -p "$R"
 export PYTHONUNBUFFERED=1 OUT
@@ -51,4 +52,8 @@ e)
   T 170 flashinfer_bench python3 bench/flashinfer_bench.py --out "$R"
   T 100 runner_bench python3 bench/runner_bench.py --out "$R"
   T 200 bounded_bench python3 bench/bounded_bench.py --out "$R" --sections decode ;;
+f)
+  setup
+  T 200 bounded_decode_1 python3 bench/bounded_bench.py --out "$R/1" --sections decode
+  T 200 bounded_decode_2 python3 bench/bounded_bench.py --out "$R/2" --sections decode ;;
 esac
