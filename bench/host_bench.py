@@ -29,7 +29,11 @@ import torch
 from timing import paired_host_us, versions
 
 from mstar_core.step import StepContext
-from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
+from mstar_core.workloads.decode_bench import (
+    BenchOptions,
+    build_decode_setup,
+    run_decode_bench,
+)
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
@@ -161,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()  # the setup of one shape is gone before the next is built
 
     for b, c in SHAPES:
-        section("prepare", lambda: prepare_vs_raw(b, c, a.reps))
+        section("prepare", lambda b=b, c=c: prepare_vs_raw(b, c, a.reps))
     for c in (8192, 2048):
-        section("eight_layers", lambda: eight_layers(256, c, a.steps))
+        section("eight_layers", lambda c=c: eight_layers(256, c, a.steps))
     by = {(r["batch"], r["context"]): r for r in res["prepare"]}
     targets = {f"prepare <= 1.2x raw plan at {r['batch']} x {r['context']}": {"value": round(r["ratio"], 3),
                                                                              "met": r["ratio"] <= 1.2}

@@ -62,5 +62,5 @@ for rows, kv in ((8, 512), (64, 8192)):
                      dtype="bfloat16")
     st = build_decode_setup(o)
     held = []
-    prof(f"GraphRunner.prepare {rows}x{kv} (graph decode)", lambda: held.append(st.runner.prepare(st.decode)),
-         n=100, after=lambda: [st.runner.discard(held.pop()) for _ in list(held)])
+    prof(f"GraphRunner.prepare {rows}x{kv} (graph decode)", lambda st=st, held=held: held.append(st.runner.prepare(st.decode)),
+         n=100, after=lambda st=st, held=held: [st.runner.discard(held.pop()) for _ in list(held)])

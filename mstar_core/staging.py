@@ -50,7 +50,7 @@ class Fence:
 
 
 class _Buf:
-    __slots__ = ("tensor", "_array")
+    __slots__ = ("_array", "tensor")
 
     def __init__(self, n: int, pin: bool, dtype: torch.dtype) -> None:
         self.tensor = torch.empty(n, dtype=dtype, pin_memory=pin)

@@ -9,7 +9,6 @@ import torch
 from mstar_core.staging import Staging
 
 
-
 class DeferredGPU:
     """One stream: copies and reads are queued in order and run later; a copy reads its source
     when it runs (like an async H2D from pinned memory). A fence waits until the queue has run

@@ -64,8 +64,7 @@ class PageTable:
         w = self._writes
         for i, p in enumerate(pages):
             w[(row, col + i)] = p
-        if col + len(pages) > self._want_cols:
-            self._want_cols = col + len(pages)
+        self._want_cols = max(self._want_cols, col + len(pages))
 
     def _grow(self) -> None:
         rows, cols = self.rows, self.cols

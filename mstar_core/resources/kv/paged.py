@@ -47,7 +47,7 @@ def _pages_for(tokens: int, page_size: int) -> int:
 class _LabelRows:
     """One label's rows as a plan collects them: plain lists, one pass over the spans."""
 
-    __slots__ = ("spans", "qo", "kvp", "last", "lens", "table_row", "pos_base", "write_page", "decode")
+    __slots__ = ("decode", "kvp", "last", "lens", "pos_base", "qo", "spans", "table_row", "write_page")
 
     def __init__(self) -> None:
         self.spans: list[SpanLayout] = []
