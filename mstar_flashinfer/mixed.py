@@ -139,9 +139,9 @@ class FlashInferMixedWrapper:
                 raise
             st = self._staging
             st.begin()
-            self._row_token.copy_(st.put("row_token", lay.row_token, torch.int64), non_blocking=True)
-            self._perm[:n].copy_(st.put("perm", lay.perm, torch.int64), non_blocking=True)
-            self._gather[:n].copy_(st.put("gather", lay.gather, torch.int64), non_blocking=True)
+            st.copy(self._row_token, st.put("row_token", lay.row_token, torch.int64))
+            st.copy(self._perm[:n], st.put("perm", lay.perm, torch.int64))
+            st.copy(self._gather[:n], st.put("gather", lay.gather, torch.int64))
             st.end()
             # padding rows and the decode half's prompt rows read the sink page
             self._state = PlanState(qo, indptr, indices, lens, n, max_page=max(max_page, self.SINK_PAGE))

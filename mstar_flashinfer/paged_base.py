@@ -211,7 +211,7 @@ class PagedWrapperBase:
         if bufs is None:
             return staged
         view = bufs["kv_indices"][: indices.shape[0]]
-        view.copy_(staged, non_blocking=True)
+        self._staging.copy(view, staged)
         return view
 
     @contextlib.contextmanager

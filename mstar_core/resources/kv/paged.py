@@ -62,14 +62,14 @@ class _LabelRows:
     def add(self, s: KVSpan, stream: CacheStream, ps: int) -> None:
         n = s.num_tokens
         length = stream.length + n
-        npages = -(-length // ps)
+        npages = _pages_for(length, ps)
         pages = stream.pages
         if npages > len(pages):
             raise RuntimeError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
                                f"holds {len(pages)}")
         q0 = self.qo[-1]
         self.spans.append(SpanLayout(s.request_id, s.label, length, n, s.commit, q0, stream.generation, npages,
-                                     stream.table_row, pages))
+                                     pages))
         self.qo.append(q0 + n)
         self.kvp.append(self.kvp[-1] + npages)
         self.lens.append(length)
@@ -252,11 +252,11 @@ class KVManager(Resource):
             key = (s.request_id, s.label)
             stream = streams.get(key)
             if stream is None:
-                n = -(-s.num_tokens // ps)
+                n = _pages_for(s.num_tokens, ps)
             else:
                 if stream.in_flight:
                     busy.append(key)
-                n = max(0, -(-(stream.length + s.num_tokens) // ps) - len(stream.pages))
+                n = max(0, _pages_for(stream.length + s.num_tokens, ps) - len(stream.pages))
             need[key] = n
             total += n
         if busy:

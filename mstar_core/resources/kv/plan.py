@@ -26,7 +26,6 @@ class SpanLayout(NamedTuple):
     q_start: int
     generation: int
     num_pages: int
-    table_row: int = -1
     # The stream's page list itself, not a copy (a plan is O(rows), not O(pages)). Its first
     # ``num_pages`` entries do not change once the plan is made: the manager only appends to a
     # stream's list, and where a commit drops pages (uncommitted tokens) it gives the stream a

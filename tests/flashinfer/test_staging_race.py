@@ -1,12 +1,12 @@
 """The pre-plan race, provoked on a CPU with a deferred copy engine standing in for the GPU's
 DMA queue: plan N+1 stages its host arrays before step N's host-to-device copy has executed.
-The FlashInfer wrappers stage through :class:`mstar_core.staging.Staging`. (The KV manager's
+The FlashInfer wrappers stage through :class:`mstar_flashinfer.staging.Staging`. (The KV manager's
 page table copies from fresh tensors of torch's caching host allocator, which holds each one
 until its copy has run: page_table.py.)"""
 
 import torch
 
-from mstar_core.staging import Staging
+from mstar_flashinfer.staging import Staging
 
 
 class DeferredGPU:
