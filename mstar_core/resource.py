@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .features import PLAIN, AttentionFeatures
 from .step import AdmitOutcome, Step, StepContext
 
 
@@ -29,6 +30,9 @@ class BuildInfo:
     num_kv_heads: int = 1
     head_dim: int = 64
     built: Mapping[str, Resource] = field(default_factory=dict)
+    # What the model's attention asks for (FP8 KV, soft-cap, sinks, per-layer windows, ...):
+    # the KV manager stores accordingly, the attention managers select and plan with it.
+    features: AttentionFeatures = PLAIN
 
     def dependency(self, name: str, owner: str) -> Resource:
         """The already-built resource ``name`` that ``owner`` builds over."""

@@ -18,3 +18,5 @@ class FA3PrefixedPrefillWrapper(VarlenPrefixedWrapper):
     kernel = "flash_attn_interface.flash_attn_varlen_func"
     head_dim_multiple = 8
     max_head_dim = MAX_HEAD_DIM
+    softcap_kwarg = "softcap"
+    sinks_kwarg = "sinks"

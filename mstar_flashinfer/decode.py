@@ -9,7 +9,7 @@ import torch
 
 from .jit_notice import plan_first_use
 from .library import flashinfer
-from .paged_base import PagedWrapperBase, pad_rows, plan_extras
+from .paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
 
 # FlashInfer's tensor-core decode (its prefill kernel with one query per row) wins once a KV head
 # serves several query heads; below that its CUDA-core decode kernel is the faster one.
@@ -111,10 +111,14 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
                         self.page_size, window_left=window_left, non_blocking=True, seq_lens=lens_s, **extras,
                     )
 
-    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Run planned batched decode attention: ``q`` ``[n_req, num_qo_heads, head_dim]`` over
         ``kv_cache_layer`` ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns
-        ``[n_req, num_qo_heads, head_dim]``."""
+        ``[n_req, num_qo_heads, head_dim]``. An FP8 cache (the plan's ``kv_data_type``) is read as
+        ``stored * k_scale`` / ``* v_scale`` (FlashInfer folds ``k_scale`` into the softmax scale
+        and scales the output by ``v_scale``)."""
+        extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
-            return self._inner.run(q, kv_cache_layer, out=self._out(q))
+            return self._inner.run(q, kv_cache_layer, out=self._out(q), **extras)

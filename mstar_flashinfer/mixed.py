@@ -11,7 +11,7 @@ from .decode import FlashInferDecodeWrapper
 from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from .mixed_layout import split_mixed
 from .nvtx import Nvtx
-from .paged_base import PlanState, check_run_cache, plan_extras
+from .paged_base import PlanState, check_run_cache, plan_extras, run_extras
 from .prefill import FlashInferPrefillWrapper
 from .staging import Staging
 
@@ -148,9 +148,12 @@ class FlashInferMixedWrapper:
             self.prompt_rows = lay.prompt_rows
             self._prompt_tokens = int(lay.pre_qo[-1])
 
-    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[tokens, num_qo_heads, head_dim]`` over ``kv_cache_layer``
-        ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns ``[tokens, num_qo_heads, head_dim]``."""
+        ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns ``[tokens, num_qo_heads, head_dim]``.
+        FP8 storage: as the decode wrapper's."""
+        extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
         st = self._state
         if st is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
@@ -164,7 +167,7 @@ class FlashInferMixedWrapper:
         b, p = self.batch_size, self._prompt_tokens
         # One output buffer: decode rows first, then the prefill rows; one gather restores order.
         buf = q.new_empty((b + n, q.shape[1], q.shape[2]))
-        self._dec._inner.run(q.index_select(0, self._row_token), kv_cache_layer, out=buf[:b])
+        self._dec._inner.run(q.index_select(0, self._row_token), kv_cache_layer, out=buf[:b], **extras)
         if n != self.max_total_tokens:
             # Eager: the prefill half gets exactly its planned (prompt) tokens, as FlashInfer 0.7
             # requires; the other tokens' rows of buf are never gathered. (A q of the static size
@@ -172,12 +175,12 @@ class FlashInferMixedWrapper:
             # replay with every later plan.)
             if p:
                 compat.tell_q_rows(self._pre._inner, p)  # a static run before may have said n
-                self._pre._inner.run(q.index_select(0, self._perm[:p]), kv_cache_layer, out=buf[b:b + p])
+                self._pre._inner.run(q.index_select(0, self._perm[:p]), kv_cache_layer, out=buf[b:b + p], **extras)
         else:
             # Static (a captured bucket): every shape is fixed at capture, so the prefill half sees
             # all n rows; the kernel reads only the planned ones (compat.tell_q_rows).
             compat.tell_q_rows(self._pre._inner, n)
-            self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:])
+            self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:], **extras)
         return buf.index_select(0, self._gather[:n])
 
     def kv_write_locations(self) -> KVWriteLocations:

@@ -25,6 +25,15 @@ FLASHINFER = BackendSpec(
     min_compute_capability=(8, 0),
     # The paged wrappers take use_cuda_graph buffers; the ragged (dense) path is eager-only.
     capturable=("paged_prefill", "paged_decode", "mixed"),
+    # FP8 KV (kv_data_type, k_scale/v_scale at run) and soft-cap (logits_soft_cap) on every paged
+    # path; windows per layer through the managers (one plan per window). Not declared: sink
+    # logits -- FlashInfer 0.5.3's paged wrappers pass `sinks` only to its trtllm-gen backend
+    # (sm100); on sm90 they would be dropped silently.
+    features={
+        **{cap: ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows") for cap in ("paged_prefill", "paged_decode",
+                                                                                  "mixed")},
+        "prefixed_ragged": ("soft_cap", "layer_windows"),
+    },
     probe="mstar_flashinfer.probe:probe",
     # FlashInfer JIT-compiles each kernel family on first use: `mstar warmup` does it ahead.
     warmup="mstar_flashinfer.warmup:warmup",

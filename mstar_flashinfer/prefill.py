@@ -9,7 +9,7 @@ import torch
 from . import compat
 from .jit_notice import plan_first_use
 from .library import flashinfer
-from .paged_base import PagedWrapperBase, pad_rows, plan_extras
+from .paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
 
 
 class FlashInferPrefillWrapper(PagedWrapperBase):
@@ -116,16 +116,18 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                         **extras,
                     )
 
-    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Run planned batched prefill attention.
 
         ``q`` ``[total_tokens, num_qo_heads, head_dim]``; ``kv_cache_layer``
         ``[max_pages, 2, page_size, num_kv_heads, head_dim]`` (one layer of the cache).
-        Returns ``[total_tokens, num_qo_heads, head_dim]``.
+        Returns ``[total_tokens, num_qo_heads, head_dim]``. FP8 storage: as the decode wrapper's.
         """
+        extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
             if self._bufs is not None:  # graph mode: the planned rows or the static size (checked above)
                 compat.tell_q_rows(self._inner, q.shape[0])
             # out= given: FlashInfer 0.7's paged prefill zero-fills an output it allocates (one more kernel)
-            return self._inner.run(q, kv_cache_layer, out=self._out(q))
+            return self._inner.run(q, kv_cache_layer, out=self._out(q), **extras)

@@ -7,10 +7,13 @@ import torch
 
 from mstar_core.resources.attn.varlen import check_same_device, check_varlen_plan
 
+from mstar_core.features import check_soft_cap
+
 from . import validate
 from .jit_notice import plan_first_use
 from .library import flashinfer
 from .nvtx import Nvtx
+from .paged_base import run_extras
 from .staging import Staging
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
@@ -59,9 +62,11 @@ class FlashInferPrefixedPrefillWrapper:
         dtype: torch.dtype = torch.bfloat16,
         sm_scale: float | None = None,
         window_left: int = -1,
+        logits_soft_cap: float | None = None,
     ) -> None:
         """Host ``cu_q``/``cu_k`` preferred (FlashInfer plans on the host; a device tensor costs a
-        synchronisation)."""
+        synchronisation). ``logits_soft_cap``: FlashInfer's soft-cap of the scaled scores."""
+        soft_cap = check_soft_cap(logits_soft_cap, f"{type(self).__name__}.plan")
         if dtype is not self._dtype_checked:
             validate.check_dtype(dtype, self.device)
             self._dtype_checked = dtype
@@ -71,16 +76,19 @@ class FlashInferPrefixedPrefillWrapper:
         st.begin()
         q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)
         st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
-        with plan_first_use("ragged prefill", dtype, dtype, self.head_dim, window_left, None, self.backend):
+        with plan_first_use("ragged prefill", dtype, dtype, self.head_dim, window_left, soft_cap, self.backend):
             self._inner.plan(
                 q_s, k_s, self.num_qo_heads, self.num_kv_heads, self.head_dim, causal=causal, window_left=window_left,
-                sm_scale=sm_scale, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
+                sm_scale=sm_scale, logits_soft_cap=soft_cap, q_data_type=dtype, kv_data_type=dtype, non_blocking=True,
             )
         st.end()
         self._tokens = (int(q_arr[-1]), int(k_arr[-1]))
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """``q`` ``[cu_q[-1], Hq, D]``, ``k``/``v`` ``[cu_k[-1], Hkv, D]``; returns ``[cu_q[-1], Hq, D]``."""
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """``q`` ``[cu_q[-1], Hq, D]``, ``k``/``v`` ``[cu_k[-1], Hkv, D]``; returns ``[cu_q[-1], Hq, D]``.
+        Sink logits are refused (see :func:`mstar_flashinfer.paged_base.run_extras`)."""
+        run_extras(type(self).__name__, None, None, sinks)
         if self._tokens is None:
             raise RuntimeError("FlashInferPrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens

@@ -12,6 +12,7 @@ from typing import Any, TypeVar
 import pluggy
 import torch
 
+from ..features import AttentionFeatures
 from . import discovery, hookspecs
 from .device import as_device, compute_capability, device_arch, device_available_reasons, device_key, device_kind
 from .discovery import LoadedPlugin, PluginError, PluginFailure
@@ -208,10 +209,11 @@ class Registry:
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         head_dim: int | None = None,
+        features: AttentionFeatures | None = None,
     ) -> list[str]:
         """Every reason ``name`` cannot serve this request; empty when it can."""
         spec = self._backends[name]
-        return self.device_reasons(name, device) + spec.declared_reasons(capabilities, dtype, head_dim)
+        return self.device_reasons(name, device) + spec.declared_reasons(capabilities, dtype, head_dim, features)
 
 
 def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from ..features import PLAIN, AttentionFeatures
 from ..step import is_int
 from .device import as_device, describe
 from .registry import Registry, get_registry
@@ -179,20 +180,34 @@ def _load_classes(spec: BackendSpec, capabilities: Sequence[str]) -> tuple[dict[
     return classes, reasons
 
 
-def _request_text(capabilities: Sequence[str], device: torch.device, dtype: torch.dtype | None, head_dim: int | None) -> str:
-    parts = [f"device {describe(device)}"]
-    if dtype is not None:
-        parts.append(f"dtype {dtype_name(dtype)}")
-    if head_dim is not None:
-        parts.append(f"head_dim {head_dim}")
-    parts.append(f"capabilities {', '.join(capabilities)}")
-    return ", ".join(parts)
+@dataclass(frozen=True)
+class Request:
+    """What one selection asks for (``dtype``/``head_dim`` None: not checked)."""
+
+    capabilities: tuple[str, ...]
+    device: torch.device
+    dtype: torch.dtype | None
+    head_dim: int | None
+    features: AttentionFeatures = PLAIN
+
+    def reasons(self, registry: Registry, name: str) -> list[str]:
+        return registry.reasons(name, self.capabilities, self.device, self.dtype, self.head_dim, self.features)
+
+    def __str__(self) -> str:
+        parts = [f"device {describe(self.device)}"]
+        if self.dtype is not None:
+            parts.append(f"dtype {dtype_name(self.dtype)}")
+        if self.head_dim is not None:
+            parts.append(f"head_dim {self.head_dim}")
+        parts.append(f"capabilities {', '.join(self.capabilities)}")
+        if self.features.requested():
+            parts.append(f"features {', '.join(self.features.requested())}")
+        return ", ".join(parts)
 
 
-def runnable(registry: Registry, capabilities: Sequence[str], device: torch.device,
-             dtype: torch.dtype | None, head_dim: int | None) -> list[str]:
+def runnable(registry: Registry, request: Request) -> list[str]:
     """Names of the backends that could serve this request (declared data and probes)."""
-    return [n for n in registry.names() if not registry.reasons(n, capabilities, device, dtype, head_dim)]
+    return [n for n in registry.names() if not request.reasons(registry, n)]
 
 
 def select_backend(
@@ -204,9 +219,11 @@ def select_backend(
     config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
     registry: Registry | None = None,
     honor_env: bool = True,
+    features: AttentionFeatures | None = None,
 ) -> Selection:
     """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
-    those checks. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
+    those checks; ``features`` (None: plain attention) are refused by a backend that does not
+    declare them for every requested capability, with a reason naming the feature. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
     ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
@@ -223,25 +240,29 @@ def select_backend(
         raise TypeError(f"head_dim must be an int or None, got {type(head_dim).__name__} {_short(head_dim)}")
     if registry is not None and not isinstance(registry, Registry):
         raise TypeError(f"registry must be a Registry or None, got {type(registry).__name__}")
+    if features is not None and not isinstance(features, AttentionFeatures):
+        raise TypeError(f"features must be an AttentionFeatures or None, got {type(features).__name__} "
+                        f"{_short(features)}")
     capabilities = tuple(capabilities)
     unknown = [c for c in capabilities if c not in CAPABILITIES]
     if unknown or not capabilities:
         raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(capabilities)}")
     registry = registry or get_registry()
     device = as_device(device)
+    request = Request(capabilities, device, dtype, head_dim, features or PLAIN)
     name, source = resolve_requested(requested, config, honor_env)
     if name == AUTO:
-        return _select_auto(registry, capabilities, device, dtype, head_dim, source)
-    return _select_named(registry, name, source, capabilities, device, dtype, head_dim)
+        return _select_auto(registry, request, source)
+    return _select_named(registry, name, source, request)
 
 
-def _select_named(registry: Registry, name: str, source: str, capabilities: tuple[str, ...], device: torch.device,
-                  dtype: torch.dtype | None, head_dim: int | None) -> Selection:
+def _select_named(registry: Registry, name: str, source: str, request: Request) -> Selection:
     known = registry.names()
-    where = _request_text(capabilities, device, dtype, head_dim)
+    where = str(request)
+    capabilities = request.capabilities
     spec = registry.get(name)
     if spec is None:
-        ok = runnable(registry, capabilities, device, dtype, head_dim)
+        ok = runnable(registry, request)
         failed = registry.failure_for(name)
         why = f"its plugin failed to load: {failed}" if failed else "no installed plugin registers it"
         raise BackendUnavailable(
@@ -249,12 +270,12 @@ def _select_named(registry: Registry, name: str, source: str, capabilities: tupl
             f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "
             f"(or use 'auto').",
             requested=name, reasons={name: [why]}, available=ok, known=known)
-    reasons = registry.reasons(name, capabilities, device, dtype, head_dim)
+    reasons = request.reasons(registry, name)
     classes: dict[str, Any] = {}
     if not reasons:
         classes, reasons = _load_classes(spec, capabilities)
     if reasons:
-        ok = [n for n in runnable(registry, capabilities, device, dtype, head_dim) if n != name]
+        ok = [n for n in runnable(registry, request) if n != name]
         raise BackendUnavailable(
             f"attention backend {name!r} ({spec.label}, from {source}) cannot run here ({where}): "
             f"{'; '.join(reasons)}. Backends that can: {', '.join(ok) or 'none'}; known backends: {', '.join(known)}.",
@@ -263,13 +284,13 @@ def _select_named(registry: Registry, name: str, source: str, capabilities: tupl
     return Selection(name, spec, classes, {}, name, source)
 
 
-def _select_auto(registry: Registry, capabilities: tuple[str, ...], device: torch.device, dtype: torch.dtype | None,
-                 head_dim: int | None, source: str) -> Selection:
-    where = _request_text(capabilities, device, dtype, head_dim)
+def _select_auto(registry: Registry, request: Request, source: str) -> Selection:
+    where = str(request)
+    capabilities = request.capabilities
     rejected: dict[str, list[str]] = {}
     for name in auto_order(capabilities, registry):
         spec = registry.backends[name]
-        reasons = registry.reasons(name, capabilities, device, dtype, head_dim)
+        reasons = request.reasons(registry, name)
         classes: dict[str, Any] = {}
         if not reasons:
             classes, reasons = _load_classes(spec, capabilities)
@@ -281,7 +302,7 @@ def _select_auto(registry: Registry, capabilities: tuple[str, ...], device: torc
         return Selection(name, spec, classes, rejected, AUTO, source)
     for n in registry.names():
         if n not in rejected:
-            rejected[n] = registry.reasons(n, capabilities, device, dtype, head_dim) or ["not in the auto order"]
+            rejected[n] = request.reasons(registry, n) or ["not in the auto order"]
     detail = format_rejected(rejected)
     raise BackendUnavailable(
         f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "

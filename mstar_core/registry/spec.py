@@ -11,6 +11,8 @@ from typing import Any, Union
 
 import torch
 
+from ..features import FEATURES, AttentionFeatures
+
 # The capability names other parts of mstar rely on; each names one wrapper protocol.
 CAPABILITIES: tuple[str, ...] = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded")
 
@@ -92,6 +94,9 @@ class BackendSpec:
     min_compute_capability: tuple[int, int] | None = None
     # Capabilities whose wrappers can be captured in a CUDA graph.
     capturable: tuple[str, ...] = ()
+    # Attention features (mstar_core.features.FEATURES) supported, per capability; a capability
+    # not named supports none. Selection refuses a request for one that is not declared.
+    features: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     probe: ProbeRef = None
     # Backends that compile kernels on first use: "module:attr" (or the callable) of
     # ``warmup(config, device, capabilities) -> list[WarmedKernel | str]`` (mstar_core.warmup), which
@@ -119,8 +124,20 @@ class BackendSpec:
         bad = sorted(set(self.capturable) - set(self.provides))
         if bad:
             raise ValueError(f"backend {self.name!r}: capturable names capabilities it does not provide: {bad}")
-        # Store provides as a plain dict copy so a plugin's later mutation cannot change it.
+        bad = sorted(set(self.features) - set(self.provides))
+        if bad:
+            raise ValueError(f"backend {self.name!r}: features names capabilities it does not provide: {bad}")
+        for cap, names in self.features.items():
+            if isinstance(names, str):
+                raise ValueError(f"backend {self.name!r}: features[{cap!r}] must be a tuple of feature names, got "
+                                 f"the string {names!r}")
+            unknown = sorted(set(names) - set(FEATURES))
+            if unknown:
+                raise ValueError(f"backend {self.name!r}: features[{cap!r}] names unknown features {unknown}; known: "
+                                 f"{list(FEATURES)}")
+        # Plain copies so a plugin's later mutation cannot change them.
         object.__setattr__(self, "provides", dict(self.provides))
+        object.__setattr__(self, "features", {c: tuple(n) for c, n in self.features.items()})
 
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
@@ -128,10 +145,15 @@ class BackendSpec:
             raise KeyError(f"backend {self.name!r} does not provide {capability!r}; it provides {list(self.provides)}")
         return load_ref(self.provides[capability])
 
+    def supports(self, capability: str) -> tuple[str, ...]:
+        """The features ``capability`` supports here (none if not declared)."""
+        return self.features.get(capability, ())
+
     def declared_reasons(
-        self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None, head_dim: int | None = None
+        self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None, head_dim: int | None = None,
+        features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Reasons from declared data alone: capabilities, dtype, head_dim."""
+        """Reasons from declared data alone: capabilities, dtype, head_dim, features."""
         reasons = []
         missing = [c for c in capabilities if c not in self.provides]
         if missing:
@@ -140,6 +162,17 @@ class BackendSpec:
             reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {', '.join(map(dtype_name, self.dtypes))})")
         if head_dim is not None:
             reasons.extend(self.head_dims.reasons(head_dim))
+        if features is not None:
+            reasons.extend(self.feature_reasons(capabilities, features))
+        return reasons
+
+    def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
+        """One reason per requested feature some requested capability lacks, naming both."""
+        reasons = []
+        for feature in features.requested():
+            lacking = [c for c in capabilities if c in self.provides and feature not in self.supports(c)]
+            if lacking:
+                reasons.append(f"does not support feature {feature} ({FEATURES[feature]}) in {', '.join(lacking)}")
         return reasons
 
     @property

@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from ..features import KV_DTYPES, quantize
 from .oracle import attention_oracle, rel_error
 
 # Largest relative error (vs float64) a wrapper may show, by the dtype it computes in.
@@ -64,12 +65,17 @@ class PagedCase:
     num_kv_heads: int = 2
     sm_scale: float | None = None
     seed: int = 0
+    # Attention features (mstar_core.features): FP8 storage by name, soft-cap, sink logits.
+    kv_dtype: str = "auto"
+    soft_cap: float | None = None
+    sinks: bool = False
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
         w = f"-win{self.window_left}" if self.window_left >= 0 else ""
         s = "-scale" if self.sm_scale is not None else ""
-        return f"ps{self.page_size}-d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}-q{'_'.join(map(str, self.q_lens))}"
+        return (f"ps{self.page_size}-d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}{_feature_tag(self)}"
+                f"-q{'_'.join(map(str, self.q_lens))}")
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -85,10 +91,21 @@ class RaggedCase:
     causal: bool = True
     num_kv_heads: int = 2
     seed: int = 0
+    window_left: int = -1
+    soft_cap: float | None = None
+    sinks: bool = False
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
-        return f"d{self.head_dim}-gqa{self.gqa}-{c}-q{'_'.join(map(str, self.q_lens))}-p{'_'.join(map(str, self.prefix_lens))}"
+        w = f"-win{self.window_left}" if self.window_left >= 0 else ""
+        return (f"d{self.head_dim}-gqa{self.gqa}-{c}{w}{_feature_tag(self)}-q{'_'.join(map(str, self.q_lens))}"
+                f"-p{'_'.join(map(str, self.prefix_lens))}")
+
+
+def _feature_tag(case: PagedCase | RaggedCase) -> str:
+    tag = f"-{case.kv_dtype}" if getattr(case, "kv_dtype", "auto") != "auto" else ""
+    tag += f"-cap{case.soft_cap:g}" if case.soft_cap is not None else ""
+    return tag + ("-sinks" if case.sinks else "")
 
 
 def _lens_for(page_size: int, decode: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
@@ -141,6 +158,73 @@ def ragged_cases(head_dims=(64, 128), gqas=(1, 4, 8)) -> list[RaggedCase]:
     return cases
 
 
+# -- attention features (mstar_core.features) ---------------------------------------------------
+
+# Soft-caps that bite: scores of the cases' random data reach a few units, so a cap of 2 bends
+# most of them and a cap of 30 (Gemma 2's) almost none; large-logit cases use the former.
+SOFT_CAPS = (2.0, 30.0)
+# FP8 K/V scales of the feature cases (per case, not 1.0, so a kernel that drops one shows).
+K_SCALE, V_SCALE = 0.5, 2.0
+
+
+def _declared(features: Any, *names: str) -> bool:
+    return all(n in features for n in names)
+
+
+def feature_cases(kind: str, features: Any, page_sizes=(1, 16), head_dim: int = 128) -> list[PagedCase]:
+    """Cases for ``kind`` (``"prefill"``, ``"decode"``, ``"mixed"``) exercising every feature in
+    ``features`` (a backend's ``BackendSpec.supports(capability)``), alone and combined.
+    Windows: the plain cases already cover ``window_left`` per plan; per-layer windows are the
+    managers' job (one plan per window)."""
+    if kind == "decode":
+        shapes = [(_lens_for(ps, decode=True), ps) for ps in page_sizes]
+    elif kind == "mixed":
+        shapes = [(((1, 9, 1, ps + 1, 1), (12, 0, ps, 2, 1)), ps) for ps in page_sizes]
+    else:
+        shapes = [(_lens_for(ps, decode=False), ps) for ps in page_sizes]
+    variants: list[dict[str, Any]] = []
+    for name in ("fp8_e4m3", "fp8_e5m2"):
+        if _declared(features, name):
+            variants.append({"kv_dtype": name})
+    if _declared(features, "soft_cap"):
+        variants += [{"soft_cap": c} for c in SOFT_CAPS]
+    if _declared(features, "sink_logits"):
+        variants.append({"sinks": True})
+        variants.append({"sinks": True, "window_left": 3})  # rows whose window leaves few keys
+    if _declared(features, "fp8_e4m3", "soft_cap"):
+        variants.append({"kv_dtype": "fp8_e4m3", "soft_cap": 2.0})
+    if _declared(features, "fp8_e4m3", "soft_cap", "sink_logits"):
+        variants.append({"kv_dtype": "fp8_e4m3", "soft_cap": 2.0, "sinks": True})
+    cases = []
+    for i, (((q, p), ps), extra) in enumerate(itertools.product(shapes, variants)):
+        cases.append(PagedCase(ps, head_dim, 4, q, p, seed=800 + i, **extra))
+    return cases
+
+
+def ragged_feature_cases(features: Any, head_dim: int = 128) -> list[RaggedCase]:
+    """Prefixed ragged cases for the features in ``features`` (``BackendSpec.supports("prefixed_ragged")``)."""
+    variants: list[dict[str, Any]] = []
+    if _declared(features, "layer_windows"):
+        variants.append({"window_left": 5})
+    if _declared(features, "soft_cap"):
+        variants += [{"soft_cap": c} for c in SOFT_CAPS]
+    if _declared(features, "sink_logits"):
+        variants += [{"sinks": True}, {"sinks": True, "causal": False}]
+    if _declared(features, "soft_cap", "sink_logits", "layer_windows"):
+        variants.append({"soft_cap": 2.0, "sinks": True, "window_left": 5})
+    return [RaggedCase(head_dim, 4, (1, 9, 16, 33), (0, 7, 16, 1), seed=900 + i, **v) for i, v in enumerate(variants)]
+
+
+def sink_logits(case: PagedCase | RaggedCase, device: str) -> torch.Tensor | None:
+    """The case's sink logits ``[Hq]`` (float32), or None: values around the scores' scale, so
+    they take a visible share of each softmax."""
+    if not case.sinks:
+        return None
+    gen = torch.Generator().manual_seed(case.seed + 1)
+    hq = case.num_kv_heads * case.gqa
+    return (torch.randn(hq, generator=gen) * 2.0).to(device)
+
+
 # -- building a case -----------------------------------------------------------------------------
 
 
@@ -185,6 +269,18 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
     for n in case.q_lens:
         qo.append(qo[-1] + n)
     i32 = torch.int32
+    fp8 = KV_DTYPES[case.kv_dtype]
+    if fp8 is not None:
+        # Stored as FP8 with the scales; the oracle reads exactly what a kernel should: stored * scale.
+        stored = torch.stack([quantize(layer[:, 0], K_SCALE, fp8), quantize(layer[:, 1], V_SCALE, fp8)], dim=1)
+        deq = torch.stack([stored[:, 0].double() * K_SCALE, stored[:, 1].double() * V_SCALE], dim=1)
+        keys = [(deq[p, 0, o], deq[p, 1, o]) for p, o in _row_slots(indices, indptr, kv_lens, ps)]
+        return PagedData(
+            q=q.to(device, dtype), layer=stored.to(device),
+            qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
+            kv_indices=torch.tensor(indices, dtype=i32), last_page_len=torch.tensor(last, dtype=i32),
+            kv_lens=torch.tensor(kv_lens, dtype=i32), keys=keys,
+        )
     return PagedData(
         q=q.to(device, dtype), layer=layer.to(device, dtype),
         qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
@@ -194,12 +290,23 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
     )
 
 
-def paged_oracle(case: PagedCase, data: PagedData, causal: bool) -> torch.Tensor:
+def _row_slots(indices: list[int], indptr: list[int], kv_lens: tuple[int, ...], ps: int
+               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per row, ``(pages, offsets)`` of its keys in order: ``layer[pages, 0, offsets]`` is its K."""
+    out = []
+    for r, n in enumerate(kv_lens):
+        j = torch.arange(n)
+        pages = torch.tensor(indices[indptr[r]:indptr[r + 1]], dtype=torch.int64)[j // ps] if n else j
+        out.append((pages, j % ps))
+    return out
+
+
+def paged_oracle(case: PagedCase, data: PagedData, causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:
     q = data.q.double().cpu()
     outs = []
     for i, (k, v) in enumerate(data.keys):
         a, b = int(data.qo_indptr[i]), int(data.qo_indptr[i + 1])
-        outs.append(attention_oracle(q[a:b], k, v, causal, case.window_left, case.sm_scale))
+        outs.append(attention_oracle(q[a:b], k, v, causal, case.window_left, case.sm_scale, case.soft_cap, sinks))
     return torch.cat(outs)
 
 
@@ -214,9 +321,25 @@ def _assert_close(backend: WrapperSet, what: str, case: object, out: torch.Tenso
 
 
 def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
+    """The plan's keyword arguments: the backend's, the case's sm_scale and features."""
     kw = dict(backend.extra_plan_kwargs)
     if case.sm_scale is not None:
         kw["sm_scale"] = case.sm_scale
+    if case.soft_cap is not None:
+        kw["logits_soft_cap"] = case.soft_cap
+    if KV_DTYPES[case.kv_dtype] is not None:
+        kw["kv_data_type"] = KV_DTYPES[case.kv_dtype]
+    return kw
+
+
+def _run_kwargs(case: PagedCase, sinks: torch.Tensor | None) -> dict[str, Any]:
+    """The run's keyword arguments for the case's features (none for a plain case, so a
+    backend without the feature keywords still runs the plain suite)."""
+    kw: dict[str, Any] = {}
+    if KV_DTYPES[case.kv_dtype] is not None:
+        kw["k_scale"], kw["v_scale"] = K_SCALE, V_SCALE
+    if sinks is not None:
+        kw["sinks"] = sinks
     return kw
 
 
@@ -227,8 +350,9 @@ def check_prefill(backend: WrapperSet, case: PagedCase) -> float:
                         device=torch.device(backend.device))
     w.plan(data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
            dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
-    out = w.run(data.q, data.layer)
-    return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal))
+    sinks = sink_logits(case, backend.device)
+    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
+    return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
 def check_decode(backend: WrapperSet, case: PagedCase) -> float:
@@ -239,8 +363,9 @@ def check_decode(backend: WrapperSet, case: PagedCase) -> float:
                        device=torch.device(backend.device))
     w.plan(data.kv_indptr, backend.indices(data), data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
            window_left=case.window_left, **_scale_kwargs(backend, case))
-    out = w.run(data.q, data.layer)
-    return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True))
+    sinks = sink_logits(case, backend.device)
+    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
+    return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True, sinks))
 
 
 def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None) -> float:
@@ -253,8 +378,9 @@ def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | No
                       max_prefill_rows or max(prompts, 1), torch.device(backend.device))
     w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
            dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
-    out = w.run(data.q, data.layer)
-    return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal))
+    sinks = sink_logits(case, backend.device)
+    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
+    return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
 def check_ragged(backend: WrapperSet, case: RaggedCase) -> float:
@@ -269,11 +395,16 @@ def check_ragged(backend: WrapperSet, case: RaggedCase) -> float:
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
     dev, dt = backend.device, backend.dtype
     w = backend.ragged(hq, hkv, d, torch.device(dev), workspace_buffer=backend.workspace())
-    w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt)
-    out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt))
+    plan_kw: dict[str, Any] = {} if case.window_left < 0 else {"window_left": case.window_left}
+    if case.soft_cap is not None:
+        plan_kw["logits_soft_cap"] = case.soft_cap
+    w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt, **plan_kw)
+    sinks = sink_logits(case, dev)
+    out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), **({} if sinks is None else {"sinks": sinks}))
     qd, kd, vd = (t.to(dt).double() for t in (q, k, v))
     ref = torch.cat([
-        attention_oracle(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], case.causal)
+        attention_oracle(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], case.causal,
+                         case.window_left, None, case.soft_cap, sinks)
         for i in range(len(case.q_lens))
     ])
     return _assert_close(backend, "ragged", case, out, ref)

@@ -9,13 +9,15 @@ import torch
 
 def attention_oracle(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window_left: int = -1,
-    sm_scale: float | None = None,
+    sm_scale: float | None = None, soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One request: ``q [q_len, Hq, D]`` over ``k``/``v [kv_len, Hkv, D]``, in float64.
 
     Query i sits at position ``kv_len - q_len + i`` (bottom-right alignment); it sees key j when
     ``j <= pos`` (if causal) and ``j >= pos - window_left`` (if ``window_left >= 0``). A query that
-    sees no key returns zeros."""
+    sees no key returns zeros. ``soft_cap``: scores (after ``sm_scale``) become
+    ``soft_cap * tanh(score / soft_cap)``. ``sinks [Hq]``: head h's softmax denominator gains
+    ``exp(sinks[h])`` (a key with that logit and a zero value). FP8 K/V: pass them dequantized."""
     q, k, v = (t.detach().to("cpu", torch.float64) for t in (q, k, v))
     q_len, hq, d = q.shape
     kv_len, hkv, _ = k.shape
@@ -24,6 +26,8 @@ def attention_oracle(
     k = k.repeat_interleave(g, dim=1)  # query head h reads kv head h // g
     v = v.repeat_interleave(g, dim=1)
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    if soft_cap is not None:
+        scores = soft_cap * torch.tanh(scores / soft_cap)
     pos = torch.arange(q_len)[:, None] + (kv_len - q_len)
     j = torch.arange(kv_len)[None, :]
     allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
@@ -32,7 +36,12 @@ def attention_oracle(
     if window_left >= 0:
         allowed &= j >= pos - window_left
     scores = scores.masked_fill(~allowed, float("-inf"))
-    probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    if sinks is not None:
+        sink = sinks.detach().to("cpu", torch.float64)[:, None, None].expand(hq, q_len, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
+    probs = probs.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # a query seeing no key: zeros
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 

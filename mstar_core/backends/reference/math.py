@@ -169,9 +169,24 @@ def _block_mask(c: Chunk, a: int, b: int, causal: bool, window_left: int) -> tor
     return mask.expand(c.rows, b - a, c.max_k)
 
 
+@dataclass(frozen=True)
+class Extras:
+    """The attention features a run applies (see :mod:`mstar_core.features`): scores
+    soft-capped, a sink logit per query head in each denominator, K/V read from FP8 storage as
+    ``stored * scale``. The default applies none."""
+
+    soft_cap: float | None = None
+    sinks: torch.Tensor | None = None  # [Hq]
+    k_scale: float | None = None
+    v_scale: float | None = None
+
+
+NO_EXTRAS = Extras()
+
+
 def attend_padded(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pad: Padding, sm_scale: float | None,
-    slots: tuple[tuple[torch.Tensor, ...], ...] | None = None,
+    slots: tuple[tuple[torch.Tensor, ...], ...] | None = None, extras: Extras = NO_EXTRAS,
 ) -> torch.Tensor:
     """``q`` packed ``[tokens, Hq, D]``. Keys: with ``slots`` None, ``k``/``v`` are padded
     ``[rows, >= max_k, Hkv, D]``; otherwise ``k[slots[i]]`` / ``v[slots[i]]`` is chunk i's
@@ -193,6 +208,10 @@ def attend_padded(
         else:
             k_c, v_c = k[slots[i]], v[slots[i]]
         k_c, v_c = k_c.to(acc), v_c.to(acc)
+        if extras.k_scale is not None:  # not in place: k_c may be the caller's tensor
+            k_c = k_c * extras.k_scale
+        if extras.v_scale is not None:
+            v_c = v_c * extras.v_scale
         # [rows, K, Hkv]: keys whose K or V holds a NaN/inf; V zeroed there so that probability 0
         # times it stays 0, the queries that see them are set to NaN below.
         bad_kv = (~(torch.isfinite(k_c).all(-1) & torch.isfinite(v_c).all(-1))).to(acc)
@@ -213,8 +232,15 @@ def attend_padded(
             # [rows, Hkv, G, qb, D] x [rows, Hkv, 1, D, K]: query head h reads kv head h // G.
             qh = q_blk.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4)
             scores = torch.matmul(qh, kh).mul_(scale)
+            if extras.soft_cap is not None:
+                scores = scores.div_(extras.soft_cap).tanh_().mul_(extras.soft_cap)
             scores.masked_fill_(~mask[:, None, None], float("-inf"))
-            probs = torch.softmax(scores, dim=-1)
+            if extras.sinks is not None:
+                # one more "key" per head: the sink logit, with a zero value
+                sink = extras.sinks.to(acc).view(1, hkv, g, 1, 1).expand(n, hkv, g, qb, 1)
+                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            else:
+                probs = torch.softmax(scores, dim=-1)
             del scores
             o = torch.matmul(probs, vh).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
             del probs

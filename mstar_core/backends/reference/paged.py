@@ -12,7 +12,44 @@ from typing import Any
 
 import torch
 
-from .math import Padding, attend_padded, build_padding, gather_paged_slots
+from ...features import check_scale, check_sinks, check_soft_cap
+from .math import Extras, Padding, attend_padded, build_padding, gather_paged_slots
+
+# plan() keyword arguments (FlashInfer's names, seed 001's ``**kwargs``).
+PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
+
+
+
+def plan_extras(kwargs: dict[str, Any], who: str) -> tuple[float | None, float | None, torch.dtype | None]:
+    """``(sm_scale, logits_soft_cap, kv_data_type)`` from a plan's keyword arguments, refusing
+    unknown ones and bad values (before the plan changes anything)."""
+    from ...step import check_window_and_scale
+
+    unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
+    if unknown:
+        raise TypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
+    sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
+    check_window_and_scale(f"{who}.plan", -1, sm_scale)
+    cap = check_soft_cap(cap, f"{who}.plan")
+    if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
+        raise TypeError(f"{who}.plan: kv_data_type must be a torch.dtype or None, got {kv_dtype!r}")
+    return sm_scale, cap, kv_dtype
+
+
+def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,
+               device: torch.device, soft_cap: float | None, sinks: torch.Tensor | None,
+               k_scale: float | None, v_scale: float | None) -> Extras:
+    """What a run applies beyond the plan's mask, checked: the cache in the planned KV dtype,
+    scales finite and > 0, sinks ``[Hq]``."""
+    if kv_dtype is not None and cache_dtype != kv_dtype:
+        raise TypeError(f"{who}.run: kv_cache_layer has dtype {cache_dtype}, the plan's kv_data_type is {kv_dtype}")
+    check_scale(k_scale, "k_scale", f"{who}.run")
+    check_scale(v_scale, "v_scale", f"{who}.run")
+    if sinks is not None:
+        check_sinks(sinks, num_qo_heads, device, f"{who}.run")
+    if soft_cap is None and sinks is None and k_scale is None and v_scale is None:
+        return Extras()
+    return Extras(soft_cap, sinks, k_scale, v_scale)
 
 
 def _kv_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
@@ -55,6 +92,8 @@ class ReferencePrefillWrapper:
         self._slots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         self._planned: tuple | None = None  # plan's per-row arrays and index tensors
         self._sm_scale: float | None = None
+        self._soft_cap: float | None = None
+        self._kv_dtype: torch.dtype | None = None
 
     def plan(
         self,
@@ -68,6 +107,7 @@ class ReferencePrefillWrapper:
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
+        sm_scale, soft_cap, kv_dtype = plan_extras(kwargs, type(self).__name__)
         qo_indptr = qo_indptr.cpu().to(torch.int64)
         indptr = paged_kv_indptr.cpu().to(torch.int64)
         lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)
@@ -76,7 +116,7 @@ class ReferencePrefillWrapper:
         # the previous step runs). Every layer's run reuses it.
         self._pad, self._slots = None, None
         self._planned = (qo_indptr[1:] - qo_indptr[:-1], lens, causal, window_left, indptr, paged_kv_indices)
-        self._sm_scale = kwargs.get("sm_scale")
+        self._sm_scale, self._soft_cap, self._kv_dtype = sm_scale, soft_cap, kv_dtype
         self._total = int(qo_indptr[-1])
 
     def _padding(self) -> tuple[Padding, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
@@ -88,7 +128,11 @@ class ReferencePrefillWrapper:
             self._slots = gather_paged_slots(self._pad, indptr, indices, self.page_size)
         return self._pad, self._slots
 
-    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [tokens, Hq, D]`` over ``kv_cache_layer``. FP8 storage (the plan's
+        ``kv_data_type``) is read as ``stored * k_scale`` / ``* v_scale``; ``sinks [Hq]`` adds a
+        logit per query head to each softmax denominator (FlashInfer's run keywords)."""
         if self._planned is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         want = (self._total, self.num_qo_heads, self.head_dim)
@@ -97,7 +141,8 @@ class ReferencePrefillWrapper:
             raise ValueError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
         if padded:
             out = q.new_zeros(q.shape)
-            out[: self._total] = self.run(q[: self._total], kv_cache_layer)
+            out[: self._total] = self.run(q[: self._total], kv_cache_layer, k_scale=k_scale, v_scale=v_scale,
+                                          sinks=sinks)
             return out
         want_kv = (2, self.page_size, self.num_kv_heads, self.head_dim)
         if kv_cache_layer.dim() != 5 or tuple(kv_cache_layer.shape[1:]) != want_kv:
@@ -105,9 +150,11 @@ class ReferencePrefillWrapper:
                 f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
                 f"[max_pages, {', '.join(map(str, want_kv))}] [pages, 2, page_size, Hkv, D]"
             )
+        extras = run_extras(type(self).__name__, self._kv_dtype, kv_cache_layer.dtype, self.num_qo_heads, q.device,
+                            self._soft_cap, sinks, k_scale, v_scale)
         pad, slots = self._padding()
         # [pages, page_size, Hkv, D] views; each chunk gathers its own keys through its slots
-        return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], pad, self._sm_scale, slots)
+        return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], pad, self._sm_scale, slots, extras)
 
 
 class ReferenceDecodeWrapper(ReferencePrefillWrapper):

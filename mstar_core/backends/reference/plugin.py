@@ -9,6 +9,8 @@ import torch
 from mstar_core.registry.hookspecs import hookimpl
 from mstar_core.registry.spec import BackendSpec
 
+PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "sink_logits", "layer_windows", "multi_token_decode")
+
 REFERENCE = BackendSpec(
     name="reference",
     provides={
@@ -22,6 +24,12 @@ REFERENCE = BackendSpec(
     dtypes=(torch.float32, torch.float64, torch.float16, torch.bfloat16),
     # Eager only: plan() rebuilds its index tensors, so a captured graph would read stale ones.
     capturable=(),
+    # Every feature, as the float64 oracle defines it (the bounded kernels take none of them:
+    # the bounded manager refuses them with its own reason).
+    features={
+        **{cap: PAGED_FEATURES for cap in ("paged_prefill", "paged_decode", "mixed")},
+        "prefixed_ragged": ("soft_cap", "sink_logits", "layer_windows"),
+    },
     description="plain PyTorch; the oracle every backend is tested against",
 )
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import torch
 
 from .math import Padding, attend_padded, build_padding, gather_ragged_slots
+from ...features import check_soft_cap
+from .paged import run_extras
 
 
 class ReferencePrefixedPrefillWrapper:
@@ -36,7 +38,9 @@ class ReferencePrefixedPrefillWrapper:
         dtype: torch.dtype = torch.bfloat16,
         sm_scale: float | None = None,
         window_left: int = -1,
+        logits_soft_cap: float | None = None,
     ) -> None:
+        soft_cap = check_soft_cap(logits_soft_cap, f"{type(self).__name__}.plan")
         cu_q = torch.as_tensor(cu_q).cpu().to(torch.int64)
         cu_k = torch.as_tensor(cu_k).cpu().to(torch.int64)
         q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
@@ -44,9 +48,11 @@ class ReferencePrefixedPrefillWrapper:
                                   num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
         self._slots = gather_ragged_slots(self._pad, cu_k)
         self._sm_scale = sm_scale
+        self._soft_cap = soft_cap
         self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+            ) -> torch.Tensor:
         if self._pad is None:
             raise RuntimeError("ReferencePrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens
@@ -58,4 +64,6 @@ class ReferencePrefixedPrefillWrapper:
                     f"ReferencePrefixedPrefillWrapper.run: {name} has shape {tuple(t.shape)}, expected {want} "
                     f"[tokens, heads, head_dim] (the plan has {tq} queries and {tk} keys)"
                 )
-        return attend_padded(q, k, v, self._pad, self._sm_scale, self._slots)
+        extras = run_extras(type(self).__name__, None, k.dtype, self.num_qo_heads, q.device, self._soft_cap, sinks,
+                            None, None)
+        return attend_padded(q, k, v, self._pad, self._sm_scale, self._slots, extras)

@@ -38,8 +38,10 @@ class AttentionManager(Resource):
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
         layer_idx: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """One layer's attention for ``label``'s packed queries ``[tokens, Hq, D]``."""
+        """One layer's attention for ``label``'s packed queries ``[tokens, Hq, D]``; ``sinks``:
+        the layer's sink logits ``[Hq]`` where the features ask for them."""
         raise NotImplementedError
 
 

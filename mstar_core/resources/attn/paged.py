@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from ...features import AttentionFeatures
 from ...resource import BuildInfo
 from ...step import Step, StepContext
 from ..kv.config import KVConfig
@@ -27,6 +28,9 @@ log = logging.getLogger(__name__)
 PAGED_CAPABILITIES = ("paged_prefill", "paged_decode", "mixed")
 
 
+WrapperKey = tuple[str, str, int, "int | None", int]  # (label, kind, slot, bucket, window_left)
+
+
 @dataclass(frozen=True)
 class PagedAttnEntry:
     label: str
@@ -35,8 +39,21 @@ class PagedAttnEntry:
     num_tokens: int
     # Wrappers hold their plan: ``serial`` is this plan's number, and a wrapper re-planned by a
     # later step (more steps planned ahead than there are slots) is refused at run, not misused.
-    key: tuple[str, str, int, int | None] = ("", "", 0, None)
+    key: WrapperKey = ("", "", 0, None, -1)
     serial: int = 0
+    # Per-layer windows (AttentionFeatures.layer_windows): one planned wrapper per distinct
+    # window, ``window -> (wrapper, key)``; ``run(layer_idx=)`` picks. Empty: one window, the
+    # ``wrapper`` above.
+    per_window: Mapping[int, tuple[Any, WrapperKey]] = field(default_factory=dict)
+
+    def planned(self, window: int | None) -> tuple[Any, WrapperKey]:
+        """The wrapper planned for ``window`` (None: the step's only one)."""
+        if not self.per_window:
+            return self.wrapper, self.key
+        if window is None:
+            raise ValueError(f"label {self.label!r}: this step is planned per layer window "
+                             f"({sorted(self.per_window)}); run needs layer_idx")
+        return self.per_window[window]
 
 
 @dataclass(frozen=True)
@@ -83,10 +100,22 @@ class PagedAttentionManager(AttentionManager):
         workspace_bytes: int | None = None,
         accelerator_graph: bool = False,
         graph_capturable: bool | None = None,
+        features: AttentionFeatures | None = None,
     ) -> None:
         missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
         if missing:
             raise ValueError(f"PagedAttentionManager needs wrappers for {list(PAGED_CAPABILITIES)}; missing {missing}")
+        # The model's features; the KV manager's by default (it stores what they ask for).
+        self.features = kv_cache.features if features is None else features
+        if self.features.kv_dtype != kv_cache.features.kv_dtype:
+            raise ValueError(f"PagedAttentionManager: features ask for kv_dtype {self.features.kv_dtype!r} but the KV "
+                             f"cache stores {kv_cache.features.kv_dtype!r}; build both with the same features")
+        self.features.check_layers(kv_config.num_layers, "PagedAttentionManager")
+        capacity = kv_config.max_pages * kv_config.page_size
+        for w in self.features.windows(-1):
+            if w >= capacity:
+                raise ValueError(f"PagedAttentionManager: window {w} is longer than the KV cache ({kv_config.max_pages} "
+                                 f"pages x {kv_config.page_size} = {capacity} tokens); use -1 for a full layer")
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -103,9 +132,9 @@ class PagedAttentionManager(AttentionManager):
         # What the backend declared (the registry passes it); None: ask the decode class.
         self.graph_capturable = graph_capturable
         self._graph_max_bs = 0
-        self._wrappers: dict[tuple[str, str, int, int | None], Any] = {}
+        self._wrappers: dict[WrapperKey, Any] = {}
         self._plans = 0
-        self._planned: dict[tuple[str, str, int, int | None], int] = {}  # wrapper key -> serial of its plan
+        self._planned: dict[WrapperKey, int] = {}  # wrapper key -> serial of its plan
         self._serial = 0
         self._current: PagedAttnPlan | None = None
 
@@ -119,19 +148,19 @@ class PagedAttentionManager(AttentionManager):
         assert isinstance(kv, KVManager)
         sel = select_backend(
             capabilities=PAGED_CAPABILITIES, requested=spec.get("backend"), device=info.device,
-            dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"),
+            dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
         return cls(kv, info.device, info.dtype, kv.config, sel.classes,
-                   graph_capturable="paged_decode" in sel.capturable, **extra)
+                   graph_capturable="paged_decode" in sel.capturable, features=kv.features, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
 
-    def _wrapper(self, label: str, kind: str, slot: int, bucket: int | None = None) -> Any:
-        key = (label, kind, slot, bucket)
+    def _wrapper(self, key: WrapperKey) -> Any:
+        label, kind, slot, bucket, _ = key
         w = self._wrappers.get(key)
         if w is None:
             c = self.kv_config
@@ -160,6 +189,10 @@ class PagedAttentionManager(AttentionManager):
             slot = ctx.slot
         self._serial += 1
         a = step.attn
+        if self.features.layer_windows is not None and a.window_left != -1:
+            raise ValueError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
+                             "give each layer its window (layer_windows); leave the step's window_left at -1")
+        windows = self.features.windows(a.window_left)
         entries = []
         for label, lay in kv_plan.labels:
             kind = step_kind(lay.q_lens)
@@ -167,14 +200,19 @@ class PagedAttentionManager(AttentionManager):
                 kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx.bucket)
-            w = self._wrapper(label, kind, slot, ctx.bucket)
-            key = (label, kind, slot, ctx.bucket)
-            self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-            self._plan_wrapper(w, kind, lay, a.causal, a.window_left, a.sm_scale)
-            self._planned[key] = self._serial
-            log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s)", label, kind, len(lay.spans),
-                      lay.num_tokens, slot, ctx.bucket)
-            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens, key, self._serial))
+            planned = {}
+            for window in windows:  # one plan per distinct window; run(layer_idx) picks
+                key = (label, kind, slot, ctx.bucket, window)
+                w = self._wrapper(key)
+                self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
+                self._plan_wrapper(w, kind, lay, a.causal, window, a.sm_scale)
+                self._planned[key] = self._serial
+                planned[window] = (w, key)
+            log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
+                      len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
+            w, key = planned[windows[0]]
+            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens, key, self._serial,
+                                          planned if self.features.layer_windows is not None else {}))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
 
@@ -209,7 +247,9 @@ class PagedAttentionManager(AttentionManager):
 
     def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
                       sm_scale: float | None) -> None:
-        kw = plan_kwargs(sm_scale=sm_scale)
+        f = self.features
+        kw = plan_kwargs(sm_scale=sm_scale, logits_soft_cap=f.soft_cap,
+                         kv_data_type=self.kv.kv_dtype if f.quantized else None)
         if kind == "paged_decode":
             w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
                    window_left=window_left, **kw)
@@ -228,23 +268,40 @@ class PagedAttentionManager(AttentionManager):
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
         layer_idx: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
+        """One layer: ``layer_idx`` picks the layer's window (per-layer windows) and FP8 scales;
+        ``sinks [Hq]`` are this layer's sink logits (features ``sink_logits``)."""
+        who = type(self).__name__
         e = self.current.entry(label)
-        if self._planned.get(e.key) != e.serial:
+        f = self.features
+        window = None
+        if e.per_window:
+            if layer_idx is None:
+                raise ValueError(f"{who}.run: the features give each layer its window: run needs layer_idx")
+            window = f.window(self.kv._check_layer(layer_idx), -1)
+        wrapper, key = e.planned(window)
+        if self._planned.get(key) != e.serial:
             raise RuntimeError(
-                f"{type(self).__name__}.run: the {e.kind} wrapper this step planned (label {e.label!r}, slot "
-                f"{e.key[2]}) was re-planned by a later step; at most {self.slots} steps may be planned ahead "
+                f"{who}.run: the {e.kind} wrapper this step planned (label {e.label!r}, slot "
+                f"{key[2]}) was re-planned by a later step; at most {self.slots} steps may be planned ahead "
                 "of the one that runs"
             )
         c = self.kv_config
-        check_q(q, e.num_tokens, c.qo_heads, c.head_dim, self.dtype, type(self).__name__)
+        check_q(q, e.num_tokens, c.qo_heads, c.head_dim, self.dtype, who)
         if kv_cache_layer is None:
             if layer_idx is None:
                 raise ValueError("run needs kv_cache_layer or layer_idx")
             kv_cache_layer = self.kv.layer_view(layer_idx)
         if q.device != kv_cache_layer.device:
-            raise ValueError(f"{type(self).__name__}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
-        return e.wrapper.run(q, kv_cache_layer)
+            raise ValueError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
+        f.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
+        kw: dict[str, Any] = {} if sinks is None else {"sinks": sinks}
+        if f.quantized:
+            if layer_idx is None:
+                raise ValueError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
+            kw["k_scale"], kw["v_scale"] = self.kv.scales(layer_idx)
+        return wrapper.run(q, kv_cache_layer, **kw)
 
     @property
     def current(self) -> PagedAttnPlan:
@@ -261,7 +318,7 @@ class PagedAttentionManager(AttentionManager):
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written
         # under another kernel or dtype are not interchangeable (the dense manager says the same).
         names = ",".join(f"{c.__module__}:{c.__qualname__}" for _, c in sorted(self.wrapper_classes.items()))
-        return f"attn.paged:{names}:{self.dtype}".encode()
+        return f"attn.paged:{names}:{self.dtype}:{self.features!r}".encode()
 
     @property
     def force_double_buffer(self) -> bool:

@@ -23,6 +23,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
+from ...features import check_sinks, check_soft_cap
 from ...step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -126,6 +127,10 @@ class VarlenPrefixedWrapper:
     head_dim_multiple: ClassVar[int] = 1
     max_head_dim: ClassVar[int] = 256
     extra_kwargs: ClassVar[dict[str, Any]] = {}  # passed on every call
+    # The function's keywords for a soft-cap and for sink logits; None where it has none (the
+    # feature is then refused here, and the backend does not declare it).
+    softcap_kwarg: ClassVar[str | None] = None
+    sinks_kwarg: ClassVar[str | None] = None
 
     def __init__(
         self,
@@ -159,8 +164,13 @@ class VarlenPrefixedWrapper:
         dtype: torch.dtype = torch.bfloat16,
         sm_scale: float | None = None,
         window_left: int = -1,
+        logits_soft_cap: float | None = None,
     ) -> None:
         who = f"{type(self).__name__}.plan"
+        soft_cap = check_soft_cap(logits_soft_cap, who)
+        if soft_cap is not None and self.softcap_kwarg is None:
+            raise ValueError(f"{who}: {self.library} varlen attention has no soft-cap; plan without logits_soft_cap "
+                             "or use a backend that declares soft_cap")
         if dtype not in SUPPORTED_DTYPES:
             raise TypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
         cu_q, cu_k = check_varlen_plan(who, cu_q, cu_k, max_q, max_k, sm_scale, window_left)
@@ -174,12 +184,25 @@ class VarlenPrefixedWrapper:
         self._scale = sm_scale
         # The window is (left, right) around the bottom-right-aligned diagonal; causal caps right at 0.
         self._window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
+        self._extra = dict(self.extra_kwargs)
+        if soft_cap is not None:
+            self._extra[self.softcap_kwarg] = soft_cap  # type: ignore[index]
         self._planned = True
 
-    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
+            ) -> torch.Tensor:
+        """One kernel call. ``sinks [Hq]``: a logit per query head added to each softmax
+        denominator, where the library takes them (passed as float32)."""
         who = type(self).__name__
         if not self._planned:
             raise RuntimeError(f"{who}.run before plan")
+        extra = self._extra
+        if sinks is not None:
+            if self.sinks_kwarg is None:
+                raise NotImplementedError(f"{who}.run: {self.library} varlen attention takes no sink logits; use a "
+                                          "backend that declares sink_logits")
+            check_sinks(sinks, self.num_qo_heads, self.device, f"{who}.run")
+            extra = {**extra, self.sinks_kwarg: sinks.to(torch.float32)}
         tq, tk = self._tokens
         check_same_device(f"{who}.run", self.device, q=q, k=k, v=v)
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
@@ -191,6 +214,6 @@ class VarlenPrefixedWrapper:
                 raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, planned {self._dtype}")
         out = self._varlen(
             q, k, v, self._cu_q, self._cu_k, self._max[0], self._max[1],
-            softmax_scale=self._scale, causal=self._causal, window_size=self._window, **self.extra_kwargs,
+            softmax_scale=self._scale, causal=self._causal, window_size=self._window, **extra,
         )
         return first_output(out)

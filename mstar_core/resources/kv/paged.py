@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from ...features import PLAIN, AttentionFeatures, quantize
 from ...distributed import check_same_across_ranks
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
@@ -93,12 +94,20 @@ class KVManager(Resource):
         device: torch.device | str = "cpu",
         dtype: torch.dtype = torch.float32,
         name: str = "kv",
+        features: AttentionFeatures = PLAIN,
     ) -> None:
+        if not isinstance(features, AttentionFeatures):
+            raise TypeError(f"KVManager: features must be an AttentionFeatures, got {type(features).__name__}")
+        features.check_layers(config.num_layers, "KVManager")
         self.config = config
         self.device = torch.device(device)
-        self.dtype = dtype
+        self.dtype = dtype  # what write_kv takes (the model's dtype)
+        self.features = features
+        # What the pages hold: the model dtype, or FP8 with a K and a V scale per layer
+        # (quantised on write; the attention managers pass the scales to the kernels).
+        self.kv_dtype = features.kv_torch_dtype(dtype)
         self.name = name
-        self.storage = torch.zeros(config.shape, dtype=dtype, device=self.device)
+        self.storage = torch.zeros(config.shape, dtype=self.kv_dtype, device=self.device)
         self.pool = PagePool(config.max_pages)
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
@@ -125,7 +134,8 @@ class KVManager(Resource):
             max_pages=int(spec_required(spec, "max_pages", cls.__name__)),
             num_qo_heads=info.num_qo_heads,
         )
-        return cls(cfg, info.device, as_dtype(spec.get("dtype", info.dtype)), name=spec.get("name", "kv"))
+        return cls(cfg, info.device, as_dtype(spec.get("dtype", info.dtype)), name=spec.get("name", "kv"),
+                   features=info.features)
 
     # -- requests ----------------------------------------------------------------------------
     @property
@@ -522,9 +532,17 @@ class KVManager(Resource):
         """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
         return self.storage[self._check_layer(layer_idx)]
 
+    def scales(self, layer_idx: int) -> tuple[float | None, float | None]:
+        """``(k_scale, v_scale)`` a kernel reads ``layer_idx``'s FP8 pages with; ``(None, None)``
+        when the cache holds the model dtype."""
+        if not self.features.quantized:
+            return None, None
+        return self.features.scales(self._check_layer(layer_idx))
+
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
-        ``label`` at the locations the current plan computed."""
+        ``label`` at the locations the current plan computed; an FP8 cache stores
+        ``k / k_scale`` (saturated at the format's largest value)."""
         lay = self.current.layout(label)
         # rows = the step's tokens, or the graph bucket they were padded to
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
@@ -534,8 +552,11 @@ class KVManager(Resource):
             if t.device != self.storage.device:
                 raise ValueError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
         layer = self.storage[self._check_layer(layer_idx)]
-        layer[lay.write_pages, 0, lay.write_offsets] = k.to(self.dtype)
-        layer[lay.write_pages, 1, lay.write_offsets] = v.to(self.dtype)
+        if self.features.quantized:
+            k_scale, v_scale = self.features.scales(layer_idx)
+            k, v = quantize(k, k_scale, self.kv_dtype), quantize(v, v_scale, self.kv_dtype)
+        layer[lay.write_pages, 0, lay.write_offsets] = k.to(self.kv_dtype)
+        layer[lay.write_pages, 1, lay.write_offsets] = v.to(self.kv_dtype)
 
     # -- accounting --------------------------------------------------------------------------
     @property

@@ -1,0 +1,232 @@
+"""What a model asks of attention beyond plain causal / windowed softmax: one typed value,
+:class:`AttentionFeatures`, given to the managers and to ``select_backend``.
+
+Backends declare per capability which of :data:`FEATURES` they support
+(``BackendSpec.features``); selection refuses a backend that lacks a requested one with a
+reason naming it, as it does for head dims and dtypes.
+
+- ``kv_dtype``: ``"auto"`` stores K/V in the model dtype; ``"fp8_e4m3"`` / ``"fp8_e5m2"`` store
+  them as FP8 with one K and one V scale per layer (``stored = k / k_scale``, quantised on write;
+  kernels read ``stored * k_scale``). Queries stay in the model dtype.
+- ``soft_cap``: scores become ``soft_cap * tanh(scores / soft_cap)`` after ``sm_scale``
+  (Gemma 2, Grok).
+- ``sink_logits``: a learned logit per query head added to each softmax denominator (gpt-oss),
+  passed per layer to ``run(..., sinks=)``. Not the bounded manager's *sink tokens* (the first
+  tokens a bounded slot keeps).
+- ``layer_windows``: ``window_left`` per layer (-1: full attention); one step may mix windowed
+  and full layers. The managers plan once per distinct window and ``run(layer_idx=)`` picks.
+- ``decode_query_tokens``: query tokens per decode row (1, or 2..8 for speculative
+  verification); a step whose rows all have that many tokens is planned, captured and replayed
+  like a one-token decode step.
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .step import is_int
+
+# KV storage dtypes by name; "auto" is the model dtype.
+KV_DTYPES: dict[str, torch.dtype | None] = {
+    "auto": None,
+    "fp8_e4m3": torch.float8_e4m3fn,
+    "fp8_e5m2": torch.float8_e5m2,
+}
+
+# Every feature name a backend may declare, and what a request of it means.
+FEATURES: dict[str, str] = {
+    "fp8_e4m3": "FP8 (e4m3) KV cache with per-layer K/V scales",
+    "fp8_e5m2": "FP8 (e5m2) KV cache with per-layer K/V scales",
+    "soft_cap": "logit soft-cap (soft_cap * tanh(scores / soft_cap))",
+    "sink_logits": "learned per-head sink logits in the softmax denominator",
+    "layer_windows": "a sliding window per layer (windowed and full layers in one step)",
+    "multi_token_decode": "uniform decode rows of 2..8 query tokens, captured like one-token decode",
+}
+
+MAX_DECODE_QUERY_TOKENS = 8
+
+Scales = float | tuple[float, ...]
+
+
+def _check_scale(value: Any, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"AttentionFeatures: {what} must be a finite float > 0, got {value!r}")
+    return float(value)
+
+
+def _scales(value: Any, what: str) -> Scales:
+    if isinstance(value, torch.Tensor):
+        value = value.tolist()
+    if isinstance(value, Sequence) and not isinstance(value, str):
+        if not value:
+            raise ValueError(f"AttentionFeatures: {what} must be a float > 0 or one per layer, got an empty sequence")
+        return tuple(_check_scale(v, f"{what}[{i}]") for i, v in enumerate(value))
+    return _check_scale(value, what)
+
+
+@dataclass(frozen=True)
+class AttentionFeatures:
+    """What a model's attention asks for (see the module docstring). The default asks for
+    nothing beyond plain attention, so every backend serves it."""
+
+    kv_dtype: str = "auto"
+    k_scale: Scales = 1.0
+    v_scale: Scales = 1.0
+    soft_cap: float | None = None
+    sink_logits: bool = False
+    layer_windows: tuple[int, ...] | None = None
+    decode_query_tokens: int = 1
+
+    def __post_init__(self) -> None:
+        if self.kv_dtype not in KV_DTYPES:
+            raise ValueError(f"AttentionFeatures: kv_dtype {self.kv_dtype!r} is not supported; "
+                             f"choose one of {list(KV_DTYPES)}")
+        object.__setattr__(self, "k_scale", _scales(self.k_scale, "k_scale"))
+        object.__setattr__(self, "v_scale", _scales(self.v_scale, "v_scale"))
+        if self.soft_cap is not None:
+            object.__setattr__(self, "soft_cap", _check_scale(self.soft_cap, "soft_cap"))
+        if not isinstance(self.sink_logits, bool):
+            raise TypeError(f"AttentionFeatures: sink_logits must be a bool, got {self.sink_logits!r}")
+        if self.layer_windows is not None:
+            windows = tuple(self.layer_windows)
+            for i, w in enumerate(windows):
+                if not is_int(w) or w < -1:
+                    raise ValueError(f"AttentionFeatures: layer_windows[{i}] must be an int >= 0, or -1 for a full "
+                                     f"layer; got {w!r}")
+            if not windows:
+                raise ValueError("AttentionFeatures: layer_windows must name one window per layer, got none")
+            object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows))
+        t = self.decode_query_tokens
+        if not is_int(t) or not 1 <= t <= MAX_DECODE_QUERY_TOKENS:
+            raise ValueError(f"AttentionFeatures: decode_query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS}, "
+                             f"got {t!r}")
+
+    # -- what is asked --------------------------------------------------------------------------
+    def requested(self) -> tuple[str, ...]:
+        """The :data:`FEATURES` this value asks for, in that table's order."""
+        asked = {
+            self.kv_dtype: self.kv_dtype != "auto",
+            "soft_cap": self.soft_cap is not None,
+            "sink_logits": self.sink_logits,
+            "layer_windows": self.layer_windows is not None and len(set(self.layer_windows)) > 1,
+            "multi_token_decode": self.decode_query_tokens > 1,
+        }
+        return tuple(f for f in FEATURES if asked.get(f))
+
+    def missing(self, supported: Collection[str]) -> tuple[str, ...]:
+        return tuple(f for f in self.requested() if f not in supported)
+
+    def __str__(self) -> str:
+        parts = []
+        if self.kv_dtype != "auto":
+            parts.append(f"kv_dtype {self.kv_dtype}")
+        if self.soft_cap is not None:
+            parts.append(f"soft_cap {self.soft_cap:g}")
+        if self.sink_logits:
+            parts.append("sink_logits")
+        if self.layer_windows is not None:
+            parts.append(f"layer windows {sorted(set(self.layer_windows))}")
+        if self.decode_query_tokens > 1:
+            parts.append(f"{self.decode_query_tokens} query tokens per decode row")
+        return ", ".join(parts) or "plain attention"
+
+    # -- per layer ------------------------------------------------------------------------------
+    def kv_torch_dtype(self, model_dtype: torch.dtype) -> torch.dtype:
+        """The dtype K/V are stored in."""
+        return KV_DTYPES[self.kv_dtype] or model_dtype
+
+    @property
+    def quantized(self) -> bool:
+        return self.kv_dtype != "auto"
+
+    def check_layers(self, num_layers: int, who: str) -> None:
+        """Per-layer values must name every layer: refused at build, naming the counts."""
+        for what, value in (("k_scale", self.k_scale), ("v_scale", self.v_scale),
+                            ("layer_windows", self.layer_windows)):
+            if isinstance(value, tuple) and len(value) != num_layers:
+                raise ValueError(f"{who}: features.{what} has {len(value)} entries, the model {num_layers} layers; "
+                                 f"give one per layer (or one {'scale' if what != 'layer_windows' else 'window'} "
+                                 "for all)")
+
+    def scales(self, layer: int) -> tuple[float, float]:
+        """``(k_scale, v_scale)`` of ``layer``."""
+        k, v = self.k_scale, self.v_scale
+        return (k[layer] if isinstance(k, tuple) else k, v[layer] if isinstance(v, tuple) else v)
+
+    def window(self, layer: int, step_window: int) -> int:
+        """``layer``'s window: its ``layer_windows`` entry, else the step's ``window_left``."""
+        return step_window if self.layer_windows is None else self.layer_windows[layer]
+
+    def windows(self, step_window: int) -> tuple[int, ...]:
+        """The distinct windows a step uses, in first-layer order (one plan each)."""
+        return (step_window,) if self.layer_windows is None else tuple(dict.fromkeys(self.layer_windows))
+
+    def check_sinks(self, sinks: torch.Tensor | None, num_qo_heads: int, device: torch.device, who: str) -> None:
+        """``sinks`` as ``run`` accepts them: None, or a finite float tensor ``[num_qo_heads]`` on
+        the cache's device, and only where the features ask for sink logits."""
+        if sinks is None:
+            return
+        if not self.sink_logits:
+            raise ValueError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
+                             "AttentionFeatures(sink_logits=True) so selection picks a backend that supports them")
+        check_sinks(sinks, num_qo_heads, device, who)
+
+
+def check_sinks(sinks: torch.Tensor, num_qo_heads: int, device: torch.device, who: str) -> None:
+    """A sink-logit tensor: float ``[num_qo_heads]`` on ``device``. Values are not read (that
+    would synchronise with the device)."""
+    if not isinstance(sinks, torch.Tensor):
+        raise TypeError(f"{who}: sinks must be a float tensor [num_qo_heads={num_qo_heads}], got "
+                        f"{type(sinks).__name__}")
+    if tuple(sinks.shape) != (num_qo_heads,):
+        raise ValueError(f"{who}: sinks has shape {tuple(sinks.shape)}, expected ({num_qo_heads},) "
+                         "(one logit per query head)")
+    if not sinks.is_floating_point():
+        raise TypeError(f"{who}: sinks must be a float tensor, got dtype {sinks.dtype}")
+    if sinks.device.type != torch.device(device).type:
+        raise ValueError(f"{who}: sinks is on {sinks.device}, the cache on {device}")
+
+
+def check_soft_cap(value: Any, who: str) -> float | None:
+    """A plan's ``logits_soft_cap``: None (no cap) or a finite float > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
+    return float(value)
+
+
+def check_scale(value: Any, name: str, who: str) -> None:
+    """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
+                              or not math.isfinite(value) or value <= 0):
+        raise ValueError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
+
+
+def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x / scale`` in FP8 ``dtype``, saturated at its largest finite value (a plain cast turns
+    an out-of-range value into NaN for e4m3fn); NaN stays NaN."""
+    top = torch.finfo(dtype).max
+    return (x.float() / scale).clamp_(-top, top).to(dtype)
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """``x * scale`` in ``dtype`` (what a kernel reads from FP8 storage)."""
+    return (x.to(torch.float32) * scale).to(dtype) if x.dtype != dtype or scale != 1.0 else x
+
+
+def parse_kv_dtype(name: str) -> str:
+    """A CLI/config kv dtype name (``fp8_e4m3``, ``fp8-e4m3``, ``auto``) as :data:`KV_DTYPES` names it."""
+    key = name.strip().lower().replace("-", "_")
+    if key not in KV_DTYPES:
+        raise ValueError(f"kv dtype {name!r} is not supported; choose one of {list(KV_DTYPES)}")
+    return key
+
+
+PLAIN = AttentionFeatures()
