@@ -49,6 +49,19 @@ FEATURES: dict[str, str] = {
     "multi_token_decode": "uniform decode rows of 2..8 query tokens, captured like one-token decode",
 }
 
+# Which capabilities' wrappers a feature reaches (selection asks only these for it). The
+# prefixed ragged wrappers take K/V in the model dtype: the dense manager dequantises an FP8
+# prefix once per (stream, layer). Query tokens per decode row concern the decode path only.
+_PAGED = ("paged_prefill", "paged_decode", "mixed")
+APPLIES_TO: dict[str, tuple[str, ...]] = {
+    "fp8_e4m3": (*_PAGED, "bounded"),
+    "fp8_e5m2": (*_PAGED, "bounded"),
+    "soft_cap": (*_PAGED, "prefixed_ragged", "bounded"),
+    "sink_logits": (*_PAGED, "prefixed_ragged", "bounded"),
+    "layer_windows": (*_PAGED, "prefixed_ragged"),
+    "multi_token_decode": ("paged_decode",),
+}
+
 MAX_DECODE_QUERY_TOKENS = 8
 
 Scales = float | tuple[float, ...]

@@ -219,3 +219,24 @@ def test_ieee_bit_identical_across_runs(bk):
 
     (a, sa), (b, sb) = once(), once()
     assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(sa, sb)
+
+
+@pytest.mark.parametrize("features, named", [
+    ({"soft_cap": 30.0}, "soft_cap"),
+    ({"sink_logits": True}, "sink_logits"),
+    ({"kv_dtype": "fp8_e4m3"}, "fp8_e4m3"),
+])
+def test_build_refuses_attention_features_the_bounded_kernels_lack(features, named):
+    """Issue 13: the bounded kernels declare no features; asking for one is refused with a
+    reason naming it (not computed without it). Per-layer windows are the paged/dense path's."""
+    from mstar_core.features import AttentionFeatures
+    from mstar_core.resource import BuildInfo
+    from mstar_core.resources.kv.bounded import BoundedKVManager
+
+    info = BuildInfo(torch.device("cpu"), num_layers=2, num_kv_heads=2, head_dim=8,
+                     features=AttentionFeatures(**features))
+    with pytest.raises(ValueError, match=rf"do not support feature\(s\) {named} .* they support none"):
+        BoundedKVManager.build({"max_slots": 2, "window": 4}, info)
+    windows = BuildInfo(torch.device("cpu"), num_layers=2, num_kv_heads=2, head_dim=8,
+                        features=AttentionFeatures(layer_windows=(4, -1)))
+    assert BoundedKVManager.build({"max_slots": 2, "window": 4}, windows).config.window == 4

@@ -216,9 +216,13 @@ def test_step_window_with_per_layer_windows_is_refused_before_planning():
 
 
 def test_kv_dtype_the_backend_lacks_is_refused_by_selection():
-    with pytest.raises(BackendUnavailable, match=r"does not support feature fp8_e5m2 .* in prefixed_ragged"):
-        select_backend(capabilities=("prefixed_ragged",), requested="reference", device="cpu",
+    with pytest.raises(BackendUnavailable, match=r"does not support feature fp8_e5m2 .* in bounded"):
+        select_backend(capabilities=("bounded",), requested="reference", device="cpu",
                        features=AttentionFeatures(kv_dtype="fp8_e5m2"))
+    # The dense path's wrappers take K/V in the model dtype (the manager dequantises the prefix):
+    # FP8 is not asked of them.
+    assert select_backend(capabilities=("prefixed_ragged",), requested="reference", device="cpu",
+                          features=AttentionFeatures(kv_dtype="fp8_e5m2")).name == "reference"
 
 
 def test_run_without_layer_idx_where_a_layer_decides():

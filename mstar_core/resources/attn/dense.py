@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from ...features import dequantize, quantize
 from ...resource import BuildInfo
 from ...step import Step, StepContext
 from ..kv.config import KVConfig
@@ -102,8 +103,10 @@ class _LabelRun:
     q_starts: tuple[int, ...]  # packed offset of each segment's fresh tokens in q/k/v (= cu_q[:-1])
     write: str  # "none" | "all" | "some": which fresh tokens run() writes to the pages
     write_rows: torch.Tensor | None  # for "some": packed rows of commit=True spans, on device
-    wrapper_key: tuple[str, int] = ("", 0)  # (label, slot) of the wrapper planned for this run
+    wrapper_key: tuple[str, int, int] = ("", 0, -1)  # (label, slot, window) of the wrapper planned for this run
     serial: int = 0  # the plan's number: a wrapper re-planned since is refused at run
+    # Per-layer windows: window -> (wrapper, key), one plan each; empty: ``plan.wrapper`` alone.
+    per_window: Mapping[int, tuple[Any, tuple[str, int, int]]] = field(default_factory=dict)
 
 
 def resolve_class(spec: Any) -> type:
@@ -137,6 +140,9 @@ class DenseAttentionManager(AttentionManager):
         flashinfer_backend: str = "auto",
         max_cached_tokens: int | None = None,
     ) -> None:
+        # The model's features are the KV manager's: an FP8 cache is read back here (the gathered
+        # prefix dequantised once per stream and layer), so the wrappers see the model dtype.
+        self.features = kv_cache.features
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -168,7 +174,7 @@ class DenseAttentionManager(AttentionManager):
 
             sel = select_backend(
                 capabilities=(DENSE_CAPABILITY,), requested=spec.get("backend"), device=info.device,
-                dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"),
+                dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
             )
             wrapper_class = sel.classes[DENSE_CAPABILITY]
         return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
@@ -196,7 +202,7 @@ class DenseAttentionManager(AttentionManager):
         # Deeper layers' K/V (committed by run) depend on earlier layers' attention numerics,
         # so pages written through a different kernel or dtype are not interchangeable.
         w = self.wrapper_class
-        return f"attn.dense:{w.__module__}:{w.__qualname__}:{self.dtype}".encode()
+        return f"attn.dense:{w.__module__}:{w.__qualname__}:{self.dtype}:{self.features!r}".encode()
 
     # -- requests ----------------------------------------------------------------------------
     def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
@@ -236,6 +242,9 @@ class DenseAttentionManager(AttentionManager):
                 f"(plan the KV resource first), found {type(kv_plan).__name__}"
             )
         a = step.attn
+        if self.features.layer_windows is not None and a.window_left != -1:
+            raise ValueError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
+                             "give each layer its window (layer_windows); leave the step's window_left at -1")
         commits = {(s.request_id, s.label): s.commit for s in step.kv.spans}
         self._serial += 1
         runs = tuple(self._plan_label(label, lay, commits, a.causal, a.window_left, a.sm_scale)
@@ -262,18 +271,24 @@ class DenseAttentionManager(AttentionManager):
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)
         max_k = max((g.k_len for g in segs), default=0)
-        key = (label, self._serial % self.slots)
-        w = self._wrappers.get(key)
-        if w is None:
-            c = self.kv_config
-            w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
-                                   backend=self.flashinfer_backend)
-            self._wrappers[key] = w
-        self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-        # Host tensors: the wrapper moves them to the device once per step, not per layer.
-        w.plan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), max_q, max_k,
-               causal=causal, dtype=self.dtype, sm_scale=sm_scale, window_left=window_left)
-        self._planned[key] = self._serial
+        cu_q_t, cu_k_t = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
+        kw = {} if self.features.soft_cap is None else {"logits_soft_cap": self.features.soft_cap}
+        planned = {}
+        for window in self.features.windows(window_left):  # one plan per distinct window; run picks
+            key = (label, self._serial % self.slots, window)
+            w = self._wrappers.get(key)
+            if w is None:
+                c = self.kv_config
+                w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
+                                       backend=self.flashinfer_backend)
+                self._wrappers[key] = w
+            self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
+            # Host tensors: the wrapper moves them to the device once per step, not per layer.
+            w.plan(cu_q_t, cu_k_t, max_q, max_k, causal=causal, dtype=self.dtype, sm_scale=sm_scale,
+                   window_left=window, **kw)
+            self._planned[key] = self._serial
+            planned[window] = (w, key)
+        w, key = next(iter(planned.values()))
         flags = [commits.get((s.request_id, label), True) for s in lay.spans]
         rows = None
         if all(flags):
@@ -286,7 +301,8 @@ class DenseAttentionManager(AttentionManager):
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
-        return _LabelRun(label, plan, tuple(starts), write, rows, key, self._serial)
+        return _LabelRun(label, plan, tuple(starts), write, rows, key, self._serial,
+                         planned if self.features.layer_windows is not None else {})
 
     @property
     def current(self) -> DensePlan:
@@ -307,12 +323,17 @@ class DenseAttentionManager(AttentionManager):
         k: torch.Tensor | None = None,
         v: torch.Tensor | None = None,
         layer_idx: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer's dense attention. ``k``/``v`` are this step's freshly projected K/V
         ``[tokens, H_kv, D]``, packed in the plan's segment order; ``commit=False`` tokens are
-        never written to the pages. ``layer_idx`` keys the gathered prefix and is required."""
-        lr = self._label_run(label)
+        never written to the pages. ``layer_idx`` keys the gathered prefix (and picks the layer's
+        window) and is required; ``sinks [Hq]``: the layer's sink logits."""
         who = type(self).__name__
+        if layer_idx is None:
+            raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
+        window = self.features.window(self.kv._check_layer(layer_idx), -1)
+        lr, wrapper = self._label_run(label, window)
         c = self.kv_config
         n = lr.plan.num_q
         check_q(q, n, c.qo_heads, c.head_dim, self.dtype, who)
@@ -327,16 +348,15 @@ class DenseAttentionManager(AttentionManager):
                                  f"{(n, c.num_kv_heads, c.head_dim)} [tokens, H_kv, D]")
             if t.dtype != self.dtype:
                 raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
-        if layer_idx is None:
-            raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
+        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx)
         keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
-        return lr.plan.wrapper.run(q, keys, values)  # type: ignore[union-attr]
+        return wrapper.run(q, keys, values, **({} if sinks is None else {"sinks": sinks}))
 
-    def _label_run(self, label: str | None) -> _LabelRun:
+    def _label_run(self, label: str | None, window: int) -> tuple[_LabelRun, Any]:
         if self.bound_plan() is None and self._current is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
@@ -348,12 +368,13 @@ class DenseAttentionManager(AttentionManager):
             lr = next((r for r in runs if r.label == label), None)
             if lr is None:
                 raise KeyError(f"label {label!r} is not in this step; its labels are {[r.label for r in runs]}")
-        if self._planned.get(lr.wrapper_key) != lr.serial:
+        wrapper, key = lr.per_window[window] if lr.per_window else (lr.plan.wrapper, lr.wrapper_key)
+        if self._planned.get(key) != lr.serial:
             raise RuntimeError(
                 f"{type(self).__name__}.run: the wrapper this step planned for label {lr.label!r} was re-planned "
                 f"by a later step; at most {self.slots} steps may be planned ahead of the one that runs"
             )
-        return lr
+        return lr, wrapper
 
     def _write_committed(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
         """Write the K/V of ``commit=True`` spans to the pages: a later step reads them as its
@@ -366,14 +387,22 @@ class DenseAttentionManager(AttentionManager):
         lay = self.kv.current.layout(lr.label)
         rows = lr.write_rows
         layer = self.kv.layer_view(layer_idx)
-        layer[lay.write_pages[rows], 0, lay.write_offsets[rows]] = k[rows].to(layer.dtype)
-        layer[lay.write_pages[rows], 1, lay.write_offsets[rows]] = v[rows].to(layer.dtype)
+        k, v = k[rows], v[rows]
+        if self.features.quantized:
+            k_scale, v_scale = self.kv.scales(layer_idx)
+            k, v = quantize(k, k_scale, layer.dtype), quantize(v, v_scale, layer.dtype)  # type: ignore[arg-type]
+        layer[lay.write_pages[rows], 0, lay.write_offsets[rows]] = k.to(layer.dtype)
+        layer[lay.write_pages[rows], 1, lay.write_offsets[rows]] = v.to(layer.dtype)
 
-    def _gather(self, seg: DenseSegment, layer: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """The segment's prefix K/V out of its pages: one indexed read for K and V together."""
+    def _gather(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The segment's prefix K/V out of its pages: one indexed read for K and V together; an
+        FP8 cache's are dequantised here, once per (stream, layer) -- the prefix cache keeps them."""
         pages = torch.tensor(seg.pages, dtype=torch.long, device=layer.device)
         blk = layer[pages]  # [n_pages, 2, page_size, H_kv, D]
         kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * layer.shape[2], *layer.shape[3:])[:, : seg.prefix_len]
+        if self.features.quantized:
+            k_scale, v_scale = self.kv.scales(layer_idx)
+            return dequantize(kv[0], k_scale, self.dtype), dequantize(kv[1], v_scale, self.dtype)  # type: ignore[arg-type]
         return kv[0].contiguous(), kv[1].contiguous()
 
     def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
@@ -388,7 +417,7 @@ class DenseAttentionManager(AttentionManager):
             if seg.prefix_len:
                 pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
                                            (seg.generation, seg.prefix_len, seg.pages),
-                                           lambda seg=seg: self._gather(seg, layer))
+                                           lambda seg=seg: self._gather(seg, layer, layer_idx))
                 ks.append(pk)
                 vs.append(pv)
             ks.append(k[start:start + seg.q_len])

@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from ....features import APPLIES_TO
 from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from ....kernels.bounded_attention import table as tb
 from ....resource import BuildInfo, Resource, as_dtype, spec_required
@@ -122,8 +123,19 @@ class BoundedKVManager(Resource):
         # step may still write it, so it is neither held nor free until the step lands.
         self._parked: dict[tuple[str, int], int] = {}
 
+    # Attention features (mstar_core.features) the bounded kernels implement: none yet. Their
+    # reference and Triton kernels take no soft-cap, sink logits or FP8 slots; asking for one is
+    # refused at build rather than computed without it.
+    FEATURES: tuple[str, ...] = ()
+
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
+        lacking = [f for f in info.features.requested() if "bounded" in APPLIES_TO[f] and f not in cls.FEATURES]
+        if lacking:
+            raise ValueError(
+                f"{cls.__name__}.build: the bounded kernels (reference and Triton) do not support feature(s) "
+                f"{', '.join(lacking)} requested by the model's features ({info.features}); they support "
+                f"{', '.join(cls.FEATURES) or 'none'}")
         qw = spec.get("query_window")
         cfg = BoundedKVConfig(
             num_layers=int(spec.get("num_layers", info.num_layers)),
