@@ -1,11 +1,15 @@
 """``mstar backends``: every attention backend this machine can see — distribution and version,
-what it provides, whether it runs here (or why not), which one ``auto`` picks per capability —
-and every plugin that failed to load. ``--json`` prints the same as one JSON object."""
+what it provides and which attention features per capability, whether it runs here (or why not),
+which one ``auto`` picks per capability -- for plain attention, or for the features asked for with
+``--kv-dtype``/``--soft-cap``/``--sink-logits``/``--layer-windows``/``--decode-query-tokens``, with
+the reason every other backend was passed over -- and every plugin that failed to load.
+``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Sequence
@@ -13,6 +17,14 @@ from typing import Any
 
 import torch
 
+from mstar_core.features import (
+    FEATURES,
+    KV_DTYPES,
+    MAX_DECODE_QUERY_TOKENS,
+    PLAIN,
+    AttentionFeatures,
+    parse_kv_dtype,
+)
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.device import as_device, describe, device_arch
 from mstar_core.registry.selection import ENV_BACKEND
@@ -32,6 +44,77 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="device to judge (default: cuda if usable, else cpu)")
     p.add_argument("--dtype", default=None, help="dtype for the auto picks (default: bfloat16 on a GPU, float32 on cpu)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim for the auto picks (default: 128)")
+    # Feature options: one AttentionFeatures for every auto pick. Parsed in run() (strings here) so
+    # a bad value is one "mstar backends: error:" line naming it, like every other bad value.
+    f = p.add_argument_group("attention features", "judge the auto picks for a model that asks for these")
+    f.add_argument("--kv-dtype", default=None, metavar="{" + ",".join(KV_DTYPES) + "}",
+                   help="KV cache storage dtype (default: auto, the model dtype; fp8-e4m3 spelling accepted)")
+    f.add_argument("--soft-cap", default=None, metavar="FLOAT", help="logit soft-cap, a finite float > 0 (e.g. 30)")
+    f.add_argument("--sink-logits", action="store_true", help="learned per-head sink logits (gpt-oss)")
+    f.add_argument("--layer-windows", default=None, metavar="W,W,...",
+                   help="window_left per layer, comma-separated (-1: a full layer), e.g. 4096,-1; "
+                        "write --layer-windows=-1,4096 when the list starts with -1")
+    f.add_argument("--decode-query-tokens", default=None, metavar="N",
+                   help=f"query tokens per decode row, 1..{MAX_DECODE_QUERY_TOKENS} (2..: speculative verification)")
+
+
+# How each feature is asked for on this command line (the legend under the features table).
+FEATURE_OPTIONS: dict[str, str] = {
+    "fp8_e4m3": "--kv-dtype fp8_e4m3",
+    "fp8_e5m2": "--kv-dtype fp8_e5m2",
+    "soft_cap": "--soft-cap FLOAT",
+    "sink_logits": "--sink-logits",
+    "layer_windows": "--layer-windows W,W,...",
+    "multi_token_decode": f"--decode-query-tokens 2..{MAX_DECODE_QUERY_TOKENS}",
+}
+
+
+def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
+    """The feature options as one :class:`AttentionFeatures`; a bad value is a ValueError naming
+    the option, the value, and what is allowed."""
+    kv_dtype = "auto"
+    if getattr(args, "kv_dtype", None) is not None:
+        try:
+            kv_dtype = parse_kv_dtype(args.kv_dtype)
+        except ValueError:
+            raise ValueError(f"backends: --kv-dtype {args.kv_dtype!r} is not supported; choose one of "
+                             f"{', '.join(KV_DTYPES)} (fp8-e4m3 / fp8-e5m2 spellings also accepted)") from None
+    soft_cap = None
+    if getattr(args, "soft_cap", None) is not None:
+        try:
+            soft_cap = float(args.soft_cap)
+        except ValueError:
+            soft_cap = math.nan
+        if not math.isfinite(soft_cap) or soft_cap <= 0:
+            raise ValueError(f"backends: --soft-cap {args.soft_cap!r} must be a finite float > 0 (the logit "
+                             "soft-cap, e.g. 30); leave it out for no cap")
+    windows = None
+    if getattr(args, "layer_windows", None) is not None:
+        text = args.layer_windows
+        parts = [w.strip() for w in text.split(",")]
+        parsed = []
+        for i, w in enumerate(parts):
+            try:
+                value = int(w)
+            except ValueError:
+                value = None
+            if value is None or value < -1:
+                raise ValueError(f"backends: --layer-windows {text!r}: entry {i} ({w!r}) must be an int >= 0, or -1 "
+                                 "for a full layer (comma-separated, one per layer, e.g. 4096,-1)")
+            parsed.append(value)
+        windows = tuple(parsed)
+    tokens = 1
+    if getattr(args, "decode_query_tokens", None) is not None:
+        try:
+            tokens = int(args.decode_query_tokens)
+        except ValueError:
+            tokens = 0
+        if not 1 <= tokens <= MAX_DECODE_QUERY_TOKENS:
+            raise ValueError(f"backends: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
+                             f"1..{MAX_DECODE_QUERY_TOKENS} (query tokens per decode row; 2..{MAX_DECODE_QUERY_TOKENS} "
+                             "for speculative verification)")
+    return AttentionFeatures(kv_dtype=kv_dtype, soft_cap=soft_cap, layer_windows=windows, decode_query_tokens=tokens,
+                             sink_logits=bool(getattr(args, "sink_logits", False)))
 
 
 def _default_device() -> torch.device:
@@ -47,8 +130,10 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype:
     return dt
 
 
-def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_dim: int) -> dict[str, Any]:
-    """Everything the table shows, as plain data (the ``--json`` output)."""
+def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_dim: int,
+            features: AttentionFeatures = PLAIN) -> dict[str, Any]:
+    """Everything the table shows, as plain data (the ``--json`` output); ``features`` is what
+    every auto pick is judged for."""
     backends = []
     for name, spec in registry.backends.items():
         reasons = registry.device_reasons(name, device)
@@ -63,6 +148,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "dtypes": [dtype_name(d) for d in spec.dtypes],
             "head_dims": str(spec.head_dims),
             "capturable": list(spec.capturable),
+            # every capability it provides -> the features it supports there ([]: none)
+            "features": {cap: list(spec.supports(cap)) for cap in spec.provides},
             "available": not reasons,
             "reasons": reasons,
             "install_hint": spec.install_hint,
@@ -72,7 +159,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     for cap in CAPABILITIES:
         try:
             sel = select_backend(capabilities=(cap,), requested="auto", device=device, dtype=dtype,
-                                 head_dim=head_dim, registry=registry, honor_env=False)
+                                 head_dim=head_dim, registry=registry, honor_env=False, features=features)
             auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
         except BackendUnavailable as e:
             auto[cap] = {"pick": None, "rejected": e.reasons}
@@ -81,6 +168,10 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "arch": device_arch(device),
         "dtype": dtype_name(dtype),
         "head_dim": head_dim,
+        # what the auto picks were judged for: feature names (FEATURES), and in words
+        "features_requested": list(features.requested()),
+        "features_description": str(features),
+        "known_features": dict(FEATURES),
         "torch": torch.__version__,
         "backends": backends,
         "auto": auto,
@@ -95,9 +186,31 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     }
 
 
+def _feature_lines(data: dict[str, Any]) -> list[str]:
+    """Per backend, the features of each capability it provides (capabilities with the same
+    features share a line), then the known features and the option that asks for each."""
+    lines = ["features per capability:"]
+    width = max((len(b["name"]) for b in data["backends"]), default=0)
+    for b in data["backends"]:
+        groups: dict[tuple[str, ...], list[str]] = {}
+        for cap, names in b["features"].items():
+            groups.setdefault(tuple(names), []).append(cap)
+        for i, (names, caps) in enumerate(groups.items()):
+            label = b["name"] if i == 0 else ""
+            lines.append(f"  {label:<{width}}  {', '.join(caps)}: {', '.join(names) or 'none'}")
+    known = data["known_features"]
+    rows = [(name, FEATURE_OPTIONS.get(name, ""), desc) for name, desc in known.items()]
+    w0, w1 = (max((len(r[i]) for r in rows), default=0) for i in (0, 1))
+    lines += ["", "known features (feature, the option that asks for it, what it is):"]
+    lines += [f"  {n:<{w0}}  {o:<{w1}}  {d}" for n, o, d in rows]
+    return lines
+
+
 def render(data: dict[str, Any]) -> str:
-    lines = [f"attention backends on {data['device']} (torch {data['torch']}; auto judged for dtype "
-             f"{data['dtype']}, head_dim {data['head_dim']})", ""]
+    judged = f"dtype {data['dtype']}, head_dim {data['head_dim']}"
+    if data["features_description"] != str(PLAIN):
+        judged += f", features: {data['features_description']}"
+    lines = [f"attention backends on {data['device']} (torch {data['torch']}; auto judged for {judged})", ""]
     rows = [("backend", "distribution", "provides", "dtypes", "head dims", "status")]
     for b in data["backends"]:
         status = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
@@ -106,7 +219,9 @@ def render(data: dict[str, Any]) -> str:
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
-    lines += ["", "auto picks:"]
+    lines += ["", *_feature_lines(data)]
+    asked = data["features_requested"]
+    lines += ["", f"auto picks (for features {', '.join(asked)}):" if asked else "auto picks:"]
     for cap, a in data["auto"].items():
         lines.append(f"  {cap:<16} {a['pick'] or '(none: no backend can run it here)'}")
         for n, rs in a["rejected"].items():
@@ -126,8 +241,9 @@ def render(data: dict[str, Any]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.head_dim < 1:
         raise ValueError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
+    features = features_from_args(args)
     device = as_device(args.device) if args.device else _default_device()
-    data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim)
+    data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)
     print(json.dumps(data, indent=2) if args.json else render(data))
     return 0
 
