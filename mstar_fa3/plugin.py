@@ -19,9 +19,11 @@ FA3 = BackendSpec(
     # multiples of 8.
     head_dims=HeadDims(multiple_of=8, maximum=256),
     capturable=(),  # the dense path is eager-only (seed 000)
-    # flash_attn_varlen_func's softcap, window_size and sinks arguments. FP8 K/V there needs FP8
-    # queries too (q/k/v_descale), so an FP8 KV cache is not served here.
-    features={"prefixed_ragged": ("soft_cap", "sink_logits", "layer_windows")},
+    # flash_attn_varlen_func's window_size and sinks arguments. Not soft-cap: the known prebuilt
+    # (tokenspeed-fa3 3.0.0) is compiled with FLASHATTENTION_DISABLE_SOFTCAP (every kernel instance
+    # Has_softcap=false) and refuses softcap != 0. An FP8 KV cache reaches the dense path's wrappers
+    # dequantised (the dense manager does it), so it is not asked of them.
+    features={"prefixed_ragged": ("sink_logits", "layer_windows")},
     probe="mstar_fa3.probe:probe",
     description="FlashAttention-3 varlen prefill (Hopper)",
     install_hint="pip install tokenspeed-fa3 (or build flash-attention's hopper/ from source)",

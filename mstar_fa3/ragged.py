@@ -4,6 +4,8 @@ FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (the shared l
 
 from __future__ import annotations
 
+import torch
+
 from mstar_core.resources.attn.varlen import SUPPORTED_DTYPES, VarlenPrefixedWrapper
 
 MAX_HEAD_DIM = 256
@@ -18,5 +20,8 @@ class FA3PrefixedPrefillWrapper(VarlenPrefixedWrapper):
     kernel = "flash_attn_interface.flash_attn_varlen_func"
     head_dim_multiple = 8
     max_head_dim = MAX_HEAD_DIM
+    # A build without soft-cap (FLASHATTENTION_DISABLE_SOFTCAP, as tokenspeed-fa3 3.0.0 is) raises
+    # its own error for softcap != 0; the plugin declares soft_cap only where the build has it.
     softcap_kwarg = "softcap"
     sinks_kwarg = "sinks"
+    sinks_dtype = torch.bfloat16  # hopper's flash_api checks "sinks must have dtype bfloat16"

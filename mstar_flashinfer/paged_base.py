@@ -38,9 +38,9 @@ def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[st
         raise TypeError(f"{who}.plan got unexpected keyword arguments {sorted(unknown)}; it accepts {list(PLAN_KWARGS)}")
     validate.check_window_and_scale(f"{who}.plan", -1, kwargs.get("sm_scale"))
     kv_dtype = kwargs.get("kv_data_type") or dtype
-    if kv_dtype != dtype and kv_dtype not in FP8_DTYPES:
-        raise ValueError(f"{who}.plan: kv_data_type {kv_dtype} is not supported with {dtype} queries; it must be the "
-                         f"query dtype or one of {', '.join(map(str, FP8_DTYPES))}")
+    if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
+        raise ValueError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
+                         f"{' / '.join(map(str, FP8_DTYPES))} for an FP8 cache), got {kv_dtype!r}")
     return {"sm_scale": kwargs.get("sm_scale"),
             "logits_soft_cap": check_soft_cap(kwargs.get("logits_soft_cap"), f"{who}.plan"),
             "q_data_type": dtype, "kv_data_type": kv_dtype}

@@ -8,9 +8,15 @@ import math
 import torch
 
 
-def varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window):
+def varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window, softcap=0.0, sinks=None, out_dtype=None):
     """``(out [tq, Hq, D] in q's dtype, lse [Hq, tq] float32)``; bottom-right aligned masks,
-    ``window = (left, right)`` with -1 for unbounded; a query that sees no key gets zeros."""
+    ``window = (left, right)`` with -1 for unbounded; a query that sees no key gets zeros.
+
+    ``softcap > 0``: each score, after ``scale``, becomes ``softcap * tanh(score / softcap)``
+    (before masking). ``sinks [Hq]``: one more logit per query head in every softmax: the
+    probabilities are ``softmax([scores..., sinks[h]])`` with the sink's column dropped (it has
+    no value), and ``lse`` includes it; a query that sees no key still gets zeros (its lse is
+    then the sink). ``out_dtype`` defaults to q's dtype."""
     tq, hq, d = q.shape
     hkv = k.shape[1]
     g = hq // hkv
@@ -26,6 +32,8 @@ def varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window):
         ks = k[c:e].float().repeat_interleave(g, 1).transpose(0, 1)
         vs = v[c:e].float().repeat_interleave(g, 1).transpose(0, 1)
         s = qs @ ks.transpose(1, 2) * scale
+        if softcap > 0:
+            s = torch.tanh(s / softcap) * softcap
         sq, sk = b - a, e - c
         pos = torch.arange(sq, device=q.device)[:, None] + (sk - sq)
         j = torch.arange(sk, device=q.device)[None, :]
@@ -38,11 +46,15 @@ def varlen_attention(q, k, v, cu_q, cu_k, scale, causal, window):
         if left >= 0:
             ok &= j >= pos - left
         s = s.masked_fill(~ok, float("-inf"))
-        m = torch.logsumexp(s, dim=-1)  # [Hq, sq]
+        if sinks is not None:
+            sink = sinks.float().view(hq, 1, 1).expand(hq, sq, 1)
+            m = torch.logsumexp(torch.cat([s, sink], dim=-1), dim=-1)  # [Hq, sq], the sink included
+        else:
+            m = torch.logsumexp(s, dim=-1)  # [Hq, sq]
         p = torch.exp(s - m[..., None]).nan_to_num(0.0)
         out[a:b] = (p @ vs).transpose(0, 1)
         lse[:, a:b] = m
-    return out.to(q.dtype), lse
+    return out.to(q.dtype if out_dtype is None else out_dtype), lse
 
 
 def check_common(name, q, k, v, cu_q, cu_k, dtypes):

@@ -131,6 +131,7 @@ class VarlenPrefixedWrapper:
     # feature is then refused here, and the backend does not declare it).
     softcap_kwarg: ClassVar[str | None] = None
     sinks_kwarg: ClassVar[str | None] = None
+    sinks_dtype: ClassVar[torch.dtype] = torch.float32  # what the function checks sinks against
 
     def __init__(
         self,
@@ -192,7 +193,7 @@ class VarlenPrefixedWrapper:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
             ) -> torch.Tensor:
         """One kernel call. ``sinks [Hq]``: a logit per query head added to each softmax
-        denominator, where the library takes them (passed as float32)."""
+        denominator, where the library takes them (converted to ``sinks_dtype``)."""
         who = type(self).__name__
         if not self._planned:
             raise RuntimeError(f"{who}.run before plan")
@@ -202,7 +203,7 @@ class VarlenPrefixedWrapper:
                 raise NotImplementedError(f"{who}.run: {self.library} varlen attention takes no sink logits; use a "
                                           "backend that declares sink_logits")
             check_sinks(sinks, self.num_qo_heads, self.device, f"{who}.run")
-            extra = {**extra, self.sinks_kwarg: sinks.to(torch.float32)}
+            extra = {**extra, self.sinks_kwarg: sinks.to(self.sinks_dtype).contiguous()}
         tq, tk = self._tokens
         check_same_device(f"{who}.run", self.device, q=q, k=k, v=v)
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim

@@ -10,7 +10,14 @@ wrong buffer contents gets wrong numbers here too. Arithmetic: mstar's reference
 ``emulate("0.7.2.post1")`` / ``emulate("0.7.4")`` switch on the behaviour those releases changed
 where the plugin can tell (see ``_common.Profile``); the signatures stay 0.5.3's otherwise.
 
-Not modelled: custom masks, RoPE/ALiBi, logits soft-cap, fp8 scales, return_lse, jit_args.
+Features, as 0.5.3 does them (see ``_common``: soft_cap_on, run_sm_scale, apply_v_scale,
+refuse_sinks): ``logits_soft_cap > 0`` turns each score ``s`` (after the scale) into
+``cap * tanh(s / cap)``; an FP8 (e4m3/e5m2) cache is read as stored and converted to float,
+``q_scale``/``k_scale`` multiply ``sm_scale`` and ``v_scale`` the output after the kernel; ``run``
+checks the cache dtype against the plan's ``kv_data_type`` (ValueError). ``run(..., sinks=)``:
+0.5.3 drops the sinks silently on its fa2/fa3 paths; the stand-in raises NotImplementedError.
+
+Not modelled: custom masks, RoPE/ALiBi, FP8 queries, return_lse, jit_args, trtllm-gen.
 """
 
 import sys

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (build_module, canonicalize_torch_dtype, check_cached_qkv_data_type, check_kv_layout,
-                      check_shape_dtype_device, paged_attention, unpack_paged_kv_cache, unsupported)
+from ._common import (apply_v_scale, build_module, canonicalize_torch_dtype, check_cached_qkv_data_type,
+                      check_kv_layout, check_shape_dtype_device, paged_attention, refuse_sinks, run_sm_scale,
+                      unpack_paged_kv_cache, unsupported)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -84,11 +84,13 @@ class BatchDecodeWithPagedKVCacheWrapper:
         fixed_split_size: Optional[int] = None,
         disable_split_kv: bool = False,
     ) -> None:
-        unsupported(pos_encoding_mode=pos_encoding_mode, logits_soft_cap=logits_soft_cap, block_tables=block_tables)
+        unsupported(pos_encoding_mode=pos_encoding_mode, block_tables=block_tables)
         for tensor, name in [(indptr, "indptr"), (indices, "indices"), (last_page_len, "last_page_len")]:
             if tensor.dtype != torch.int32:
                 raise ValueError(f"{name} must have dtype torch.int32, got {tensor.dtype}")
         batch_size = len(last_page_len)
+        if logits_soft_cap is None:
+            logits_soft_cap = 0.0
         qo_indptr_host = torch.arange(batch_size + 1, dtype=torch.int32)
         if self.is_cuda_graph_enabled:
             if batch_size != self._fixed_batch_size:
@@ -116,6 +118,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if fixed_split_size is not None and not self.use_tensor_cores:
             raise ValueError("fixed_split_size is only supported by tensor core decode for now.")
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
+        if self._backend == "trtllm-gen":
+            assert logits_soft_cap == 0.0  # as the real plan (decode.py:988)
         # tensor-core decode runs the fa2 prefill module (0.5.3 decode.py:1026), the other the decode module
         build_module("prefill" if self._use_tensor_cores else "decode", q_data_type, kv_data_type, head_dim,
                      window_left, logits_soft_cap)
@@ -123,6 +127,7 @@ class BatchDecodeWithPagedKVCacheWrapper:
         self._num_qo_heads, self._num_kv_heads = num_qo_heads, num_kv_heads
         self._plan_info = (batch_size,)
         self._window_left = window_left
+        self._logits_soft_cap = logits_soft_cap
         self._sm_scale = sm_scale
 
     begin_forward = plan
@@ -143,18 +148,23 @@ class BatchDecodeWithPagedKVCacheWrapper:
         sinks: Optional[torch.Tensor] = None,
         q_len_per_req: Optional[int] = 1,
     ) -> torch.Tensor:
-        unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, sinks=sinks)
+        unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
+        refuse_sinks(sinks, self._backend if self._backend == "trtllm-gen" else
+                     ("fa2, tensor-core decode" if self._use_tensor_cores else "CUDA-core decode"),
+                     "BatchDecodeWithPagedKVCacheWrapper.run")
         k_cache, v_cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_cached_qkv_data_type(q, k_cache, self._cached_q_data_type, self._cached_kv_data_type)
         window_left = self._window_left if window_left is None else window_left
         assert window_left == self._window_left
-        sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        # q_scale/k_scale multiply sm_scale, v_scale the output after the kernel (decode.py:1257-1381)
+        sm_scale = run_sm_scale(self._sm_scale, q.shape[-1], q_scale, k_scale)
         if out is None:
             out = torch.empty_like(q)
         else:
             check_shape_dtype_device(out, q.shape, q.dtype, q.device, "out")
         # One query per row; the tensor-core path runs the prefill kernel NON_CAUSAL, same result.
-        return paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
-                               self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
-                               False, window_left, sm_scale, self._kv_layout, out)
+        out = paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
+                              self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
+                              False, window_left, sm_scale, self._kv_layout, out, self._logits_soft_cap)
+        return apply_v_scale(out, v_scale)

@@ -7,9 +7,9 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (PROFILE, build_module, canonicalize_torch_dtype, check_q_rows, new_out, check_cached_qkv_data_type, check_kv_layout,
-                      check_shape_dtype_device, paged_attention, ragged_attention, unpack_paged_kv_cache,
-                      unsupported)
+from ._common import (PROFILE, apply_v_scale, build_module, canonicalize_torch_dtype, check_q_rows, new_out,
+                      check_cached_qkv_data_type, check_kv_layout, check_shape_dtype_device, paged_attention,
+                      ragged_attention, refuse_sinks, run_sm_scale, unpack_paged_kv_cache, unsupported)
 from .page import get_seq_lens
 
 
@@ -100,7 +100,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         disable_split_kv: bool = False,
     ) -> None:
         unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
-                    logits_soft_cap=logits_soft_cap, prefix_len_ptr=prefix_len_ptr, block_tables=block_tables)
+                    prefix_len_ptr=prefix_len_ptr, block_tables=block_tables)
+        if logits_soft_cap is None:
+            logits_soft_cap = 0.0
         q_data_type = canonicalize_torch_dtype(q_data_type)
         kv_data_type = canonicalize_torch_dtype(kv_data_type if kv_data_type is not None else q_data_type)
         if num_qo_heads % num_kv_heads:
@@ -146,6 +148,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
         self._window_left = window_left
+        self._logits_soft_cap = logits_soft_cap
         self._sm_scale = sm_scale
 
     begin_forward = plan
@@ -170,21 +173,24 @@ class BatchPrefillWithPagedKVCacheWrapper:
         window_left: Optional[int] = None,
         sinks: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        unsupported(q_scale=q_scale, k_scale=k_scale, v_scale=v_scale, return_lse=return_lse, sinks=sinks)
+        unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
+        refuse_sinks(sinks, self._backend, "BatchPrefillWithPagedKVCacheWrapper.run")
         k_cache, v_cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_cached_qkv_data_type(q, k_cache, self._cached_q_data_type, self._cached_kv_data_type)
         check_q_rows(self, q)
         window_left = self._window_left if window_left is None else window_left
         assert window_left == self._window_left
-        sm_scale = self._sm_scale if self._sm_scale is not None else 1.0 / math.sqrt(q.size(-1))
+        # q_scale/k_scale multiply sm_scale, v_scale the output after the kernel (prefill.py:2061-2212)
+        sm_scale = run_sm_scale(self._sm_scale, q.size(-1), q_scale, k_scale)
         if out is None:
             out = new_out(q.shape[:-1] + v_cache.shape[-1:], q)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v_cache.shape[-1:], q.dtype, q.device, "out")
-        return paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
-                               self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
-                               self._causal, window_left, sm_scale, self._kv_layout, out)
+        out = paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
+                              self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
+                              self._causal, window_left, sm_scale, self._kv_layout, out, self._logits_soft_cap)
+        return apply_v_scale(out, v_scale)
 
 
 class BatchPrefillWithRaggedKVCacheWrapper:
@@ -257,7 +263,9 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         disable_split_kv: bool = False,
     ) -> None:
         unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
-                    logits_soft_cap=logits_soft_cap, prefix_len_ptr=prefix_len_ptr)
+                    prefix_len_ptr=prefix_len_ptr)
+        if logits_soft_cap is None:
+            logits_soft_cap = 0.0
         q_data_type = canonicalize_torch_dtype(q_data_type)
         kv_data_type = canonicalize_torch_dtype(kv_data_type if kv_data_type is not None else q_data_type)
         batch_size = len(qo_indptr) - 1
@@ -289,6 +297,7 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
         self._window_left = window_left
+        self._logits_soft_cap = logits_soft_cap
         self._sm_scale = sm_scale
 
     begin_forward = plan
@@ -313,8 +322,10 @@ class BatchPrefillWithRaggedKVCacheWrapper:
             out = torch.empty(q.shape[:-1] + v.shape[-1:], dtype=q.dtype, device=q.device)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v.shape[-1:], q.dtype, q.device, "out")
+        # No q/k/v scales and no sinks in this run's signature (prefill.py:2840-2849): FP8 K/V are
+        # read as stored. FP8 q never gets here (plan refuses it on fa2).
         return ragged_attention(q, k, v, self._qo_indptr_buf, self._kv_indptr_buf, self._causal, self._window_left,
-                                sm_scale, out)
+                                sm_scale, out, self._logits_soft_cap)
 
 
 class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper):
