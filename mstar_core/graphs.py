@@ -2,7 +2,8 @@
 pre-planned launch that lets the host plan step N+1 while step N runs.
 
 Warm-up captures, for every bucket and slot, one graph of the model's forward over dummy
-requests (one token each), sized through every resource's ``build_accelerator_graph_buffers``;
+requests (one token each, or ``query_tokens`` each for multi-token decode: speculative
+verification), sized through every resource's ``build_accelerator_graph_buffers``;
 the dummies are cleared with ``reset_request(free=True)`` afterwards and every resource's
 ``post_warmup_validate`` runs. A step is replayed when it is decode-only, every resource
 ``can_capture()``, a bucket holds its rows and its mask parameters (``AttentionStep``) are the
@@ -35,8 +36,8 @@ Forward = Callable[[StepContext, torch.Tensor], torch.Tensor]
 @dataclass
 class _Graph:
     ctx: StepContext
-    tokens: torch.Tensor  # static input [bucket]
-    out: torch.Tensor | None = None  # static output [bucket, vocab]
+    tokens: torch.Tensor  # static input [bucket * query_tokens]
+    out: torch.Tensor | None = None  # static output [bucket * query_tokens, vocab]
     replay: Callable[[], None] = lambda: None
 
 
@@ -71,9 +72,12 @@ class GraphRunner:
 
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
-                 attn: AttentionStep = AttentionStep()) -> None:
+                 attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
+        if not isinstance(query_tokens, int) or isinstance(query_tokens, bool) or not 1 <= query_tokens <= 8:
+            raise ValueError(f"GraphRunner: query_tokens must be an int in 1..8 (query tokens per decode row), "
+                             f"got {query_tokens!r}")
         if slots < 1:
             raise ValueError(f"GraphRunner: slots must be >= 1, got {slots}")
         double = [r.name for r in node.resources if r.force_double_buffer]
@@ -90,6 +94,9 @@ class GraphRunner:
         # The mask parameters the graphs are captured with: a replay reuses the kernel arguments
         # recorded at capture, so only steps with these exact parameters are replayed.
         self.attn = attn
+        # Query tokens of every row of a captured step (1: plain decode; 2..8: multi-token decode,
+        # which the attention manager's features must allow).
+        self.query_tokens = query_tokens
         self._graphs: dict[tuple[int, int], _Graph] = {}
         self._next_slot = 0
         # Graph steps prepared and not yet launched or discarded, by staging slot: a slot's
@@ -121,8 +128,8 @@ class GraphRunner:
 
     def _capture_one(self, bucket: int, slot: int) -> _Graph:
         dummies = [f"__mstar_graph_{bucket}_{slot}_{i}" for i in range(bucket)]
-        step = Step(KVStep(tuple(KVSpan(d, self.label, 1) for d in dummies)), self.attn)
-        ctx = StepContext(slot=slot, bucket=bucket)
+        step = Step(KVStep(tuple(KVSpan(d, self.label, self.query_tokens) for d in dummies)), self.attn)
+        ctx = self._context(slot, bucket)
         try:
             for d in dummies:
                 self.node.ingest_request(d)
@@ -130,7 +137,7 @@ class GraphRunner:
             if not outcome:
                 raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
             self.node.plan(step, ctx)
-            g = _Graph(ctx, torch.zeros(bucket, dtype=torch.long, device=self.device))
+            g = _Graph(ctx, torch.zeros(bucket * self.query_tokens, dtype=torch.long, device=self.device))
 
             def fn() -> None:
                 out = self.forward(g.ctx, g.tokens)
@@ -148,13 +155,16 @@ class GraphRunner:
                 self.node.reset_request(d, free=True)
         return g
 
+    def _context(self, slot: int, bucket: int) -> StepContext:
+        return StepContext(slot=slot, bucket=bucket, query_tokens=self.query_tokens)
+
     def bucket_for(self, rows: int) -> int | None:
         return next((b for b in self.buckets if b >= rows), None)
 
     def prepare(self, step: Step) -> Prepared:
         """Admit and plan ``step`` (host work: this is what overlaps step N's replay)."""
         rows = len(step.kv.spans)
-        decode = all(s.num_tokens == 1 for s in step.kv.spans) and step.kv.labels == (self.label,)
+        decode = all(s.num_tokens == self.query_tokens for s in step.kv.spans) and step.kv.labels == (self.label,)
         if self.enabled and decode and step.attn != self.attn:
             log.debug("decode step with %s runs eagerly: graphs were captured with %s", step.attn, self.attn)
             decode = False
@@ -166,7 +176,7 @@ class GraphRunner:
                 f"neither launched nor discarded; at most {self.slots} graph steps may be prepared ahead "
                 "(launch or discard the oldest first)"
             )
-        ctx = StepContext() if bucket is None else StepContext(slot=self._next_slot, bucket=bucket)
+        ctx = StepContext() if bucket is None else self._context(self._next_slot, bucket)
         outcome = self.node.admit(step, ctx)
         if not outcome:
             return Prepared(step, ctx, rows, None, outcome, done=True)
@@ -189,7 +199,7 @@ class GraphRunner:
             del self._pending[prep.ctx.slot]
 
     def launch(self, prep: Prepared, tokens: torch.Tensor) -> torch.Tensor:
-        """Run a prepared step (replay or eager) and commit it. Returns logits ``[rows, vocab]``
+        """Run a prepared step (replay or eager) and commit it. Returns logits ``[tokens, vocab]``
         (a view of the graph's static output: read it before this slot's next replay). A step
         launches once; an exception in its forward rolls its admit back."""
         if not prep.outcome:
@@ -209,11 +219,11 @@ class GraphRunner:
                 if g is None:
                     out = self.forward(prep.ctx, tokens)
                 else:
-                    g.tokens[: prep.rows].copy_(tokens, non_blocking=True)
-                    g.tokens[prep.rows:].zero_()
+                    g.tokens[:want].copy_(tokens, non_blocking=True)
+                    g.tokens[want:].zero_()
                     g.replay()
                     assert g.out is not None
-                    out = g.out[: prep.rows]
+                    out = g.out[:want]
         except BaseException:
             self.node.rollback_admit(prep.step, prep.ctx)
             raise

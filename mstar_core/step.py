@@ -157,6 +157,14 @@ class StepContext:
     # (a captured batch size). None: an eager step, planned into fresh tensors.
     slot: int = 0
     bucket: int | None = None
+    # Graph replay of multi-token decode (speculative verification): every row has this many
+    # query tokens, so the step's tokens are padded to ``bucket * query_tokens``.
+    query_tokens: int = 1
+
+    @property
+    def graph_tokens(self) -> int | None:
+        """The token count a graph step is padded to (None: eager)."""
+        return None if self.bucket is None else self.bucket * self.query_tokens
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,8 @@ import torch
 
 from mstar_core.registry import BackendSpec, HeadDims, hookimpl
 
+PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows")
+
 FLASHINFER = BackendSpec(
     name="flashinfer",
     provides={
@@ -29,9 +31,11 @@ FLASHINFER = BackendSpec(
     # path; windows per layer through the managers (one plan per window). Not declared: sink
     # logits -- FlashInfer 0.5.3's paged wrappers pass `sinks` only to its trtllm-gen backend
     # (sm100); on sm90 they would be dropped silently.
+    # Multi-token decode rows run on the prefill wrapper in graph mode (static rows and tokens).
     features={
-        **{cap: ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows") for cap in ("paged_prefill", "paged_decode",
-                                                                                  "mixed")},
+        "paged_prefill": PAGED_FEATURES,
+        "paged_decode": (*PAGED_FEATURES, "multi_token_decode"),
+        "mixed": PAGED_FEATURES,
         "prefixed_ragged": ("soft_cap", "layer_windows"),
     },
     probe="mstar_flashinfer.probe:probe",

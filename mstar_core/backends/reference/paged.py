@@ -60,7 +60,8 @@ def _kv_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) 
 class ReferencePrefillWrapper:
     """Batched prefill over a ``[max_pages, 2, page_size, H_kv, D]`` layer view.
 
-    ``accelerator_graph=True`` accepts ``q`` padded to ``batch_size`` rows (padding rows get
+    ``accelerator_graph=True`` accepts ``q`` padded to ``max_total_tokens`` rows (else
+    ``batch_size``: one token per row; padding rows get
     zeros) so the graph runner's plumbing can be exercised on a CPU; its shapes are dynamic, so
     it is never captured in a real CUDA graph (``graph_capturable`` False)."""
 
@@ -88,6 +89,8 @@ class ReferencePrefillWrapper:
         self.device = torch.device(device)
         self.accelerator_graph = accelerator_graph
         self.batch_size = batch_size
+        # graph mode: the q rows a captured run sees (the bucket's tokens)
+        self._static_q = max_total_tokens if max_total_tokens is not None else batch_size
         self._pad: Padding | None = None
         self._slots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
         self._planned: tuple | None = None  # plan's per-row arrays and index tensors
@@ -136,7 +139,7 @@ class ReferencePrefillWrapper:
         if self._planned is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         want = (self._total, self.num_qo_heads, self.head_dim)
-        padded = self.accelerator_graph and q.shape[0] == self.batch_size and q.shape[0] > self._total
+        padded = self.accelerator_graph and q.shape[0] == self._static_q and q.shape[0] > self._total
         if tuple(q.shape) != want and not padded:
             raise ValueError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
         if padded:

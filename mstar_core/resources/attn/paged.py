@@ -159,7 +159,7 @@ class PagedAttentionManager(AttentionManager):
     def _ws(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
 
-    def _wrapper(self, key: WrapperKey) -> Any:
+    def _wrapper(self, key: WrapperKey, graph_tokens: int | None = None) -> Any:
         label, kind, slot, bucket, _ = key
         w = self._wrappers.get(key)
         if w is None:
@@ -168,9 +168,11 @@ class PagedAttentionManager(AttentionManager):
             common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
             if bucket is not None:
                 # One graph-mode wrapper per (bucket, slot): its static buffers are what the
-                # graph captured for that bucket reads; padding rows add one page each.
+                # graph captured for that bucket reads; padding rows add one page each. Multi-token
+                # decode rows run on the prefill wrapper, sized for the bucket's tokens.
+                size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
                 w = cls(self._ws(), *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
-                        device=self.device, accelerator_graph=True, backend=self.flashinfer_backend)
+                        device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
             elif kind == "mixed":
                 w = cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
                         c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
@@ -199,11 +201,11 @@ class PagedAttentionManager(AttentionManager):
             if kind == "mixed" and sum(1 for n in lay.q_lens if n > 1) > self.max_prefill_rows:
                 kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
             if ctx.bucket is not None:
-                self._check_graph_step(kind, ctx.bucket)
+                self._check_graph_step(kind, ctx, lay.q_lens)
             planned = {}
             for window in windows:  # one plan per distinct window; run(layer_idx) picks
                 key = (label, kind, slot, ctx.bucket, window)
-                w = self._wrapper(key)
+                w = self._wrapper(key, ctx.graph_tokens)
                 self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
                 self._plan_wrapper(w, kind, lay, a.causal, window, a.sm_scale)
                 self._planned[key] = self._serial
@@ -211,18 +213,29 @@ class PagedAttentionManager(AttentionManager):
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
                       len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
             w, key = planned[windows[0]]
-            entries.append(PagedAttnEntry(label, kind, w, ctx.bucket or lay.num_tokens, key, self._serial,
+            entries.append(PagedAttnEntry(label, kind, w, ctx.graph_tokens or lay.num_tokens, key, self._serial,
                                           planned if self.features.layer_windows is not None else {}))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
 
-    def _check_graph_step(self, kind: str, bucket: int) -> None:
+    def _check_graph_step(self, kind: str, ctx: StepContext, q_lens: tuple[int, ...]) -> None:
+        """Graph steps are decode steps: one token per row, or (multi-token decode) every row
+        ``ctx.query_tokens`` tokens, at most the features' ``decode_query_tokens``; these run on the
+        prefill wrapper, captured like decode."""
         if not self.accelerator_graph:
             raise RuntimeError("a graph step needs PagedAttentionManager(accelerator_graph=True)")
-        if kind != "paged_decode":
+        t = ctx.query_tokens
+        if t > 1:
+            if t > self.features.decode_query_tokens:
+                raise ValueError(f"a graph step of {t} query tokens per row; the features allow "
+                                 f"decode_query_tokens={self.features.decode_query_tokens}")
+            if any(n != t for n in q_lens):
+                raise ValueError(f"a multi-token decode graph step has {t} query tokens in every row; this one has "
+                                 f"rows of {sorted(set(q_lens))}")
+        elif kind != "paged_decode":
             raise ValueError(f"only decode steps are captured; this step is {kind}")
-        if bucket > self._graph_max_bs:
-            raise ValueError(f"bucket {bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
+        if ctx.bucket is not None and ctx.bucket > self._graph_max_bs:
+            raise ValueError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Grow-only: graph-mode wrappers are built per (bucket, slot) at first plan."""

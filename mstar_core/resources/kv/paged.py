@@ -388,7 +388,7 @@ class KVManager(Resource):
         if ctx.bucket is not None:
             if len(labels) != 1:
                 raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
-            self._check_graph_step(ctx.bucket, sum(r.qo[-1] for r in labels.values()))
+            self._check_graph_step(ctx.graph_tokens, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
         plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
         self._current = plan
@@ -412,7 +412,7 @@ class KVManager(Resource):
         per_token: dict[str, torch.Tensor] = {}
         if ctx.bucket is not None:
             block = pack.token_block(dev) if decode else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps))
-            per_token = self._stage_graph(block, ctx.slot, ctx.bucket)
+            per_token = self._stage_graph(block, ctx.slot, ctx.graph_tokens)
         elif decode:
             per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev)))
         return LabelLayout(
@@ -429,18 +429,19 @@ class KVManager(Resource):
             rows_device=dev,
         )
 
-    def _check_graph_step(self, bucket: int, tokens: int) -> None:
+    def _check_graph_step(self, padded: int, tokens: int) -> None:
+        """``tokens`` of a graph step, padded to ``padded`` (bucket x query tokens per row)."""
         if self._graph_bufs is None or self._sink_page is None:
             raise RuntimeError("a graph step needs build_accelerator_graph_buffers first")
         size = self._graph_bufs.shape[2]
-        if tokens > bucket or bucket > size:
-            raise ValueError(f"graph step: {tokens} tokens for bucket {bucket}; static buffers hold {size}")
+        if tokens > padded or padded > size:
+            raise ValueError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
 
     def _stage_graph(self, block: torch.Tensor, slot: int, bucket: int) -> dict[str, torch.Tensor]:
         """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
         into ``slot``'s static buffers, which the captured graph reads, padded to ``bucket``
-        tokens (padding writes go to the sink page, at position 0). Two device copies at most, in
-        stream order after the replay that last read the slot."""
+        tokens (the graph's padded token count; padding writes go to the sink page, at position
+        0). Two device copies at most, in stream order after the replay that last read the slot."""
         assert self._graph_bufs is not None and self._pad_cols is not None
         buf = self._graph_bufs[slot]  # [3, max_bs]
         n = block.shape[1]
@@ -450,9 +451,11 @@ class KVManager(Resource):
         return {name: buf[i, :bucket] for i, name in enumerate(TOKEN_ARRAYS)}
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
-        """Static per-slot buffers for ``max_bs`` tokens a graph step, and one sink page taken
-        from the pool for padding rows' writes. Grow-only: a smaller call keeps what exists.
-        Graphs must be captured after the last call (a larger call moves the buffers)."""
+        """Static per-slot buffers for the tokens of a graph step of ``max_bs`` rows (times the
+        features' query tokens per decode row), and one sink page taken from the pool for padding
+        rows' writes. Grow-only: a smaller call keeps what exists. Graphs must be captured after
+        the last call (a larger call moves the buffers)."""
+        max_bs *= self.features.decode_query_tokens
         if self._sink_page is None:
             if self.pool.num_free < 1:
                 raise RuntimeError("build_accelerator_graph_buffers: no free page left for the sink page")
