@@ -132,3 +132,58 @@ def test_fa3_standin_matches_the_real_kernel(monkeypatch):
         err = float((a.float() - b.float()).norm() / b.float().norm())
         RESULTS.append({"test": "fa3_standin_vs_real", "kwargs": str(kw), "rel_error": err})
         assert err < 1e-2, (kw, err)
+
+
+# -- attention features (issue 13) --------------------------------------------------------------
+
+def _fa3_feature_cases():
+    from mstar_fa3.plugin import FA3
+
+    return C.ragged_feature_cases(FA3.supports("prefixed_ragged"))
+
+
+@pytest.mark.parametrize("case", _fa3_feature_cases(), ids=str)
+def test_fa3_feature_conformance(case):
+    """Every feature FA3 declares (sink logits, windows) against the float64 oracle."""
+    cls = fa3_cls()
+    err = C.check_ragged(C.WrapperSet("fa3", ragged=cls, device="cuda", dtype=BF16, workspace_bytes=1 << 20), case)
+    RESULTS.append({"test": "ragged_features", "backend": "fa3", "case": str(case), "rel_error": err})
+
+
+def test_fa3_build_softcap_matches_the_declaration():
+    """The plugin declares soft_cap only if the installed build computes it: call the real kernel
+    with softcap and record what it does (the declaration must agree)."""
+    fa3 = _real("flash_attn_interface")
+    from mstar_fa3.plugin import FA3
+
+    q = torch.randn(16, 4, 128, device="cuda", dtype=BF16)
+    k = torch.randn(16, 2, 128, device="cuda", dtype=BF16)
+    cu = torch.tensor([0, 16], dtype=torch.int32, device="cuda")
+    try:
+        fa3.flash_attn_varlen_func(q, k, k, cu, cu, 16, 16, causal=True, softcap=30.0)
+        supported, why = True, "ran"
+    except RuntimeError as e:
+        supported, why = False, str(e)
+    RESULTS.append({"test": "fa3_softcap_probe", "softcap_runs": supported, "message": why})
+    assert ("soft_cap" in FA3.supports("prefixed_ragged")) == supported, why
+
+
+@pytest.mark.parametrize("which", ["fa3", "flashinfer"])
+def test_dense_manager_fp8_prefix_and_features(which):
+    """The dense manager over an FP8 cache (the prefix dequantised once per stream and layer) with
+    the features the backend declares, end to end against the oracle."""
+    from mstar_core.features import AttentionFeatures
+
+    cls = WRAPPERS[which]()
+    extra = {"sink_logits": True, "layer_windows": (64, -1)} if which == "fa3" else \
+        {"soft_cap": 30.0, "layer_windows": (64, -1)}
+    f = AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=(0.5, 2.0), v_scale=0.5, **extra)
+    h = Harness(lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, cls), BF16,
+                layers=2, hkv=8, hq=32, d=128, page_size=16, max_pages=256, device="cuda", features=f)
+    h.ingest("a", "b")
+    errs = [h.step([("a", 256, True), ("b", 100, True)], causal=True)[0]]
+    for _ in range(2):
+        errs.append(h.step([("a", 300, False), ("b", 77, False)], causal=True)[0])
+    RESULTS.append({"test": "dense_manager_fp8_features", "backend": which, "features": str(f), "rel_errors": errs})
+    assert max(errs) < C.TOLERANCE[BF16], errs
+    assert h.attn.stats.gathers == 2 * 2

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Issue 13 on the H200. Results under $OUT/results-<stage>.tgz.
+#   fi   carry .gpu/flashinfer .gpu/env.sh .gpu/flashinfer-aot.tgz .gpu/save-flashinfer-aot.sh: the feature GPU
+#        tests on the real FlashInfer 0.5.3 (conformance per declared feature, an FP8 step mixing windowed and
+#        full layers, multi-token decode replayed from graphs); compiled modules back
+#   bench (as fi, machine kept warm): bench/features_bench.py (FlashInfer sections); the GPU suite as regression
+#   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged
+#        prefill, installed by an earlier stage on a warm machine), features_bench's FA3 section
+stage=${1:?stage}
+R=$OUT/r; mkdir -p "$R"
+export PYTHONUNBUFFERED=1 OUT
+log() { echo "== $* ($(date +%T))"; }
+T() { local t=$1 name=$2; shift 2; log "$name"; local s=$SECONDS; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$? wall_s=$((SECONDS - s))" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
+finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
+trap finish EXIT
+setup() {  # $1: the wheel set carried this time
+  if [ ! -d "/tmp/site-$1" ]; then source .gpu/env.sh "$1" || exit 1; else source .gpu/env.sh "$1" >/dev/null 2>&1; fi
+  python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flashinfer -e ./plugins/fa3 2>&1 | tail -2
+  { nvidia-smi -L; python3 -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0])"
+    python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|numpy|flashinfer-python|tokenspeed-fa3) "; echo "commit ${COMMIT:-unknown}"; } > "$R/env-$stage.txt" 2>&1
+  cat "$R/env-$stage.txt"
+}
+case $stage in
+fi)
+  setup flashinfer
+  T 540 tests_features python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -v -rs --durations=15 -p no:cacheprovider
+  cp "$OUT"/flashinfer_gpu_features.json "$R/" 2>/dev/null
+  bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null ;;
+bench)
+  setup flashinfer
+  T 300 features_bench python3 bench/features_bench.py --out "$R" --skip-fa3
+  T 280 tests_gpu python3 -m pytest -m gpu tests/flashinfer tests/core -q -rs --durations=10 -p no:cacheprovider
+  bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null ;;
+fa3)
+  setup fa3
+  T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider
+  cp "$OUT"/dense_gpu_conformance.json "$R/" 2>/dev/null
+  T 200 features_bench_fa3 python3 bench/features_bench.py --out "$R" --only-fa3 ;;
+esac
