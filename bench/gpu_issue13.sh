@@ -3,7 +3,8 @@
 #   fi   carry .gpu/flashinfer .gpu/env.sh .gpu/flashinfer-aot.tgz .gpu/save-flashinfer-aot.sh: the feature GPU
 #        tests on the real FlashInfer 0.5.3 (conformance per declared feature, an FP8 step mixing windowed and
 #        full layers, multi-token decode replayed from graphs); compiled modules back
-#   bench (as fi, machine kept warm): bench/features_bench.py (FlashInfer sections); the GPU suite as regression
+#   fi2  (as fi, after the FP8 prefill fix): the feature GPU tests again, then bench/features_bench.py's FlashInfer
+#        sections (fp8, softcap, window, multitoken); compiled modules back
 #   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged
 #        prefill, installed by an earlier stage on a warm machine), features_bench's FA3 section
 stage=${1:?stage}
@@ -26,14 +27,15 @@ fi)
   T 540 tests_features python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -v -rs --durations=15 -p no:cacheprovider
   cp "$OUT"/flashinfer_gpu_features.json "$R/" 2>/dev/null
   bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null ;;
-bench)
+fi2)
   setup flashinfer
-  T 300 features_bench python3 bench/features_bench.py --out "$R" --skip-fa3
-  T 280 tests_gpu python3 -m pytest -m gpu tests/flashinfer tests/core -q -rs --durations=10 -p no:cacheprovider
+  T 200 tests_features python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -q -rs --durations=8 -p no:cacheprovider
+  cp "$OUT"/flashinfer_gpu_features.json "$R/" 2>/dev/null
+  T 330 features_bench python3 bench/features_bench.py --out "$R" --sections fp8,softcap,window,multitoken --commit "${COMMIT:-unknown}"
   bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null ;;
 fa3)
   setup fa3
   T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider
   cp "$OUT"/dense_gpu_conformance.json "$R/" 2>/dev/null
-  T 200 features_bench_fa3 python3 bench/features_bench.py --out "$R" --only-fa3 ;;
+  T 200 features_bench_fa3 python3 bench/features_bench.py --out "$R/fa3" --sections fa3 --commit "${COMMIT:-unknown}" ;;
 esac

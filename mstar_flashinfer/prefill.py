@@ -44,7 +44,6 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
     ) -> None:
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          max_total_tokens, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
-        fi = flashinfer()
         self._bufs: dict[str, torch.Tensor] | None = None
         if self.accelerator_graph:
             from . import validate
@@ -52,17 +51,43 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             self._bufs = self._graph_buffers(with_qo=True)
             self._static_q = validate.require("max_total_tokens", max_total_tokens,
                                               "for FlashInferPrefillWrapper with accelerator_graph=True")
+        # FlashInfer's wrapper per backend: the one asked for, and fa2 for an FP8 cache under
+        # 16-bit queries (see _inner_for). ``_inner`` is the one the latest plan used.
+        self._inners: dict[str, Any] = {}
+        self._inner = self._make_inner(backend)
+        self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
+
+    def _make_inner(self, backend: str) -> Any:
+        inner = self._inners.get(backend)
+        if inner is not None:
+            return inner
+        fi = flashinfer()
+        if self._bufs is not None:
             # FlashInfer fixes the graph's token budget at its first plan; fix it at the static
             # size instead, so a first plan with fewer tokens does not refuse every larger one.
-            self._inner = compat.graph_prefill(
-                fi.BatchPrefillWithPagedKVCacheWrapper, self._static_q, workspace_buffer, "NHD", use_cuda_graph=True,
-                qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
+            inner = compat.graph_prefill(
+                fi.BatchPrefillWithPagedKVCacheWrapper, self._static_q, self.workspace_buffer, "NHD",
+                use_cuda_graph=True, qo_indptr_buf=self._bufs["qo_indptr"], paged_kv_indptr_buf=self._bufs["kv_indptr"],
                 paged_kv_indices_buf=self._bufs["kv_indices"], paged_kv_last_page_len_buf=self._bufs["last_page_len"],
                 backend=compat.graph_backend(fi, backend, self.device),
             )
         else:
-            self._inner = fi.BatchPrefillWithPagedKVCacheWrapper(workspace_buffer, "NHD", backend=backend)
-        self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
+            inner = fi.BatchPrefillWithPagedKVCacheWrapper(self.workspace_buffer, "NHD", backend=backend)
+        self._inners[backend] = inner
+        return inner
+
+    def _inner_for(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
+        """FlashInfer's sm90 (fa3) prefill kernels take q and K/V in one dtype: with an FP8 cache
+        under 16-bit queries they fail to compile (0.5.3 measured on the H200), and its "auto"
+        picks them on Hopper regardless. Such plans run on fa2, which dequantises K/V in the
+        kernel (as its tensor-core decode does). A graph captured after this plan replays the
+        wrapper this plan chose; later plans of the same dtypes choose it again."""
+        if kv_dtype == q_dtype or self.device.type != "cuda":
+            return self._inners[self.backend]
+        if self.backend == "fa3":
+            raise ValueError(f"{type(self).__name__}.plan: FlashInfer's fa3 prefill kernels need q and K/V in one "
+                             f"dtype; a {kv_dtype} cache under {q_dtype} queries needs backend 'auto' or 'fa2'")
+        return self._make_inner("fa2" if self.backend == "auto" else self.backend)
 
     def plan(
         self,
@@ -103,14 +128,16 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
+            inner = self._inner_for(dtype, extras["kv_data_type"])
             with self._plan_slot(keep, max_page) as st:
                 qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
                                     extras["logits_soft_cap"], self.backend,
-                                    keep[0] if self._per_plan_backend else None):
-                    self._inner.plan(
+                                    keep[0] if self._per_plan_backend and inner is self._inners[self.backend] else None):
+                    self._inner = inner
+                    inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                         self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
                         **extras,
