@@ -5,6 +5,7 @@
 #        full layers, multi-token decode replayed from graphs); compiled modules back
 #   fi2  (as fi, after the FP8 prefill fix): the feature GPU tests again, then bench/features_bench.py's FlashInfer
 #        sections (fp8, softcap, window, multitoken); compiled modules back
+#   fi3  (as fi): the FP8 manager test and multi-token decode after the fixes (short-row graph prefill on fa2)
 #   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged
 #        prefill, installed by an earlier stage on a warm machine), features_bench's FA3 section
 stage=${1:?stage}
@@ -33,6 +34,10 @@ fi2)
   cp "$OUT"/flashinfer_gpu_features.json "$R/" 2>/dev/null
   T 330 features_bench python3 bench/features_bench.py --out "$R" --sections fp8,softcap,window,multitoken --commit "${COMMIT:-unknown}"
   bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null ;;
+fi3)
+  setup flashinfer
+  T 150 tests_fp8_manager python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -q -rs -p no:cacheprovider -k "windowed or multi_token"
+  T 300 features_bench_mt python3 bench/features_bench.py --out "$R" --sections multitoken --commit "${COMMIT:-unknown}" ;;
 fa3)
   setup fa3
   T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider

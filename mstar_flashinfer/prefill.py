@@ -54,7 +54,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         # FlashInfer's wrapper per backend: the one asked for, and fa2 for an FP8 cache under
         # 16-bit queries (see _inner_for). ``_inner`` is the one the latest plan used.
         self._inners: dict[str, Any] = {}
-        self._inner = self._make_inner(backend)
+        self._inner = self._make_inner(self._short_rows_backend(backend))
         self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
 
     def _make_inner(self, backend: str) -> Any:
@@ -76,6 +76,21 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         self._inners[backend] = inner
         return inner
 
+    # Query tokens per row up to which a graph-mode prefill is multi-token decode (speculative
+    # verification rows; mstar_core.features.MAX_DECODE_QUERY_TOKENS).
+    SHORT_ROWS = 8
+
+    def _short_rows_backend(self, backend: str) -> str:
+        """A graph-mode prefill sized for rows of at most ``SHORT_ROWS`` tokens (multi-token
+        decode) runs on fa2 where "auto" is asked: fa2 packs a KV head's query heads into one tile,
+        as the tensor-core decode does, while fa3 pads each head's few queries to a full tile and
+        reads the KV once per query head (measured on the H200: 64 rows x 4 tokens over 8192, 32
+        layers, about 90 ms a step on fa3)."""
+        if (backend == "auto" and self._bufs is not None and self.device.type == "cuda" and self.batch_size
+                and self._static_q <= self.SHORT_ROWS * self.batch_size):
+            return "fa2"
+        return backend
+
     def _inner_for(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
         """FlashInfer's sm90 (fa3) prefill kernels take q and K/V in one dtype: with an FP8 cache
         under 16-bit queries they fail to compile (0.5.3 measured on the H200), and its "auto"
@@ -83,7 +98,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         kernel (as its tensor-core decode does). A graph captured after this plan replays the
         wrapper this plan chose; later plans of the same dtypes choose it again."""
         if kv_dtype == q_dtype or self.device.type != "cuda":
-            return self._inners[self.backend]
+            return self._inners[self._short_rows_backend(self.backend)]
         if self.backend == "fa3":
             raise ValueError(f"{type(self).__name__}.plan: FlashInfer's fa3 prefill kernels need q and K/V in one "
                              f"dtype; a {kv_dtype} cache under {q_dtype} queries needs backend 'auto' or 'fa2'")
@@ -135,7 +150,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
                                     extras["logits_soft_cap"], self.backend,
-                                    keep[0] if self._per_plan_backend and inner is self._inners[self.backend] else None):
+                                    keep[0] if self._per_plan_backend and inner is self._inners.get(self.backend) else None):
                     self._inner = inner
                     inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,

@@ -99,7 +99,9 @@ def test_fp8_windowed_and_full_layers_in_one_step():
     kv = KVManager(cfg, "cuda", BF16, features=f)
     wrappers = {"paged_prefill": FlashInferPrefillWrapper, "paged_decode": FlashInferDecodeWrapper,
                 "mixed": FlashInferMixedWrapper}
-    attn = PagedAttentionManager(kv, "cuda", BF16, cfg, wrappers)
+    # max_total_tokens sized to the test: the mixed wrapper's fa2 prefill half (FP8 caches plan on
+    # fa2) sizes its split-KV scratch for it, and the default 16384 needs ~272 MB of workspace
+    attn = PagedAttentionManager(kv, "cuda", BF16, cfg, wrappers, max_total_tokens=512)
     node = Node([kv, attn])
     for r in "ab":
         node.ingest_request(r)
