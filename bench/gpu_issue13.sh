@@ -37,7 +37,7 @@ fi2)
 fi3)
   setup flashinfer
   T 150 tests_fp8_manager python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -q -rs -p no:cacheprovider -k "windowed or multi_token"
-  T 300 features_bench_mt python3 bench/features_bench.py --out "$R" --sections multitoken --commit "${COMMIT:-unknown}" ;;
+  T 300 features_bench_mt python3 bench/features_bench.py --out "$R" --sections multitoken,multitoken_kernels,window --commit "${COMMIT:-unknown}" ;;
 fa3)
   setup fa3
   T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider

@@ -156,8 +156,8 @@ class PagedAttentionManager(AttentionManager):
                    graph_capturable="paged_decode" in sel.capturable, features=kv.features, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
-    def _ws(self) -> torch.Tensor:
-        return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
+    def _ws(self, times: int = 1) -> torch.Tensor:
+        return torch.empty(times * self.workspace_bytes, dtype=torch.uint8, device=self.device)
 
     def _wrapper(self, key: WrapperKey, graph_tokens: int | None = None) -> Any:
         label, kind, slot, bucket, _ = key
@@ -171,7 +171,10 @@ class PagedAttentionManager(AttentionManager):
                 # graph captured for that bucket reads; padding rows add one page each. Multi-token
                 # decode rows run on the prefill wrapper, sized for the bucket's tokens.
                 size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
-                w = cls(self._ws(), *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
+                # A graph-mode prefill sizes its split-KV scratch for the static maximum: FlashInfer's
+                # fa2 needed 149 MB for 64 rows x 4 tokens on the H200, past the usual 128 MiB.
+                ws = self._ws(2 if size and self.device.type == "cuda" else 1)
+                w = cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
                         device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
             elif kind == "mixed":
                 w = cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
