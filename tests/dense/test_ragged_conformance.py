@@ -158,3 +158,27 @@ def test_plugin_modules_import_no_kernel_library(monkeypatch):
     rocm = importlib.import_module("mstar_rocm.ragged")
     assert fa3.FA3PrefixedPrefillWrapper.module == "flash_attn_interface"
     assert rocm.AiterPrefixedPrefillWrapper.module == "aiter"
+
+
+def _fa3_feature_cases():
+    from mstar_fa3.plugin import FA3
+
+    return C.ragged_feature_cases(FA3.supports("prefixed_ragged"))
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("case", _fa3_feature_cases(), ids=str)
+def test_fa3_ragged_features(case, dtype, fa3_standin):
+    """Every feature FA3 declares (sink logits, windows), through the stand-in of the tested build
+    (sinks taken as bfloat16 [Hq], as hopper's flash_api checks)."""
+    C.check_ragged(fa3_set(dtype), case)
+
+
+def test_fa3_declares_no_soft_cap_and_its_build_refuses_one(fa3_standin):
+    """The declaration follows the tested build: soft-cap is compiled out of it."""
+    from mstar_fa3.plugin import FA3
+
+    assert "soft_cap" not in FA3.supports("prefixed_ragged")
+    case = C.RaggedCase(64, 4, (3, 5), (2, 0), soft_cap=30.0)
+    with pytest.raises(RuntimeError, match="does not support tanh softcapping"):
+        C.check_ragged(fa3_set(torch.bfloat16), case)

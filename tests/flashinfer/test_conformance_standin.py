@@ -33,3 +33,36 @@ def test_mixed(case):
 @pytest.mark.parametrize("case", C.ragged_cases(), ids=str)
 def test_ragged(case):
     C.check_ragged(FI, case)
+
+
+# -- the features FlashInfer declares (issue 13), through mstar's wrappers over the stand-in ------
+
+from mstar_flashinfer.plugin import FLASHINFER  # noqa: E402
+
+
+@pytest.mark.parametrize("case", C.feature_cases("prefill", FLASHINFER.supports("paged_prefill")), ids=str)
+def test_prefill_features(case):
+    C.check_prefill(FI, case)
+
+
+@pytest.mark.parametrize("case", C.feature_cases("decode", FLASHINFER.supports("paged_decode")), ids=str)
+def test_decode_features(case):
+    C.check_decode(FI, case)
+
+
+@pytest.mark.parametrize("case", C.feature_cases("mixed", FLASHINFER.supports("mixed")), ids=str)
+def test_mixed_features(case):
+    C.check_mixed(FI, case)
+
+
+@pytest.mark.parametrize("case", C.ragged_feature_cases(FLASHINFER.supports("prefixed_ragged")), ids=str)
+def test_ragged_features(case):
+    C.check_ragged(FI, case)
+
+
+def test_sink_logits_are_refused_not_dropped():
+    """FlashInfer 0.5.3 drops ``sinks`` off trtllm-gen: the wrappers refuse them (the backend
+    does not declare the feature) rather than compute without them."""
+    case = C.PagedCase(16, 64, 4, (1, 1), (3, 20), sinks=True)
+    with pytest.raises(NotImplementedError, match="sink logits are not supported by the FlashInfer backend"):
+        C.check_decode(FI, case)

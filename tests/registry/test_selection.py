@@ -13,6 +13,7 @@ import torch
 import mstar_fa3.probe
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.features import AttentionFeatures
 from mstar_core.registry import BackendSpec, BackendUnavailable, Registry, auto_order, select_backend
 from mstar_core.resources.attn.ragged import dense_or_flashinfer, dense_selection
 from mstar_fa3.plugin import FA3
@@ -348,3 +349,71 @@ def test_dense_probe_runs_once_per_device(reg, fake_gpu, fake_installed, fa3_ker
     for head_dim in (64, 128, 64):
         assert dense_selection("cuda", dtype=BF16, head_dim=head_dim, registry=reg).name == "fa3"
     assert calls == ["cuda"]
+
+
+# -- attention features (issue 13) --------------------------------------------------------------
+
+SINK_REASON = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator) in"
+
+
+def test_auto_sm90_passes_over_flashinfer_for_sink_logits_and_logs_why(reg, fake_gpu, fake_installed, fa3_kernel,
+                                                                        caplog):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    fa3_kernel([])
+    f = AttentionFeatures(sink_logits=True)
+    with caplog.at_level(logging.INFO, logger="mstar.registry"):
+        sel = pick(reg, PAGED, features=f)
+    assert sel.name == "reference"
+    assert sel.rejected["flashinfer"] == [f"{SINK_REASON} paged_prefill, paged_decode, mixed"]
+    assert f"rejected: flashinfer: {SINK_REASON} paged_prefill, paged_decode, mixed" in caplog.text
+    # the dense path: FA3 declares sink logits, so it keeps its place
+    assert pick(reg, ("prefixed_ragged",), features=f).name == "fa3"
+
+
+def test_auto_sm90_fp8_soft_cap_stays_on_flashinfer(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm90")
+    fake_installed(ALL_LIBS)
+    fa3_kernel([])
+    f = AttentionFeatures(kv_dtype="fp8_e4m3", soft_cap=30.0, layer_windows=(4096, -1),
+                          decode_query_tokens=4)
+    assert pick(reg, PAGED, features=f).name == "flashinfer"
+    # soft-cap on the dense path: the tested FA3 build has none, FlashInfer's ragged prefill has it
+    sel = pick(reg, ("prefixed_ragged",), features=f)
+    assert sel.name == "flashinfer"
+    assert sel.rejected["fa3"] == ["does not support feature soft_cap (logit soft-cap (soft_cap * tanh(scores / "
+                                   "soft_cap))) in prefixed_ragged"]
+
+
+def test_named_backend_lacking_a_feature_names_it_and_who_can(reg):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(capabilities=("bounded",), requested="reference", device="cpu",
+                       features=AttentionFeatures(soft_cap=30.0, sink_logits=True), registry=reg)
+    msg = str(e.value)
+    assert "features soft_cap, sink_logits" in msg  # the request, as the error states it
+    assert e.value.reasons["reference"] == [
+        "does not support feature soft_cap (logit soft-cap (soft_cap * tanh(scores / soft_cap))) in bounded",
+        f"{SINK_REASON} bounded"]
+
+
+def test_features_must_be_an_attention_features(reg):
+    with pytest.raises(TypeError, match=r"features must be an AttentionFeatures or None, got dict"):
+        select_backend(device="cpu", features={"soft_cap": 30}, registry=reg)
+
+
+@pytest.mark.parametrize("features, match", [
+    ({"paged_decode": ("soft_cap",)}, r"features names capabilities it does not provide: \['paged_decode'\]"),
+    ({"prefixed_ragged": ("softcap",)}, r"features\['prefixed_ragged'\] names unknown features \['softcap'\]; known:"),
+    ({"prefixed_ragged": "soft_cap"}, r"must be a tuple of feature names, got the string 'soft_cap'"),
+])
+def test_backend_spec_checks_its_feature_declarations(features, match):
+    with pytest.raises(ValueError, match=match):
+        BackendSpec(name="toy", provides={"prefixed_ragged": "m:c"}, features=features)
+
+
+def test_plain_attention_is_asked_of_nobody(reg):
+    assert AttentionFeatures().requested() == ()
+    # one window for every layer needs no per-layer plans: it is a plain window, not the feature
+    assert AttentionFeatures(layer_windows=(64, 64)).requested() == ()
+    sel = pick(reg, ("bounded",), device="cpu", dtype=torch.float32, features=AttentionFeatures(layer_windows=(4, -1)))
+    assert sel.name == "reference"  # windows per layer do not reach the bounded kernels
