@@ -42,7 +42,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import inspect
 import json
 import math
 import pathlib
@@ -58,8 +57,8 @@ import torch
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
-import timing  # noqa: E402
-from flashinfer_bench import paged_layout, ws  # noqa: E402
+import timing
+from flashinfer_bench import paged_layout, ws
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
@@ -309,7 +308,7 @@ def bench_fp8(fi: Any, a: argparse.Namespace, sec: dict) -> None:
             raise RuntimeError(f"raw FP8 decode failed, nothing to pair with: {sec['raw_fp8_error']}")
         w = FlashInferDecodeWrapper(ws(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], dtype=BF16, kv_lens=lay["kv_lens"], kv_data_type=FP8)
-        m_run = lambda: w.run(d.q, d.fp8, k_scale=K_SCALE, v_scale=V_SCALE)  # noqa: E731
+        m_run = lambda: w.run(d.q, d.fp8, k_scale=K_SCALE, v_scale=V_SCALE)
         out = m_run()
         r = {"workload": f"FP8 decode {rows}x{kv_len}: mstar vs raw (tensor cores)", "rel_diff": rel(out, raw_fp8_out),
              "rel_err_vs_bf16_ref": rel(out, d.ref), **pair(raw_fp8, m_run, a)}
@@ -395,7 +394,7 @@ def paged_pair(fi: Any, cache: torch.Tensor, kind: str, rows: int, kv_len: int, 
         w = FlashInferPrefillWrapper(ws(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], causal=True, dtype=BF16,
                kv_lens=lay["kv_lens"], **feature)
-    m_run = lambda: w.run(q, layer)  # noqa: E731
+    m_run = lambda: w.run(q, layer)
     raw_run = raw_wrapper(feature)
     raw_out = raw_run().clone()
     plain_out = raw_wrapper({})().clone()
@@ -561,71 +560,20 @@ def _step_loop(runner: Any, step: Any, n_tokens: int, warmup: int, steps: int, p
     return statistics.median(times), statistics.median(host[warmup:]) * 1e3
 
 
-def _takes(fn: Any, name: str) -> bool:
-    """Does ``fn`` (a function or class) take keyword ``name``?"""
-    try:
-        return name in inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return False
-
-
 def _multi_setup(a: argparse.Namespace, qt: int, sec: dict) -> tuple[Any, Any, Any, Any]:
-    """The decode loop of mstar_core.workloads.decode_bench.build_decode_setup (tiny decoder, KV
-    cache of ``context`` random tokens per row, FlashInfer through the registry, captured graphs),
-    asking for ``qt`` query tokens per decode row where mstar takes that: the features'
-    ``decode_query_tokens`` (KV manager, selection) and ``GraphRunner(query_tokens=)``. Returns
+    """The decode loop of mstar_core.workloads.decode_bench (tiny decoder, KV cache of ``context``
+    random tokens per row, FlashInfer through the registry, captured graphs) with ``qt`` query
+    tokens per decode row. Room for this section's two loops (graphs, then eager). Returns
     (node, runner, kv, step)."""
-    from mstar_core.graphs import GraphRunner
-    from mstar_core.model import TinyDecoder, TinyDecoderConfig
-    from mstar_core.registry import select_backend
-    from mstar_core.resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
-    from mstar_core.resources.kv import KVConfig, KVManager
-    from mstar_core.runner import Node
-    from mstar_core.step import KVSpan, KVStep, Step
+    from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup
 
-    label = "text"
-    feat: dict[str, Any] = {}
-    try:
-        from mstar_core.features import AttentionFeatures
-
-        feat = {"features": AttentionFeatures(decode_query_tokens=qt)}
-    except (ImportError, TypeError, ValueError) as e:
-        sec["features_error"] = _err(e, 400)
-    sel_kw = feat if _takes(select_backend, "features") else {}
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=a.mt_backend, device=DEV, dtype=a.mt_dtype,
-                         head_dim=D, **sel_kw)
-    sec["backend"] = sel.name
-    cfg = TinyDecoderConfig(vocab_size=256, hidden=a.mt_hidden, num_layers=a.mt_layers, num_qo_heads=HQ,
-                            num_kv_heads=HKV, head_dim=D, mlp=2 * a.mt_hidden)
-    model = TinyDecoder(cfg, DEV, a.mt_dtype)
-    total = a.mt_context + 2 * qt * (a.mt_warmup + a.mt_steps) + 2 * qt + 2  # graph and eager loops, + a spare step
-    pages = a.mt_batch * -(-total // PS) + 2 * a.mt_batch * -(-qt // PS) + 2  # + graph dummies and the sink
-    kvc = KVConfig(a.mt_layers, HKV, D, PS, pages, HQ)
-    kv = KVManager(kvc, DEV, a.mt_dtype, **(feat if _takes(KVManager, "features") else {}))
-    attn = PagedAttentionManager(kv, DEV, a.mt_dtype, kvc, sel.classes, accelerator_graph=True,
-                                 graph_capturable="paged_decode" in sel.capturable, max_batch_size=a.mt_batch)
-    node = Node([kv, attn])
-
-    def forward(ctx: Any, tokens: torch.Tensor) -> torch.Tensor:
-        return model.forward_step(tokens, ctx.plan_results["kv"].layout(label).positions, kv, attn, label)
-
-    takes_qt = _takes(GraphRunner, "query_tokens")
-    sec["graph_runner_takes_query_tokens"] = takes_qt
-    runner = GraphRunner(node, forward, [a.mt_batch], DEV, label, **({"query_tokens": qt} if takes_qt else {}))
-    try:
-        runner.warmup()
-    except Exception as e:  # a capture mstar refuses is the result; the loop still runs, eagerly
-        sec["refused"] = f"GraphRunner.warmup (capture of {qt}-token rows) refused: {_err(e)}"
-        runner.enabled = False
-        node.post_warmup_validate()
-    rids = [f"r{i}" for i in range(a.mt_batch)]
-    for r in rids:
-        node.ingest_request(r)
-    fill = Step(KVStep(tuple(KVSpan(r, label, a.mt_context) for r in rids)))
-    if not node.step(fill, lambda ctx: None).outcome:
-        raise RuntimeError("the KV cache cannot hold the context")
-    kv.storage.normal_()  # random K/V (never zeros: they can run faster)
-    return node, runner, kv, Step(KVStep(tuple(KVSpan(r, label, qt) for r in rids)))
+    o = BenchOptions(layers=a.mt_layers, qo_heads=HQ, kv_heads=HKV, head_dim=D, hidden=a.mt_hidden, batch=a.mt_batch,
+                     context=a.mt_context, page_size=PS, backend=a.mt_backend, graphs=True, preplan=True,
+                     steps=2 * (a.mt_warmup + a.mt_steps), warmup=1, device="cuda",
+                     dtype=str(a.mt_dtype).removeprefix("torch."), query_tokens=qt)
+    s = build_decode_setup(o)
+    sec["backend"] = s.backend
+    return s.node, s.runner, s.kv, s.decode
 
 
 def bench_multitoken(a: argparse.Namespace, sec: dict) -> None:
@@ -818,7 +766,7 @@ def markdown(doc: dict) -> str:
             lines.append("")
         if name == "multitoken" and "error" not in sec:
             keys = ("backend", "step_ms", "host_ms", "gpu_step_ms", "ratio", "tokens_per_s", "refused",
-                    "eager_step_ms", "eager_host_ms", "eager_error", "graph_runner_takes_query_tokens",
+                    "eager_step_ms", "eager_host_ms", "eager_error",
                     "supports_preplan", "features_error")
             lines += [f"- {k}: {_f(sec[k]) if not isinstance(sec[k], str) else sec[k]}" for k in keys if k in sec]
             lines.append("")

@@ -16,12 +16,7 @@
 # Each FlashInfer version gets its own site folder (/tmp/fi-<version>), alone on PYTHONPATH, and its own
 # compiled-module archive (.gpu/flashinfer-aot.tgz for 0.5.3, .gpu/flashinfer-aot-<version>.tgz else).
 stage=${1:?stage}
-R=$OUT/r; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 OUT
-log() { echo "== $* ($(date +%T))"; }
-T() { local t=$1 name=$2; shift 2; log "$name"; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
-finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_lib.sh"
 site() { # version wheel-dirs...: install into /tmp/fi-<version>, alone on PYTHONPATH
   local v=$1; shift
   for d in "$@"; do python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \

@@ -9,12 +9,7 @@
 #   e   (as a): after the review commit (bench/timing.py restructured): the benchmarks that use it, once more
 #   f   (as a): bounded decode with kernels timed back to back (launch cost excluded), twice
 stage=${1:?stage}
-R=$OUT/r; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 OUT
-log() { echo "== $* ($(date +%T))"; }
-T() { local t=$1 name=$2; shift 2; log "$name"; local s=$SECONDS; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$? wall_s=$((SECONDS - s))" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
-finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_lib.sh"
 setup() {
   if [ ! -d /tmp/site-flashinfer/flashinfer ]; then source .gpu/env.sh flashinfer || exit 1; fi
   export PYTHONPATH=/tmp/site-flashinfer

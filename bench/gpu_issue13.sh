@@ -6,15 +6,12 @@
 #   fi2  (as fi, after the FP8 prefill fix): the feature GPU tests again, then bench/features_bench.py's FlashInfer
 #        sections (fp8, softcap, window, multitoken); compiled modules back
 #   fi3  (as fi): the FP8 manager test and multi-token decode after the fixes (short-row graph prefill on fa2)
+#   final (as fi): after features_bench's multi-token loop moved onto mstar_core.workloads.decode_bench: that
+#        section again, and `mstar bench --query-tokens 1|4` (64 x 8192, 32 layers, graphs + pre-plan)
 #   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged
 #        prefill, installed by an earlier stage on a warm machine), features_bench's FA3 section
 stage=${1:?stage}
-R=$OUT/r; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 OUT
-log() { echo "== $* ($(date +%T))"; }
-T() { local t=$1 name=$2; shift 2; log "$name"; local s=$SECONDS; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$? wall_s=$((SECONDS - s))" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
-finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_lib.sh"
 setup() {  # $1: the wheel set carried this time
   if [ ! -d "/tmp/site-$1" ]; then source .gpu/env.sh "$1" || exit 1; else source .gpu/env.sh "$1" >/dev/null 2>&1; fi
   python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flashinfer -e ./plugins/fa3 2>&1 | tail -2
@@ -38,6 +35,13 @@ fi3)
   setup flashinfer
   T 150 tests_fp8_manager python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py -q -rs -p no:cacheprovider -k "windowed or multi_token"
   T 300 features_bench_mt python3 bench/features_bench.py --out "$R" --sections multitoken,multitoken_kernels,window --commit "${COMMIT:-unknown}" ;;
+final)
+  setup flashinfer
+  T 200 features_bench_mt python3 bench/features_bench.py --out "$R" --sections multitoken,window --commit "${COMMIT:-unknown}"
+  for t in 1 4; do
+    T 150 "mstar_bench_q$t" mstar bench --device cuda --backend flashinfer --layers 32 --qo-heads 32 --kv-heads 8 \
+      --head-dim 128 --hidden 2048 --batch 64 --context 8192 --graphs --preplan --steps 30 --query-tokens $t --json
+  done ;;
 fa3)
   setup fa3
   T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider

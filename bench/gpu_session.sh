@@ -5,15 +5,10 @@
 # Every step has its own time limit so one hang cannot eat the call; its log says what ran.
 # (no set -u: .gpu/env.sh reads unset variables)
 stage=${1:?stage: fi or fa3}
-R=$OUT/r; mkdir -p "$R"
-export PYTHONUNBUFFERED=1 OUT
-log() { echo "== $* ($(date +%T))"; }
-finish() { tar czf "$OUT/results-$stage.tgz" -C "$OUT" r && rm -rf "$R"; }
-trap finish EXIT
+source "$(dirname "$0")/gpu_lib.sh"
 case $stage in fi*) source .gpu/env.sh flashinfer || exit 1;; *) source .gpu/env.sh fa3 || exit 1;; esac
 python3 -m pip install -q --no-build-isolation --no-deps -e . -e ./plugins/flashinfer -e ./plugins/fa3 -e ./plugins/rocm 2>&1 | tail -3
 { nvidia-smi; python3 -c "import torch,sys;print(torch.__version__,torch.version.cuda,sys.version)"; pip list 2>/dev/null | grep -iE "flashinfer|fa3|triton|torch"; } > "$R/env.txt" 2>&1
-T() { local t=$1 name=$2; shift 2; log "$name"; timeout "$t" "$@" > "$R/$name.txt" 2>&1; echo "rc=$?" >> "$R/$name.txt"; tail -4 "$R/$name.txt"; }
 if [ "$stage" = fi ]; then
   T 40 profile_plan python3 bench/profile_plan.py
   T 240 tests_fi python3 -m pytest -m gpu tests/flashinfer tests/core tests/bounded -v --durations=25 -rs -p no:cacheprovider

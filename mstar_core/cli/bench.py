@@ -37,6 +37,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first, at least 1 (default {d.warmup})")
     p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default cpu)")
     p.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--query-tokens", type=int, default=d.query_tokens,
+                   help="query tokens per request per step: 1, or 2..8 for multi-token decode rows (speculative "
+                   "verification), captured like one-token decode (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.set_defaults(func=run)
 

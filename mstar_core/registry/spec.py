@@ -129,7 +129,7 @@ class BackendSpec:
             raise ValueError(f"backend {self.name!r}: features names capabilities it does not provide: {bad}")
         for cap, names in self.features.items():
             if isinstance(names, str):
-                raise ValueError(f"backend {self.name!r}: features[{cap!r}] must be a tuple of feature names, got "
+                raise TypeError(f"backend {self.name!r}: features[{cap!r}] must be a tuple of feature names, got "
                                  f"the string {names!r}")
             unknown = sorted(set(names) - set(FEATURES))
             if unknown:

@@ -1,6 +1,7 @@
 """The decode loop ``mstar bench`` times: a tiny decoder over ``batch`` requests that already
-hold ``context`` tokens, one token per request per step, through a chosen backend, eager or
-replayed from CUDA graphs, with or without pre-planning."""
+hold ``context`` tokens, one token per request per step (or ``query_tokens``: multi-token decode,
+as speculative verification runs), through a chosen backend, eager or replayed from CUDA graphs,
+with or without pre-planning."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
+from ..features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from ..graphs import GraphRunner
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resource import as_dtype
@@ -40,8 +42,11 @@ class BenchOptions:
     warmup: int = 3
     device: str = "cpu"
     dtype: str = "auto"
+    query_tokens: int = 1  # per request per step; 2..8: multi-token decode rows
 
     def __post_init__(self) -> None:
+        if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
+            raise ValueError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
         for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
@@ -103,14 +108,17 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
 
     dev = torch.device(o.device)
     dt = _dtype(o.dtype, dev)
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt, head_dim=o.head_dim)
+    t = o.query_tokens
+    features = AttentionFeatures(decode_query_tokens=t)
+    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt,
+                         head_dim=o.head_dim, features=features)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
     model = TinyDecoder(cfg, dev, dt)
-    total = o.context + o.warmup + o.steps + 2
-    pages = o.batch * -(-total // o.page_size) + 2 * o.batch + 2  # + graph dummies and the sink
+    total = o.context + t * (o.warmup + o.steps + 2)
+    pages = o.batch * -(-total // o.page_size) + 2 * o.batch * -(-t // o.page_size) + 2  # + graph dummies, the sink
     kvc = KVConfig(o.layers, o.kv_heads, o.head_dim, o.page_size, pages, o.qo_heads)
-    kv = KVManager(kvc, dev, dt)
+    kv = KVManager(kvc, dev, dt, features=features)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
                                  graph_capturable="paged_decode" in sel.capturable,
                                  max_batch_size=max(o.batch, 1))
@@ -119,7 +127,7 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     def forward(ctx, tokens):
         return model.forward_step(tokens, ctx.plan_results["kv"].layout(LABEL).positions, kv, attn, LABEL)
 
-    runner = GraphRunner(node, forward, [o.batch], dev, LABEL)
+    runner = GraphRunner(node, forward, [o.batch], dev, LABEL, query_tokens=t)
     if o.graphs:
         runner.warmup()  # validates every resource after capture
     else:
@@ -132,7 +140,7 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     if not node.step(fill, lambda ctx: None).outcome:
         raise RuntimeError("bench: the KV cache cannot hold the context")
     kv.storage.normal_()
-    decode = Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)))
+    decode = Step(KVStep(tuple(KVSpan(r, LABEL, t) for r in rids)))
     return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode)
 
 
@@ -140,7 +148,7 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
     s = setup or build_decode_setup(o)
     runner, decode, dev = s.runner, s.decode, s.device
     cuda = dev.type == "cuda"
-    tokens = torch.zeros(o.batch, dtype=torch.long, device=dev)
+    tokens = torch.zeros(o.batch * o.query_tokens, dtype=torch.long, device=dev)
 
     preplan = o.preplan and runner.supports_preplan
     if o.preplan and not preplan:
@@ -184,7 +192,7 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
     return BenchResult(
         s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, preplan, step_ms,
-        o.batch / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
+        o.batch * o.query_tokens / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
     )
 
 

@@ -39,7 +39,10 @@ def stored(features: AttentionFeatures, layer: int, k: torch.Tensor, v: torch.Te
     return quantize(k, ks, fp8).double() * ks, quantize(v, vs, fp8).double() * vs
 
 
-def run_steps(features, schedule, sinks=None, attn_step=AttentionStep(), dtype=torch.float32, seed=0,
+PLAIN_STEP = AttentionStep()
+
+
+def run_steps(features, schedule, sinks=None, attn_step=PLAIN_STEP, dtype=torch.float32, seed=0,
               manager_features=None):
     """Steps of ``schedule`` (lists of ``(rid, tokens)``) on every layer; returns the worst
     relative error per layer against the oracle over what each stream stored."""
@@ -106,7 +109,7 @@ def test_fp8_kv_with_per_layer_scales(kv_dtype):
 
 def test_fp8_storage_is_quantized_with_the_layers_scale():
     f = AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=(0.5, 1.0, 4.0), v_scale=1.0)
-    kv, attn, node = make(f)
+    kv, _, node = make(f)
     big = torch.full((2, HKV, D), 3.0)
 
     def forward(ctx):

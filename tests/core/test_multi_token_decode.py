@@ -80,7 +80,7 @@ def test_multi_token_decode_replays_and_matches_the_full_forward(t):
 
 
 def test_rows_of_another_length_run_eagerly():
-    model, _, _, node, runner = build(4)
+    _, _, _, node, runner = build(4)
     runner.warmup()
     for r in "ab":
         node.ingest_request(r)

@@ -12,7 +12,6 @@ from mstar_core.features import AttentionFeatures
 from mstar_core.registry import BackendUnavailable, select_backend
 from mstar_core.resources.attn.dense import DenseAttentionManager
 from mstar_core.testing.conformance import TOLERANCE
-
 from mstar_fa3.plugin import FA3
 
 from .harness import LABEL, Harness

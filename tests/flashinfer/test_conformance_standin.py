@@ -37,7 +37,7 @@ def test_ragged(case):
 
 # -- the features FlashInfer declares (issue 13), through mstar's wrappers over the stand-in ------
 
-from mstar_flashinfer.plugin import FLASHINFER  # noqa: E402
+from mstar_flashinfer.plugin import FLASHINFER
 
 
 @pytest.mark.parametrize("case", C.feature_cases("prefill", FLASHINFER.supports("paged_prefill")), ids=str)

@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import torch
 
-from .math import Padding, attend_padded, build_padding, gather_ragged_slots
 from ...features import check_soft_cap
+from .math import Padding, attend_padded, build_padding, gather_ragged_slots
 from .paged import run_extras
 
 

@@ -142,7 +142,9 @@ class PagedAttentionManager(AttentionManager):
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
         """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
         build over ``info.built["kv"]``."""
-        from ...registry import select_backend  # the registry imports plugins: keep it lazy
+        from ...registry import (
+            select_backend,  # the registry imports plugins: keep it lazy
+        )
 
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
@@ -160,7 +162,7 @@ class PagedAttentionManager(AttentionManager):
         return torch.empty(times * self.workspace_bytes, dtype=torch.uint8, device=self.device)
 
     def _wrapper(self, key: WrapperKey, graph_tokens: int | None = None) -> Any:
-        label, kind, slot, bucket, _ = key
+        kind, bucket = key[1], key[3]
         w = self._wrappers.get(key)
         if w is None:
             c = self.kv_config

@@ -17,8 +17,8 @@ from typing import Any
 
 import torch
 
-from ...features import PLAIN, AttentionFeatures, quantize
 from ...distributed import check_same_across_ranks
+from ...features import PLAIN, AttentionFeatures, quantize
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 from .config import KVConfig

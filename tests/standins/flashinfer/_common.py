@@ -7,7 +7,12 @@ from typing import Optional, Sequence, Union
 
 import torch
 
-from mstar_core.backends.reference.math import attend_padded, build_padding, gather_paged_slots, gather_ragged_slots
+from mstar_core.backends.reference.math import (
+    attend_padded,
+    build_padding,
+    gather_paged_slots,
+    gather_ragged_slots,
+)
 
 from .page import get_seq_lens
 
