@@ -60,6 +60,9 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 import timing
 from flashinfer_bench import paged_layout, ws
 
+from mstar_core import features
+from mstar_core.resources.attn.varlen import first_output as first
+
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
@@ -98,15 +101,9 @@ def rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a - b).norm() / b.norm().clamp_min(1e-30))
 
 
-def first(out: Any) -> torch.Tensor:
-    """``out`` from either return convention (a tensor, or ``(out, lse, ...)``)."""
-    return out[0] if isinstance(out, (tuple, list)) else out
-
-
 def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` in FP8 e4m3, saturated at its largest finite value first."""
-    top = torch.finfo(FP8).max
-    return (x.float() / scale).clamp_(-top, top).to(FP8)
+    """``x / scale`` in FP8 e4m3, saturated: mstar's own quantisation (what the KV manager writes)."""
+    return features.quantize(x, scale, FP8)
 
 
 def graphed(fn: Callable[[], Any], calls: int) -> Callable[[], None]:

@@ -22,15 +22,13 @@ reason naming it, as it does for head dims and dtypes.
 
 from __future__ import annotations
 
-import math
-import numbers
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from .step import is_int
+from .step import check_window_and_scale, is_int, is_positive_finite
 
 # KV storage dtypes by name; "auto" is the model dtype.
 KV_DTYPES: dict[str, torch.dtype | None] = {
@@ -68,7 +66,7 @@ Scales = float | tuple[float, ...]
 
 
 def _check_scale(value: Any, what: str) -> float:
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not is_positive_finite(value):
         raise ValueError(f"AttentionFeatures: {what} must be a finite float > 0, got {value!r}")
     return float(value)
 
@@ -132,8 +130,10 @@ class AttentionFeatures:
         }
         return tuple(f for f in FEATURES if asked.get(f))
 
-    def missing(self, supported: Collection[str]) -> tuple[str, ...]:
-        return tuple(f for f in self.requested() if f not in supported)
+    def lacking(self, capability: str, supported: Collection[str]) -> tuple[str, ...]:
+        """The requested features that reach ``capability`` (:data:`APPLIES_TO`) and are not
+        among ``supported`` (what a backend declares for it)."""
+        return tuple(f for f in self.requested() if capability in APPLIES_TO[f] and f not in supported)
 
     def __str__(self) -> str:
         parts = []
@@ -210,16 +210,41 @@ def check_soft_cap(value: Any, who: str) -> float | None:
     """A plan's ``logits_soft_cap``: None (no cap) or a finite float > 0."""
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not math.isfinite(value) or value <= 0:
+    if not is_positive_finite(value):
         raise ValueError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
     return float(value)
 
 
 def check_scale(value: Any, name: str, who: str) -> None:
     """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0."""
-    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Real)
-                              or not math.isfinite(value) or value <= 0):
+    if value is not None and not is_positive_finite(value):
         raise ValueError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
+
+
+# A paged plan's keyword arguments (FlashInfer's names, seed 001's ``**kwargs``).
+PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
+
+
+def check_plan_kwargs(kwargs: dict[str, Any], who: str) -> tuple[float | None, float | None, torch.dtype | None]:
+    """``(sm_scale, logits_soft_cap, kv_data_type)`` of a paged plan, refusing unknown keywords
+    and bad values before the plan changes anything."""
+    unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
+    if unknown:
+        raise TypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
+    sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
+    check_window_and_scale(f"{who}.plan", -1, sm_scale)
+    if kv_dtype is not None and (not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point):
+        raise ValueError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
+                         f"{' / '.join(str(d) for d in KV_DTYPES.values() if d is not None)} for an FP8 cache), "
+                         f"got {kv_dtype!r}")
+    return sm_scale, check_soft_cap(cap, f"{who}.plan"), kv_dtype
+
+
+def refuse_sinks(sinks: torch.Tensor | None, who: str, why: str) -> None:
+    """A wrapper whose kernel takes no sink logits refuses them rather than compute without."""
+    if sinks is not None:
+        raise NotImplementedError(f"{who}.run: sink logits are not supported by {why}; use a backend that declares "
+                                  "sink_logits")
 
 
 def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:

@@ -24,8 +24,9 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .features import MAX_DECODE_QUERY_TOKENS
 from .runner import Node
-from .step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext
+from .step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
@@ -75,9 +76,9 @@ class GraphRunner:
                  attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
         if not buckets or min(buckets) < 1:
             raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
-        if not isinstance(query_tokens, int) or isinstance(query_tokens, bool) or not 1 <= query_tokens <= 8:
-            raise ValueError(f"GraphRunner: query_tokens must be an int in 1..8 (query tokens per decode row), "
-                             f"got {query_tokens!r}")
+        if not is_int(query_tokens) or not 1 <= query_tokens <= MAX_DECODE_QUERY_TOKENS:
+            raise ValueError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
+                             f"per decode row), got {query_tokens!r}")
         if slots < 1:
             raise ValueError(f"GraphRunner: slots must be >= 1, got {slots}")
         double = [r.name for r in node.resources if r.force_double_buffer]

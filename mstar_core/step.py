@@ -29,13 +29,18 @@ def as_count(value: Any, what: str) -> int:
     return int(value)
 
 
+def is_positive_finite(value: Any) -> bool:
+    """A real number (not a bool), finite and > 0: what every scale, soft-cap and sm_scale is."""
+    return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+            and value > 0)
+
+
 def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
     """A step's mask parameters, checked where they enter (``AttentionStep``, the wrappers'
     ``plan``): ``window_left`` an int >= -1, ``sm_scale`` None or a finite float > 0."""
     if not is_int(window_left) or window_left < -1:
         raise ValueError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
-    if sm_scale is not None and (isinstance(sm_scale, bool) or not isinstance(sm_scale, numbers.Real)
-                                 or not math.isfinite(sm_scale) or sm_scale <= 0):
+    if sm_scale is not None and not is_positive_finite(sm_scale):
         raise ValueError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
 
 

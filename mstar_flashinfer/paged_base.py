@@ -17,43 +17,28 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.features import KV_DTYPES, check_scale, check_soft_cap
+from mstar_core.features import check_plan_kwargs, check_scale, refuse_sinks
 
 from . import validate
 from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from .nvtx import Nvtx
 from .staging import Staging
 
-FP8_DTYPES = tuple(d for d in KV_DTYPES.values() if d is not None)
-
-# plan() keyword arguments forwarded to FlashInfer's plan (seed 001: ``**kwargs``).
-PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
-
-
 def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
-    """FlashInfer's plan keywords from ours, refused (before anything is planned) where unknown
-    or out of range: ``kv_data_type`` the query dtype or an FP8 one (K/V scales go to ``run``)."""
-    unknown = set(kwargs) - set(PLAN_KWARGS)
-    if unknown:
-        raise TypeError(f"{who}.plan got unexpected keyword arguments {sorted(unknown)}; it accepts {list(PLAN_KWARGS)}")
-    validate.check_window_and_scale(f"{who}.plan", -1, kwargs.get("sm_scale"))
-    kv_dtype = kwargs.get("kv_data_type") or dtype
-    if not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point:
-        raise ValueError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
-                         f"{' / '.join(map(str, FP8_DTYPES))} for an FP8 cache), got {kv_dtype!r}")
-    return {"sm_scale": kwargs.get("sm_scale"),
-            "logits_soft_cap": check_soft_cap(kwargs.get("logits_soft_cap"), f"{who}.plan"),
-            "q_data_type": dtype, "kv_data_type": kv_dtype}
+    """FlashInfer's plan keywords from ours (:func:`mstar_core.features.check_plan_kwargs`
+    refuses unknown or bad ones before anything is planned); K/V scales go to ``run``."""
+    sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, who)
+    return {"sm_scale": sm_scale, "logits_soft_cap": soft_cap, "q_data_type": dtype, "kv_data_type": kv_dtype or dtype}
+
+
+# FlashInfer 0.5.3's paged wrappers hand ``sinks`` only to its trtllm-gen backend (sm100) and drop
+# them elsewhere, so the backend does not declare the feature and its wrappers refuse them.
+NO_SINKS = "the FlashInfer backend (its paged wrappers apply `sinks` only on the trtllm-gen backend, sm100)"
 
 
 def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: torch.Tensor | None) -> dict[str, Any]:
-    """FlashInfer's run keywords for the K/V scales of FP8 storage. Sink logits are refused:
-    FlashInfer 0.5.3's paged wrappers hand ``sinks`` only to its trtllm-gen backend (sm100) and
-    drop them elsewhere, so the backend does not declare the feature."""
-    if sinks is not None:
-        raise NotImplementedError(f"{who}.run: sink logits are not supported by the FlashInfer backend (its paged "
-                                  "wrappers apply `sinks` only on the trtllm-gen backend, sm100); use a backend that "
-                                  "declares sink_logits")
+    """FlashInfer's run keywords for the K/V scales of FP8 storage; sink logits refused."""
+    refuse_sinks(sinks, who, NO_SINKS)
     check_scale(k_scale, "k_scale", f"{who}.run")
     check_scale(v_scale, "v_scale", f"{who}.run")
     return {"k_scale": k_scale, "v_scale": v_scale}

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS
+
 from . import compat
 from .jit_notice import plan_first_use
 from .library import flashinfer
@@ -77,8 +79,8 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         return inner
 
     # Query tokens per row up to which a graph-mode prefill is multi-token decode (speculative
-    # verification rows; mstar_core.features.MAX_DECODE_QUERY_TOKENS).
-    SHORT_ROWS = 8
+    # verification rows).
+    SHORT_ROWS = MAX_DECODE_QUERY_TOKENS
 
     def _short_rows_backend(self, backend: str) -> str:
         """A graph-mode prefill sized for rows of at most ``SHORT_ROWS`` tokens (multi-token

@@ -5,15 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from mstar_core.features import check_soft_cap, refuse_sinks
 from mstar_core.resources.attn.varlen import check_same_device, check_varlen_plan
-
-from mstar_core.features import check_soft_cap
 
 from . import validate
 from .jit_notice import plan_first_use
 from .library import flashinfer
 from .nvtx import Nvtx
-from .paged_base import run_extras
+from .paged_base import NO_SINKS
 from .staging import Staging
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
@@ -87,8 +86,8 @@ class FlashInferPrefixedPrefillWrapper:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
             ) -> torch.Tensor:
         """``q`` ``[cu_q[-1], Hq, D]``, ``k``/``v`` ``[cu_k[-1], Hkv, D]``; returns ``[cu_q[-1], Hq, D]``.
-        Sink logits are refused (see :func:`mstar_flashinfer.paged_base.run_extras`)."""
-        run_extras(type(self).__name__, None, None, sinks)
+        Sink logits are refused (``paged_base.NO_SINKS``)."""
+        refuse_sinks(sinks, type(self).__name__, NO_SINKS)
         if self._tokens is None:
             raise RuntimeError("FlashInferPrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens

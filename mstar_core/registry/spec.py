@@ -11,7 +11,7 @@ from typing import Any, Union
 
 import torch
 
-from ..features import APPLIES_TO, FEATURES, AttentionFeatures
+from ..features import FEATURES, AttentionFeatures
 
 # The capability names other parts of mstar rely on; each names one wrapper protocol.
 CAPABILITIES: tuple[str, ...] = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded")
@@ -168,13 +168,13 @@ class BackendSpec:
 
     def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
         """One reason per requested feature some requested capability lacks, naming both (a
-        feature is asked only of the capabilities it reaches: ``features.APPLIES_TO``)."""
+        feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
+        lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}
         reasons = []
         for feature in features.requested():
-            lacking = [c for c in capabilities if c in self.provides and c in APPLIES_TO[feature]
-                       and feature not in self.supports(c)]
-            if lacking:
-                reasons.append(f"does not support feature {feature} ({FEATURES[feature]}) in {', '.join(lacking)}")
+            caps = [c for c, missing in lacking.items() if feature in missing]
+            if caps:
+                reasons.append(f"does not support feature {feature} ({FEATURES[feature]}) in {', '.join(caps)}")
         return reasons
 
     @property

@@ -41,7 +41,6 @@ def attention_oracle(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    probs = probs.masked_fill(~allowed.any(-1)[None, :, None], 0.0)  # a query seeing no key: zeros
     return torch.einsum("hqk,khd->qhd", probs, v)
 
 

@@ -37,8 +37,7 @@ def test_dense_steps_with_features(features, which, request):
     dtype = torch.float32
     W = ReferencePrefixedPrefillWrapper
     if which == "fa3":
-        lacking = [f for f in features.requested() if f in ("soft_cap", "sink_logits", "layer_windows")
-                   and f not in FA3.supports("prefixed_ragged")]
+        lacking = features.lacking("prefixed_ragged", FA3.supports("prefixed_ragged"))
         if lacking:  # not declared (the tested build has no soft-cap): selection says so, naming it
             with pytest.raises(BackendUnavailable, match=f"does not support feature {lacking[0]} "):
                 select_backend(("prefixed_ragged",), requested="fa3", device="cpu", dtype=torch.bfloat16,

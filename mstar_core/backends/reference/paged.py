@@ -12,29 +12,8 @@ from typing import Any
 
 import torch
 
-from ...features import check_scale, check_sinks, check_soft_cap
-from .math import Extras, Padding, attend_padded, build_padding, gather_paged_slots
-
-# plan() keyword arguments (FlashInfer's names, seed 001's ``**kwargs``).
-PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
-
-
-
-def plan_extras(kwargs: dict[str, Any], who: str) -> tuple[float | None, float | None, torch.dtype | None]:
-    """``(sm_scale, logits_soft_cap, kv_data_type)`` from a plan's keyword arguments, refusing
-    unknown ones and bad values (before the plan changes anything)."""
-    from ...step import check_window_and_scale
-
-    unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
-    if unknown:
-        raise TypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
-    sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
-    check_window_and_scale(f"{who}.plan", -1, sm_scale)
-    cap = check_soft_cap(cap, f"{who}.plan")
-    if kv_dtype is not None and not isinstance(kv_dtype, torch.dtype):
-        raise TypeError(f"{who}.plan: kv_data_type must be a torch.dtype or None, got {kv_dtype!r}")
-    return sm_scale, cap, kv_dtype
-
+from ...features import check_plan_kwargs, check_scale, check_sinks
+from .math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
 
 def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,
                device: torch.device, soft_cap: float | None, sinks: torch.Tensor | None,
@@ -48,7 +27,7 @@ def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype,
     if sinks is not None:
         check_sinks(sinks, num_qo_heads, device, f"{who}.run")
     if soft_cap is None and sinks is None and k_scale is None and v_scale is None:
-        return Extras()
+        return NO_EXTRAS
     return Extras(soft_cap, sinks, k_scale, v_scale)
 
 
@@ -110,7 +89,7 @@ class ReferencePrefillWrapper:
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
-        sm_scale, soft_cap, kv_dtype = plan_extras(kwargs, type(self).__name__)
+        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__)
         qo_indptr = qo_indptr.cpu().to(torch.int64)
         indptr = paged_kv_indptr.cpu().to(torch.int64)
         lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)

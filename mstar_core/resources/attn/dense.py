@@ -34,13 +34,13 @@ from typing import Any
 
 import torch
 
-from ...features import dequantize, quantize
+from ...features import dequantize
 from ...resource import BuildInfo
 from ...step import Step, StepContext
 from ..kv.config import KVConfig
 from ..kv.paged import KVManager
 from ..kv.plan import KVPlan, LabelLayout
-from .base import AttentionManager, check_q
+from .base import AttentionManager, check_q, plan_kwargs
 from .prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from .protocols import PrefixedPrefillWrapper
 
@@ -103,10 +103,14 @@ class _LabelRun:
     q_starts: tuple[int, ...]  # packed offset of each segment's fresh tokens in q/k/v (= cu_q[:-1])
     write: str  # "none" | "all" | "some": which fresh tokens run() writes to the pages
     write_rows: torch.Tensor | None  # for "some": packed rows of commit=True spans, on device
-    wrapper_key: tuple[str, int, int] = ("", 0, -1)  # (label, slot, window) of the wrapper planned for this run
     serial: int = 0  # the plan's number: a wrapper re-planned since is refused at run
-    # Per-layer windows: window -> (wrapper, key), one plan each; empty: ``plan.wrapper`` alone.
-    per_window: Mapping[int, tuple[Any, tuple[str, int, int]]] = field(default_factory=dict)
+    # ``(window_left, wrapper, key)`` per distinct window of the step (one, or one per distinct
+    # per-layer window); key = (label, slot, i), i numbering the windows. ``plan.wrapper`` is the first.
+    plans: tuple[tuple[int, Any, tuple[str, int, int]], ...] = ()
+
+    @property
+    def per_window(self) -> dict[int, tuple[Any, tuple[str, int, int]]]:
+        return {w: (wrapper, key) for w, wrapper, key in self.plans}
 
 
 def resolve_class(spec: Any) -> type:
@@ -142,7 +146,10 @@ class DenseAttentionManager(AttentionManager):
     ) -> None:
         # The model's features are the KV manager's: an FP8 cache is read back here (the gathered
         # prefix dequantised once per stream and layer), so the wrappers see the model dtype.
-        self.features = kv_cache.features
+        self.features = f = kv_cache.features
+        # Which of a step's plans each layer reads (per-layer windows; None: the step's one plan).
+        windows = f.windows(-1)
+        self._layer_plan = None if f.layer_windows is None else tuple(windows.index(w) for w in f.layer_windows)
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -155,8 +162,8 @@ class DenseAttentionManager(AttentionManager):
         # One wrapper per (label, slot); consecutive plans alternate slots, so a step planned
         # ahead (prepare(N+1) before launch(N)) never re-plans the wrapper the running one reads.
         self.slots = 2
-        self._wrappers: dict[tuple[str, int], Any] = {}
-        self._planned: dict[tuple[str, int], int] = {}  # wrapper key -> serial of its plan
+        self._wrappers: dict[tuple[str, int, int], Any] = {}
+        self._planned: dict[tuple[str, int, int], int] = {}  # wrapper key -> serial of its plan
         self._serial = 0
         self._current: DensePlan | None = None
 
@@ -272,10 +279,10 @@ class DenseAttentionManager(AttentionManager):
         max_q = max((g.q_len for g in segs), default=0)
         max_k = max((g.k_len for g in segs), default=0)
         cu_q_t, cu_k_t = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
-        kw = {} if self.features.soft_cap is None else {"logits_soft_cap": self.features.soft_cap}
-        planned = {}
-        for window in self.features.windows(window_left):  # one plan per distinct window; run picks
-            key = (label, self._serial % self.slots, window)
+        kw = plan_kwargs(logits_soft_cap=self.features.soft_cap)
+        plans = []
+        for i, window in enumerate(self.features.windows(window_left)):  # one plan per distinct window; run picks
+            key = (label, self._serial % self.slots, i)
             w = self._wrappers.get(key)
             if w is None:
                 c = self.kv_config
@@ -287,8 +294,8 @@ class DenseAttentionManager(AttentionManager):
             w.plan(cu_q_t, cu_k_t, max_q, max_k, causal=causal, dtype=self.dtype, sm_scale=sm_scale,
                    window_left=window, **kw)
             self._planned[key] = self._serial
-            planned[window] = (w, key)
-        w, key = next(iter(planned.values()))
+            plans.append((window, w, key))
+        w = plans[0][1]
         flags = [commits.get((s.request_id, label), True) for s in lay.spans]
         rows = None
         if all(flags):
@@ -301,8 +308,7 @@ class DenseAttentionManager(AttentionManager):
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
-        return _LabelRun(label, plan, tuple(starts), write, rows, key, self._serial,
-                         planned if self.features.layer_windows is not None else {})
+        return _LabelRun(label, plan, tuple(starts), write, rows, self._serial, tuple(plans))
 
     @property
     def current(self) -> DensePlan:
@@ -332,8 +338,8 @@ class DenseAttentionManager(AttentionManager):
         who = type(self).__name__
         if layer_idx is None:
             raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
-        window = self.features.window(self.kv._check_layer(layer_idx), -1)
-        lr, wrapper = self._label_run(label, window)
+        i = 0 if self._layer_plan is None else self._layer_plan[self.kv._check_layer(layer_idx)]
+        lr, wrapper = self._label_run(label, i)
         c = self.kv_config
         n = lr.plan.num_q
         check_q(q, n, c.qo_heads, c.head_dim, self.dtype, who)
@@ -354,9 +360,9 @@ class DenseAttentionManager(AttentionManager):
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx)
         keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
-        return wrapper.run(q, keys, values, **({} if sinks is None else {"sinks": sinks}))
+        return wrapper.run(q, keys, values, **plan_kwargs(sinks=sinks))
 
-    def _label_run(self, label: str | None, window: int) -> tuple[_LabelRun, Any]:
+    def _label_run(self, label: str | None, i: int) -> tuple[_LabelRun, Any]:
         if self.bound_plan() is None and self._current is None:
             raise RuntimeError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
@@ -368,7 +374,7 @@ class DenseAttentionManager(AttentionManager):
             lr = next((r for r in runs if r.label == label), None)
             if lr is None:
                 raise KeyError(f"label {label!r} is not in this step; its labels are {[r.label for r in runs]}")
-        wrapper, key = lr.per_window[window] if lr.per_window else (lr.plan.wrapper, lr.wrapper_key)
+        _, wrapper, key = lr.plans[i]
         if self._planned.get(key) != lr.serial:
             raise RuntimeError(
                 f"{type(self).__name__}.run: the wrapper this step planned for label {lr.label!r} was re-planned "
@@ -386,13 +392,7 @@ class DenseAttentionManager(AttentionManager):
             return
         lay = self.kv.current.layout(lr.label)
         rows = lr.write_rows
-        layer = self.kv.layer_view(layer_idx)
-        k, v = k[rows], v[rows]
-        if self.features.quantized:
-            k_scale, v_scale = self.kv.scales(layer_idx)
-            k, v = quantize(k, k_scale, layer.dtype), quantize(v, v_scale, layer.dtype)  # type: ignore[arg-type]
-        layer[lay.write_pages[rows], 0, lay.write_offsets[rows]] = k.to(layer.dtype)
-        layer[lay.write_pages[rows], 1, lay.write_offsets[rows]] = v.to(layer.dtype)
+        self.kv.store(layer_idx, lay.write_pages[rows], lay.write_offsets[rows], k[rows], v[rows])
 
     def _gather(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The segment's prefix K/V out of its pages: one indexed read for K and V together; an

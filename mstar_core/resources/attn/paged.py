@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -28,32 +28,30 @@ log = logging.getLogger(__name__)
 PAGED_CAPABILITIES = ("paged_prefill", "paged_decode", "mixed")
 
 
-WrapperKey = tuple[str, str, int, "int | None", int]  # (label, kind, slot, bucket, window_left)
+# (label, kind, slot, bucket, i): i numbers the step's distinct windows (one plan each), so a
+# wrapper is reused whatever window a step asks for (with per-layer windows, i names the same one
+# every step).
+WrapperKey = tuple[str, str, int, "int | None", int]
 
 
 @dataclass(frozen=True)
 class PagedAttnEntry:
     label: str
     kind: str  # "paged_decode" | "paged_prefill" | "mixed"
-    wrapper: Any
+    wrapper: Any  # the first of ``plans``
     num_tokens: int
     # Wrappers hold their plan: ``serial`` is this plan's number, and a wrapper re-planned by a
     # later step (more steps planned ahead than there are slots) is refused at run, not misused.
-    key: WrapperKey = ("", "", 0, None, -1)
+    key: WrapperKey = ("", "", 0, None, 0)
     serial: int = 0
-    # Per-layer windows (AttentionFeatures.layer_windows): one planned wrapper per distinct
-    # window, ``window -> (wrapper, key)``; ``run(layer_idx=)`` picks. Empty: one window, the
-    # ``wrapper`` above.
-    per_window: Mapping[int, tuple[Any, WrapperKey]] = field(default_factory=dict)
+    # ``(window_left, wrapper, key)`` per distinct window of the step: one, or (per-layer windows,
+    # AttentionFeatures.layer_windows) one per distinct window, which ``run(layer_idx=)`` picks.
+    plans: tuple[tuple[int, Any, WrapperKey], ...] = ()
 
-    def planned(self, window: int | None) -> tuple[Any, WrapperKey]:
-        """The wrapper planned for ``window`` (None: the step's only one)."""
-        if not self.per_window:
-            return self.wrapper, self.key
-        if window is None:
-            raise ValueError(f"label {self.label!r}: this step is planned per layer window "
-                             f"({sorted(self.per_window)}); run needs layer_idx")
-        return self.per_window[window]
+    @property
+    def per_window(self) -> dict[int, tuple[Any, WrapperKey]]:
+        """``window_left -> (wrapper, key)`` of this step's plans."""
+        return {w: (wrapper, key) for w, wrapper, key in self.plans}
 
 
 @dataclass(frozen=True)
@@ -131,6 +129,18 @@ class PagedAttentionManager(AttentionManager):
         self.accelerator_graph = accelerator_graph
         # What the backend declared (the registry passes it); None: ask the decode class.
         self.graph_capturable = graph_capturable
+        f = self.features
+        # Fixed for the manager's life, so a layer's run only indexes: which of a step's plans each
+        # layer reads (per-layer windows; None: the step's one plan), the FP8 scales it passes,
+        # and the features' plan keywords.
+        windows = f.windows(-1)
+        self._layer_plan = None if f.layer_windows is None else tuple(windows.index(w) for w in f.layer_windows)
+        self._layer_kw: tuple[dict[str, float | None], ...] | None = None
+        if f.quantized:
+            self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i)))
+                                   for i in range(kv_config.num_layers))
+        self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
+                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None)
         self._graph_max_bs = 0
         self._wrappers: dict[WrapperKey, Any] = {}
         self._plans = 0
@@ -154,8 +164,10 @@ class PagedAttentionManager(AttentionManager):
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes,
-                   graph_capturable="paged_decode" in sel.capturable, features=kv.features, **extra)
+        # Multi-token decode rows are captured on the prefill wrapper: it must be capturable too.
+        capturable = "paged_decode" in sel.capturable and (
+            kv.features.decode_query_tokens == 1 or "paged_prefill" in sel.capturable)
+        return cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
@@ -200,6 +212,7 @@ class PagedAttentionManager(AttentionManager):
             raise ValueError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         windows = self.features.windows(a.window_left)
+        kw = {**self._feature_plan_kw, **plan_kwargs(sm_scale=a.sm_scale)}
         entries = []
         for label, lay in kv_plan.labels:
             kind = step_kind(lay.q_lens)
@@ -207,19 +220,18 @@ class PagedAttentionManager(AttentionManager):
                 kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx, lay.q_lens)
-            planned = {}
-            for window in windows:  # one plan per distinct window; run(layer_idx) picks
-                key = (label, kind, slot, ctx.bucket, window)
+            plans = []
+            for i, window in enumerate(windows):  # one plan per distinct window; run(layer_idx) picks
+                key = (label, kind, slot, ctx.bucket, i)
                 w = self._wrapper(key, ctx.graph_tokens)
                 self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-                self._plan_wrapper(w, kind, lay, a.causal, window, a.sm_scale)
+                self._plan_wrapper(w, kind, lay, a.causal, window, kw)
                 self._planned[key] = self._serial
-                planned[window] = (w, key)
+                plans.append((window, w, key))
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
                       len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
-            w, key = planned[windows[0]]
-            entries.append(PagedAttnEntry(label, kind, w, ctx.graph_tokens or lay.num_tokens, key, self._serial,
-                                          planned if self.features.layer_windows is not None else {}))
+            entries.append(PagedAttnEntry(label, kind, plans[0][1], ctx.graph_tokens or lay.num_tokens, plans[0][2],
+                                          self._serial, tuple(plans)))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
 
@@ -252,7 +264,8 @@ class PagedAttentionManager(AttentionManager):
         runner re-runs its closures, which any wrapper supports)."""
         declared = self.graph_capturable
         if declared is None:
-            declared = getattr(self.wrapper_classes["paged_decode"], "graph_capturable", True)
+            kinds = ("paged_decode",) if self.features.decode_query_tokens == 1 else ("paged_decode", "paged_prefill")
+            declared = all(getattr(self.wrapper_classes[k], "graph_capturable", True) for k in kinds)
         return self.accelerator_graph and (self.device.type == "cpu" or declared)
 
     def depends_on(self) -> tuple[str, ...]:
@@ -264,10 +277,7 @@ class PagedAttentionManager(AttentionManager):
         return self.accelerator_graph
 
     def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
-                      sm_scale: float | None) -> None:
-        f = self.features
-        kw = plan_kwargs(sm_scale=sm_scale, logits_soft_cap=f.soft_cap,
-                         kv_data_type=self.kv.kv_dtype if f.quantized else None)
+                      kw: dict[str, Any]) -> None:
         if kind == "paged_decode":
             w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
                    window_left=window_left, **kw)
@@ -292,13 +302,12 @@ class PagedAttentionManager(AttentionManager):
         ``sinks [Hq]`` are this layer's sink logits (features ``sink_logits``)."""
         who = type(self).__name__
         e = self.current.entry(label)
-        f = self.features
-        window = None
-        if e.per_window:
+        i = 0
+        if self._layer_plan is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: the features give each layer its window: run needs layer_idx")
-            window = f.window(self.kv._check_layer(layer_idx), -1)
-        wrapper, key = e.planned(window)
+            i = self._layer_plan[self.kv._check_layer(layer_idx)]
+        _, wrapper, key = e.plans[i]
         if self._planned.get(key) != e.serial:
             raise RuntimeError(
                 f"{who}.run: the {e.kind} wrapper this step planned (label {e.label!r}, slot "
@@ -313,12 +322,14 @@ class PagedAttentionManager(AttentionManager):
             kv_cache_layer = self.kv.layer_view(layer_idx)
         if q.device != kv_cache_layer.device:
             raise ValueError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
-        f.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
-        kw: dict[str, Any] = {} if sinks is None else {"sinks": sinks}
-        if f.quantized:
+        kw: dict[str, Any] = {}
+        if self._layer_kw is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
-            kw["k_scale"], kw["v_scale"] = self.kv.scales(layer_idx)
+            kw = self._layer_kw[self.kv._check_layer(layer_idx)]
+        if sinks is not None:
+            self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
+            kw = {**kw, "sinks": sinks}
         return wrapper.run(q, kv_cache_layer, **kw)
 
     @property

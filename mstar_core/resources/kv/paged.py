@@ -437,18 +437,18 @@ class KVManager(Resource):
         if tokens > padded or padded > size:
             raise ValueError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
 
-    def _stage_graph(self, block: torch.Tensor, slot: int, bucket: int) -> dict[str, torch.Tensor]:
+    def _stage_graph(self, block: torch.Tensor, slot: int, padded: int) -> dict[str, torch.Tensor]:
         """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
-        into ``slot``'s static buffers, which the captured graph reads, padded to ``bucket``
-        tokens (the graph's padded token count; padding writes go to the sink page, at position
+        into ``slot``'s static buffers, which the captured graph reads, padded to ``padded``
+        tokens (bucket x query tokens per row; padding writes go to the sink page, at position
         0). Two device copies at most, in stream order after the replay that last read the slot."""
         assert self._graph_bufs is not None and self._pad_cols is not None
         buf = self._graph_bufs[slot]  # [3, max_bs]
         n = block.shape[1]
         buf[:, :n].copy_(block)
-        if n < bucket:
-            buf[:, n:bucket].copy_(self._pad_cols[:, : bucket - n])
-        return {name: buf[i, :bucket] for i, name in enumerate(TOKEN_ARRAYS)}
+        if n < padded:
+            buf[:, n:padded].copy_(self._pad_cols[:, : padded - n])
+        return {name: buf[i, :padded] for i, name in enumerate(TOKEN_ARRAYS)}
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Static per-slot buffers for the tokens of a graph step of ``max_bs`` rows (times the
@@ -554,12 +554,19 @@ class KVManager(Resource):
                 raise ValueError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
             if t.device != self.storage.device:
                 raise ValueError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
+        self.store(layer_idx, lay.write_pages, lay.write_offsets, k, v)
+
+    def store(self, layer_idx: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
+              v: torch.Tensor) -> None:
+        """``k``/``v`` ``[tokens, H_kv, D]`` into ``layer_idx``'s slots ``(pages, offsets)``, in
+        the cache's dtype: an FP8 cache stores ``k / k_scale`` (saturated at the format's largest
+        value). ``write_kv`` writes a plan's locations through it."""
         layer = self.storage[self._check_layer(layer_idx)]
         if self.features.quantized:
             k_scale, v_scale = self.features.scales(layer_idx)
             k, v = quantize(k, k_scale, self.kv_dtype), quantize(v, v_scale, self.kv_dtype)
-        layer[lay.write_pages, 0, lay.write_offsets] = k.to(self.kv_dtype)
-        layer[lay.write_pages, 1, lay.write_offsets] = v.to(self.kv_dtype)
+        layer[pages, 0, offsets] = k.to(self.kv_dtype)
+        layer[pages, 1, offsets] = v.to(self.kv_dtype)
 
     # -- accounting --------------------------------------------------------------------------
     @property

@@ -63,7 +63,6 @@ from typing import Any
 
 import torch
 
-from ....features import APPLIES_TO
 from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from ....kernels.bounded_attention import table as tb
 from ....resource import BuildInfo, Resource, as_dtype, spec_required
@@ -130,7 +129,7 @@ class BoundedKVManager(Resource):
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
-        lacking = [f for f in info.features.requested() if "bounded" in APPLIES_TO[f] and f not in cls.FEATURES]
+        lacking = info.features.lacking("bounded", cls.FEATURES)
         if lacking:
             raise ValueError(
                 f"{cls.__name__}.build: the bounded kernels (reference and Triton) do not support feature(s) "
