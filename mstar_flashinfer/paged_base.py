@@ -24,6 +24,7 @@ from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_loc
 from .nvtx import Nvtx
 from .staging import Staging
 
+
 def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
     """FlashInfer's plan keywords from ours (:func:`mstar_core.features.check_plan_kwargs`
     refuses unknown or bad ones before anything is planned); K/V scales go to ``run``."""

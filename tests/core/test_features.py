@@ -243,7 +243,7 @@ def test_run_without_layer_idx_where_a_layer_decides():
 def test_steps_with_other_windows_reuse_the_wrappers():
     """A wrapper is kept per (label, kind, slot) and re-planned with each step's window, not one
     per distinct window a step ever asked for (each holds a workspace)."""
-    kv, attn, node = make(AttentionFeatures())
+    _, attn, node = make(AttentionFeatures())
     for w in range(2, 10):
         assert node.step(Step(KVStep((KVSpan("a", "t", 1),)), AttentionStep(window_left=w)), lambda ctx: None).outcome
     assert len(attn._wrappers) == attn.slots  # decode steps alternate two slots
