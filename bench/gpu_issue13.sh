@@ -8,6 +8,7 @@
 #   fi3  (as fi): the FP8 manager test and multi-token decode after the fixes (short-row graph prefill on fa2)
 #   final (as fi): after features_bench's multi-token loop moved onto mstar_core.workloads.decode_bench: that
 #        section again, and `mstar bench --query-tokens 1|4` (64 x 8192, 32 layers, graphs + pre-plan)
+#   review (as fi): after the review commit: the FlashInfer feature and conformance GPU tests
 #   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged
 #        prefill, installed by an earlier stage on a warm machine), features_bench's FA3 section
 stage=${1:?stage}
@@ -42,6 +43,9 @@ final)
     T 150 "mstar_bench_q$t" mstar bench --device cuda --backend flashinfer --layers 32 --qo-heads 32 --kv-heads 8 \
       --head-dim 128 --hidden 2048 --batch 64 --context 8192 --graphs --preplan --steps 30 --query-tokens $t --json
   done ;;
+review)
+  setup flashinfer
+  T 150 tests_gpu_flashinfer python3 -m pytest -m gpu tests/flashinfer/test_gpu_features.py tests/flashinfer/test_gpu_flashinfer.py -q -rs -p no:cacheprovider ;;
 fa3)
   setup fa3
   T 300 tests_dense python3 -m pytest -m gpu tests/dense/test_gpu_dense.py -v -rs --durations=10 -p no:cacheprovider
