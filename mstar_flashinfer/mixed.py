@@ -71,7 +71,7 @@ class FlashInferMixedWrapper:
         self._pre = FlashInferPrefillWrapper(
             prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=self.max_prefill_rows,
             max_total_tokens=self.max_total_tokens, max_num_pages=self.max_num_pages + self.max_prefill_rows,
-            device=self.device, accelerator_graph=True, backend=backend)
+            device=self.device, accelerator_graph=True, backend=backend, short_rows=False)
         b, t = self.batch_size, self.max_total_tokens
         i64 = dict(dtype=torch.int64, device=self.device)
         # Static per-token bookkeeping read by run (and so by a captured graph). The tails past a

@@ -43,9 +43,14 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         accelerator_graph: bool = False,
         enable_nvtx: bool = False,
         backend: str = "auto",
+        *,
+        short_rows: bool | None = None,
     ) -> None:
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          max_total_tokens, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+        # Graph mode: are the rows multi-token decode rows (see _short_rows_backend)? None: judged
+        # from the static shape; the mixed wrapper says False for its prompt rows.
+        self.short_rows = short_rows
         self._bufs: dict[str, torch.Tensor] | None = None
         if self.accelerator_graph:
             from . import validate
@@ -88,10 +93,12 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         as the tensor-core decode does, while fa3 pads each head's few queries to a full tile and
         reads the KV once per query head (measured on the H200: 64 rows x 4 tokens over 8192, 32
         layers, about 90 ms a step on fa3)."""
-        if (backend == "auto" and self._bufs is not None and self.device.type == "cuda" and self.batch_size
-                and self._static_q <= self.SHORT_ROWS * self.batch_size):
-            return "fa2"
-        return backend
+        if backend != "auto" or self._bufs is None or self.device.type != "cuda" or not self.batch_size:
+            return backend
+        short = self.short_rows
+        if short is None:
+            short = self._static_q <= self.SHORT_ROWS * self.batch_size
+        return "fa2" if short else backend
 
     def _inner_for(self, q_dtype: torch.dtype, kv_dtype: torch.dtype) -> Any:
         """FlashInfer's sm90 (fa3) prefill kernels take q and K/V in one dtype: with an FP8 cache
