@@ -180,6 +180,14 @@ class AttentionFeatures:
         """The distinct windows a step uses, in first-layer order (one plan each)."""
         return (step_window,) if self.layer_windows is None else tuple(dict.fromkeys(self.layer_windows))
 
+    def layer_plans(self) -> tuple[int, ...] | None:
+        """Per layer, which of :meth:`windows`' plans it reads; None without per-layer windows
+        (every layer reads the step's one plan)."""
+        if self.layer_windows is None:
+            return None
+        windows = self.windows(-1)
+        return tuple(windows.index(w) for w in self.layer_windows)
+
     def check_sinks(self, sinks: torch.Tensor | None, num_qo_heads: int, device: torch.device, who: str) -> None:
         """``sinks`` as ``run`` accepts them: None, or a finite float tensor ``[num_qo_heads]`` on
         the cache's device, and only where the features ask for sink logits."""

@@ -28,6 +28,10 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
     """
 
     kind = "prefill"
+    # Graph mode sizes the split-KV scratch for the static maximum: fa2 needed 149 MB for 64 rows
+    # x 4 tokens on the H200, past the usual 128 MiB. Callers that build graph-mode wrappers (the
+    # paged manager) give it this many times their workspace.
+    graph_workspace_factor = 2
 
     def __init__(
         self,

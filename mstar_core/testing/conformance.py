@@ -253,6 +253,13 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
     perm = torch.randperm(total_pages, generator=gen)
     layer = torch.randn((total_pages, 2, ps, hkv, d), generator=gen) * 0.5
     layer[perm[-1]] = 1e4  # the poison page
+    fp8 = KV_DTYPES[case.kv_dtype]
+    if fp8 is None:
+        stored = layer.to(dtype)
+        seen = stored.double()  # what a kernel reads, in float64 for the oracle
+    else:  # FP8 with the case's scales: a kernel reads stored * scale
+        stored = torch.stack([quantize(layer[:, 0], K_SCALE, fp8), quantize(layer[:, 1], V_SCALE, fp8)], dim=1)
+        seen = torch.stack([stored[:, 0].double() * K_SCALE, stored[:, 1].double() * V_SCALE], dim=1)
     indices, indptr, last, keys = [], [0], [], []
     cursor = 0
     for n, pages in zip(kv_lens, n_pages):
@@ -261,7 +268,7 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
         indices.extend(own.tolist())
         indptr.append(len(indices))
         last.append(n - (pages - 1) * ps if pages else 0)
-        flat = layer[own].permute(1, 0, 2, 3, 4).reshape(2, pages * ps, hkv, d)[:, :n]
+        flat = seen[own].permute(1, 0, 2, 3, 4).reshape(2, pages * ps, hkv, d)[:, :n]
         keys.append((flat[0], flat[1]))
     tokens = sum(case.q_lens)
     q = torch.randn((tokens, hq, d), generator=gen)
@@ -269,36 +276,12 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
     for n in case.q_lens:
         qo.append(qo[-1] + n)
     i32 = torch.int32
-    fp8 = KV_DTYPES[case.kv_dtype]
-    if fp8 is not None:
-        # Stored as FP8 with the scales; the oracle reads exactly what a kernel should: stored * scale.
-        stored = torch.stack([quantize(layer[:, 0], K_SCALE, fp8), quantize(layer[:, 1], V_SCALE, fp8)], dim=1)
-        deq = torch.stack([stored[:, 0].double() * K_SCALE, stored[:, 1].double() * V_SCALE], dim=1)
-        keys = [(deq[p, 0, o], deq[p, 1, o]) for p, o in _row_slots(indices, indptr, kv_lens, ps)]
-        return PagedData(
-            q=q.to(device, dtype), layer=stored.to(device),
-            qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
-            kv_indices=torch.tensor(indices, dtype=i32), last_page_len=torch.tensor(last, dtype=i32),
-            kv_lens=torch.tensor(kv_lens, dtype=i32), keys=keys,
-        )
     return PagedData(
-        q=q.to(device, dtype), layer=layer.to(device, dtype),
+        q=q.to(device, dtype), layer=stored.to(device),
         qo_indptr=torch.tensor(qo, dtype=i32), kv_indptr=torch.tensor(indptr, dtype=i32),
         kv_indices=torch.tensor(indices, dtype=i32), last_page_len=torch.tensor(last, dtype=i32),
-        kv_lens=torch.tensor(kv_lens, dtype=i32),
-        keys=[(k.to(dtype).double(), v.to(dtype).double()) for k, v in keys],
+        kv_lens=torch.tensor(kv_lens, dtype=i32), keys=keys,
     )
-
-
-def _row_slots(indices: list[int], indptr: list[int], kv_lens: tuple[int, ...], ps: int
-               ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per row, ``(pages, offsets)`` of its keys in order: ``layer[pages, 0, offsets]`` is its K."""
-    out = []
-    for r, n in enumerate(kv_lens):
-        j = torch.arange(n)
-        pages = torch.tensor(indices[indptr[r]:indptr[r + 1]], dtype=torch.int64)[j // ps] if n else j
-        out.append((pages, j % ps))
-    return out
 
 
 def paged_oracle(case: PagedCase, data: PagedData, causal: bool, sinks: torch.Tensor | None = None) -> torch.Tensor:

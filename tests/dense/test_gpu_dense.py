@@ -11,8 +11,6 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
-import json
-import os
 import pathlib
 
 import pytest
@@ -21,6 +19,7 @@ import torch
 from mstar_core.resources.attn.dense import DenseAttentionManager
 from mstar_core.testing import conformance as C
 
+from ..gpu_results import write_results
 from .harness import Harness
 
 pytestmark = pytest.mark.gpu
@@ -40,19 +39,7 @@ def _real(module: str):
 @pytest.fixture(scope="module", autouse=True)
 def _write_results():
     yield
-    out = os.environ.get("OUT")
-    if out and RESULTS:
-        p = pathlib.Path(out) / "dense_gpu_conformance.json"
-        p.parent.mkdir(parents=True, exist_ok=True)
-        info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
-        for m in ("flash_attn_interface", "flashinfer"):
-            try:
-                from importlib.metadata import version
-
-                info[m] = version({"flash_attn_interface": "tokenspeed-fa3", "flashinfer": "flashinfer-python"}[m])
-            except Exception as e:  # the version is informative only
-                info[m] = f"unknown ({type(e).__name__})"
-        p.write_text(json.dumps({"info": info, "results": RESULTS}, indent=1))
+    write_results("dense_gpu_conformance", RESULTS, ("tokenspeed-fa3", "flashinfer-python"))
 
 
 def fa3_cls():

@@ -9,10 +9,6 @@ Head dim 128 and page size 16 only: each other variant is one more JIT compile (
 
 from __future__ import annotations
 
-import json
-import os
-import pathlib
-
 import pytest
 import torch
 
@@ -20,6 +16,7 @@ from mstar_core.features import AttentionFeatures
 from mstar_core.testing import conformance as C
 from mstar_flashinfer.plugin import FLASHINFER
 
+from ..gpu_results import write_results
 from .test_gpu_flashinfer import REAL, REAL_DEVICE_INDICES
 
 pytestmark = pytest.mark.gpu
@@ -35,13 +32,7 @@ RAGGED = C.ragged_feature_cases(FLASHINFER.supports("prefixed_ragged"))
 @pytest.fixture(scope="module", autouse=True)
 def _write_results():
     yield
-    out = os.environ.get("OUT")
-    if out and RESULTS:
-        import flashinfer
-
-        p = pathlib.Path(out) / "flashinfer_gpu_features.json"
-        info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "flashinfer": flashinfer.__version__}
-        p.write_text(json.dumps({"info": info, "results": RESULTS}, indent=1))
+    write_results("flashinfer_gpu_features", RESULTS, ("flashinfer-python",))
 
 
 @pytest.fixture(params=["real", "real-device-indices"])

@@ -15,6 +15,7 @@ import torch
 from ...features import check_plan_kwargs, check_scale, check_sinks
 from .math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
 
+
 def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,
                device: torch.device, soft_cap: float | None, sinks: torch.Tensor | None,
                k_scale: float | None, v_scale: float | None) -> Extras:

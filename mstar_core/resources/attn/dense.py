@@ -146,10 +146,9 @@ class DenseAttentionManager(AttentionManager):
     ) -> None:
         # The model's features are the KV manager's: an FP8 cache is read back here (the gathered
         # prefix dequantised once per stream and layer), so the wrappers see the model dtype.
-        self.features = f = kv_cache.features
+        self.features = kv_cache.features
         # Which of a step's plans each layer reads (per-layer windows; None: the step's one plan).
-        windows = f.windows(-1)
-        self._layer_plan = None if f.layer_windows is None else tuple(windows.index(w) for w in f.layer_windows)
+        self._layer_plan = self.features.layer_plans()
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -338,7 +337,7 @@ class DenseAttentionManager(AttentionManager):
         who = type(self).__name__
         if layer_idx is None:
             raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
-        i = 0 if self._layer_plan is None else self._layer_plan[self.kv._check_layer(layer_idx)]
+        i = 0 if self._layer_plan is None else self._layer_plan[self.kv.check_layer(layer_idx)]
         lr, wrapper = self._label_run(label, i)
         c = self.kv_config
         n = lr.plan.num_q

@@ -133,8 +133,7 @@ class PagedAttentionManager(AttentionManager):
         # Fixed for the manager's life, so a layer's run only indexes: which of a step's plans each
         # layer reads (per-layer windows; None: the step's one plan), the FP8 scales it passes,
         # and the features' plan keywords.
-        windows = f.windows(-1)
-        self._layer_plan = None if f.layer_windows is None else tuple(windows.index(w) for w in f.layer_windows)
+        self._layer_plan = f.layer_plans()
         self._layer_kw: tuple[dict[str, float | None], ...] | None = None
         if f.quantized:
             self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i)))
@@ -152,9 +151,8 @@ class PagedAttentionManager(AttentionManager):
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
         """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
         build over ``info.built["kv"]``."""
-        from ...registry import (
-            select_backend,  # the registry imports plugins: keep it lazy
-        )
+        # the registry imports plugins: keep it lazy
+        from ...registry import select_backend
 
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
@@ -185,9 +183,9 @@ class PagedAttentionManager(AttentionManager):
                 # graph captured for that bucket reads; padding rows add one page each. Multi-token
                 # decode rows run on the prefill wrapper, sized for the bucket's tokens.
                 size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
-                # A graph-mode prefill sizes its split-KV scratch for the static maximum: FlashInfer's
-                # fa2 needed 149 MB for 64 rows x 4 tokens on the H200, past the usual 128 MiB.
-                ws = self._ws(2 if size and self.device.type == "cuda" else 1)
+                # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
+                # sizes its split-KV scratch for the static maximum).
+                ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if size else 1)
                 w = cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
                         device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
             elif kind == "mixed":
@@ -306,7 +304,7 @@ class PagedAttentionManager(AttentionManager):
         if self._layer_plan is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: the features give each layer its window: run needs layer_idx")
-            i = self._layer_plan[self.kv._check_layer(layer_idx)]
+            i = self._layer_plan[self.kv.check_layer(layer_idx)]
         _, wrapper, key = e.plans[i]
         if self._planned.get(key) != e.serial:
             raise RuntimeError(
@@ -326,7 +324,7 @@ class PagedAttentionManager(AttentionManager):
         if self._layer_kw is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
-            kw = self._layer_kw[self.kv._check_layer(layer_idx)]
+            kw = self._layer_kw[self.kv.check_layer(layer_idx)]
         if sinks is not None:
             self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
             kw = {**kw, "sinks": sinks}

@@ -106,6 +106,9 @@ class KVManager(Resource):
         # What the pages hold: the model dtype, or FP8 with a K and a V scale per layer
         # (quantised on write; the attention managers pass the scales to the kernels).
         self.kv_dtype = features.kv_torch_dtype(dtype)
+        # (k_scale, v_scale) per layer, looked up on every write: None where nothing is quantised.
+        self._scales = (tuple(features.scales(i) for i in range(config.num_layers))
+                        if features.quantized else None)
         self.name = name
         self.storage = torch.zeros(config.shape, dtype=self.kv_dtype, device=self.device)
         self.pool = PagePool(config.max_pages)
@@ -524,7 +527,7 @@ class KVManager(Resource):
                 stream.pages = stream.pages[:keep]
 
     # -- data --------------------------------------------------------------------------------
-    def _check_layer(self, layer_idx: int) -> int:
+    def check_layer(self, layer_idx: int) -> int:
         n = self.config.num_layers
         if not is_int(layer_idx) or not 0 <= layer_idx < n:
             # -1 too: it would silently address the last layer
@@ -533,14 +536,13 @@ class KVManager(Resource):
 
     def layer_view(self, layer_idx: int) -> torch.Tensor:
         """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
-        return self.storage[self._check_layer(layer_idx)]
+        return self.storage[self.check_layer(layer_idx)]
 
     def scales(self, layer_idx: int) -> tuple[float | None, float | None]:
         """``(k_scale, v_scale)`` a kernel reads ``layer_idx``'s FP8 pages with; ``(None, None)``
         when the cache holds the model dtype."""
-        if not self.features.quantized:
-            return None, None
-        return self.features.scales(self._check_layer(layer_idx))
+        layer = self.check_layer(layer_idx)
+        return (None, None) if self._scales is None else self._scales[layer]
 
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
@@ -561,9 +563,10 @@ class KVManager(Resource):
         """``k``/``v`` ``[tokens, H_kv, D]`` into ``layer_idx``'s slots ``(pages, offsets)``, in
         the cache's dtype: an FP8 cache stores ``k / k_scale`` (saturated at the format's largest
         value). ``write_kv`` writes a plan's locations through it."""
-        layer = self.storage[self._check_layer(layer_idx)]
-        if self.features.quantized:
-            k_scale, v_scale = self.features.scales(layer_idx)
+        i = self.check_layer(layer_idx)
+        layer = self.storage[i]
+        if self._scales is not None:
+            k_scale, v_scale = self._scales[i]
             k, v = quantize(k, k_scale, self.kv_dtype), quantize(v, v_scale, self.kv_dtype)
         layer[pages, 0, offsets] = k.to(self.kv_dtype)
         layer[pages, 1, offsets] = v.to(self.kv_dtype)
