@@ -1,0 +1,80 @@
+"""Hugging Face transformers models through mstar (``pip install 'mstar-core[transformers]'``).
+
+Importing this package imports transformers and registers the attention function ``"mstar"``
+with its ``AttentionInterface``; the rest of mstar never imports transformers.
+
+>>> from mstar_core.integrations.transformers import generate
+>>> ids = generate(model, [[1, 2, 3], [4, 5]], max_new_tokens=32)            # doctest: +SKIP
+
+:func:`generate` switches the model to ``attn_implementation="mstar"`` (and back), checks what
+its layers ask for (:func:`probe`: soft-cap, sink logits, sliding windows, scaling; what no
+backend can serve is refused naming the feature), picks the backend, and serves the prompts
+greedily with continuous batching; on CUDA decode steps replay CUDA graphs and the next step is
+planned while one runs. :class:`Engine` and :func:`run` are the same in two parts, for callers
+that build once and generate several times (benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import fields
+from typing import Any
+
+from .attention import NAME, mstar_attention, register
+from .batching import Generation, StepRecord, run
+from .engine import Engine, EngineOptions
+from .probe import LayerAttention, ModelAttention, UnsupportedModel, probe
+
+__all__ = [
+    "NAME", "Engine", "EngineOptions", "Generation", "LayerAttention", "ModelAttention", "StepRecord",
+    "UnsupportedModel", "generate", "generate_report", "mstar_attention", "probe", "register", "run",
+]
+
+RUN_OPTIONS = ("arrivals", "eos_token_id", "on_step")
+ENGINE_OPTIONS = tuple(f.name for f in fields(EngineOptions))
+
+register()
+
+
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, backend: str | None = None,
+             **options: Any) -> list[list[int]]:
+    """Greedy generation through mstar: ``prompts`` are token-id lists; returns each prompt's new
+    token ids (stopping after the model's end-of-sequence token, which is kept, as
+    ``model.generate`` does). ``backend``: a name or ``"auto"`` (None: config, env, then auto).
+
+    ``options``: :class:`EngineOptions` fields (``page_size``, ``max_pages`` (default: room for
+    every prompt at once), ``max_batch_size``, ``max_prefill_tokens``, ``graphs``, ``buckets``,
+    ``kv_dtype``) and ``arrivals`` (the step each prompt joins at), ``eos_token_id`` (default the
+    model's generation config's; None to never stop early), ``on_step(done, total)``."""
+    return generate_report(model, prompts, max_new_tokens, backend, **options).ids
+
+
+def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+                    backend: str | None = None, **options: Any) -> Generation:
+    """:func:`generate`, returning the :class:`Generation` (ids, steps, timings)."""
+    unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
+    if unknown:
+        raise TypeError(f"generate got unknown options {unknown}; it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
+    run_kw = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
+    if "eos_token_id" not in run_kw:
+        gen = getattr(model, "generation_config", None)
+        run_kw["eos_token_id"] = getattr(gen, "eos_token_id", None)
+    engine_opts = _sized(prompts, max_new_tokens, options)
+    with Engine(model, backend, engine_opts) as engine:
+        return run(engine, prompts, max_new_tokens, **run_kw)
+
+
+def _sized(prompts: Sequence[Sequence[int]], max_new_tokens: int, options: dict[str, Any]) -> EngineOptions:
+    """The caller's options, with what they leave out sized for these prompts: pages for all of
+    them at once, a batch of all of them (at most 64), a step budget that fits the longest."""
+    o = dict(options)
+    n = len(prompts) if isinstance(prompts, Sequence) else 1
+    lengths = [len(p) for p in prompts] if isinstance(prompts, Sequence) else [1]
+    o.setdefault("max_batch_size", max(1, min(64, n)))
+    ps = o.get("page_size", EngineOptions.page_size)
+    if isinstance(ps, int) and ps >= 1 and isinstance(max_new_tokens, int):
+        need = sum(-(-(m + max_new_tokens) // ps) for m in lengths)
+        # + the graph warm-up's dummy rows (one page each, given back before any request joins)
+        o.setdefault("max_pages", max(need, o["max_batch_size"]) + 1)
+    o.setdefault("max_prefill_tokens", max([EngineOptions.max_prefill_tokens, *lengths]))
+    return EngineOptions(**o)

@@ -1,0 +1,290 @@
+"""Greedy generation with continuous batching over an :class:`.engine.Engine`.
+
+Requests join at their arrival step and leave when done; a prompt waits while the pages it will
+need (prompt + new tokens) are not free, or while the step's prompt-token budget is spent. Each
+step packs every running request's next token and the joining prompts into one forward.
+
+The host never waits for a step before launching the next: the next step's input tokens are
+gathered on the device from the previous step's argmax, and a step's token ids are read (the only
+synchronisation) after the following step is launched. So with graphs the host plans step N+1
+while step N runs. The one cost: an end-of-sequence token is seen a step late, and the token its
+request computed meanwhile is dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from ...resources.attn.paged import step_kind
+from ...step import KVSpan, KVStep, Step
+from .engine import LABEL, Engine
+
+log = logging.getLogger(__name__)
+KINDS = {"paged_prefill": "prefill", "mixed": "mixed", "paged_decode": "decode"}
+
+
+@dataclass
+class _Request:
+    index: int
+    prompt: list[int]
+    max_new: int
+    arrives: int
+    pages: int  # what it holds at most: prompt + new tokens
+    launched: int = 0  # tokens whose step was launched
+    generated: list[int] = field(default_factory=list)
+    stopped: bool = False  # produced an end-of-sequence token
+    joined_at: float = 0.0
+    first_token_s: float | None = None
+
+    @property
+    def rid(self) -> str:
+        return f"hf{self.index}"
+
+    @property
+    def running(self) -> bool:
+        """Still has tokens to launch."""
+        return not self.stopped and self.launched < self.max_new
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    kind: str  # prefill, mixed or decode
+    rows: int
+    tokens: int
+    graph: bool
+    read_s: float  # when its token ids reached the host, from the start of the run
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a run produced: ``ids[i]`` the new tokens of prompt ``i`` (ending at its first
+    end-of-sequence token, which is kept), and how it ran."""
+
+    ids: list[list[int]]
+    backend: str
+    steps: tuple[StepRecord, ...]
+    waits: int  # admissions deferred (pages or the step's prompt budget)
+    seconds: float
+    first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        out = {"prefill": 0, "mixed": 0, "decode": 0}
+        for s in self.steps:
+            out[s.kind] += 1
+        return out
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(x) for x in self.ids)
+
+    def decode_step_ms(self) -> list[float]:
+        """Intervals between the host reads of consecutive decode steps of equal rows: a decode
+        step's wall time in the steady state (nothing joined or left between them)."""
+        s = self.steps
+        return [(b.read_s - a.read_s) * 1e3 for a, b in zip(s, s[1:])
+                if a.kind == b.kind == "decode" and a.rows == b.rows]
+
+    def lines(self) -> list[str]:
+        kinds = ", ".join(f"{k} {v}" for k, v in self.kinds.items())
+        graph = sum(1 for x in self.steps if x.graph)
+        ttft = sorted(self.first_token_s)
+        dec = sorted(self.decode_step_ms())
+        lines = [
+            f"backend: {self.backend}",
+            f"steps: {len(self.steps)} ({kinds}; {graph} replayed from CUDA graphs); admissions deferred: {self.waits}",
+            f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.new_tokens / max(self.seconds, 1e-9):.0f} "
+            "tokens/s)",
+            f"time to first token: median {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms",
+        ]
+        if dec:
+            lines.append(f"decode step: median {dec[len(dec) // 2]:.3f} ms over {len(dec)} steady steps")
+        return lines
+
+
+def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
+        raise ValueError("generate: prompts must be a non-empty list of token-id lists")
+    out = []
+    for i, p in enumerate(prompts):
+        if isinstance(p, torch.Tensor):
+            p = p.tolist()
+        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
+            raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
+        ids = [int(t) for t in p]
+        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+        if bad:
+            raise ValueError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
+        out.append(ids)
+    return out
+
+
+def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+        arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
+        on_step: Callable[[int, int], None] | None = None) -> Generation:
+    """Generate ``max_new_tokens`` greedy tokens per prompt (fewer where an end-of-sequence token
+    comes first). ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
+    ``on_step(done, total)`` is called after each step with the tokens produced so far.
+    Whatever happens, every request is removed from the engine's resources on return."""
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+    prompts = _check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
+    arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
+    if len(arrivals) != len(prompts) or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in arrivals):
+        raise ValueError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    o, ps = engine.options, engine.options.page_size
+    reqs = [_Request(i, p, max_new_tokens, a, -(-(len(p) + max_new_tokens) // ps))
+            for i, (p, a) in enumerate(zip(prompts, arrivals))]
+    assert o.max_pages is not None
+    for r in reqs:
+        if r.pages > o.max_pages:
+            raise ValueError(f"generate: prompt {r.index} ({len(r.prompt)} tokens) + {max_new_tokens} new tokens needs "
+                             f"{r.pages} pages of {ps}; the cache has {o.max_pages} (raise max_pages)")
+        if len(r.prompt) > o.max_prefill_tokens:
+            raise ValueError(f"generate: prompt {r.index} has {len(r.prompt)} tokens, more than max_prefill_tokens "
+                             f"{o.max_prefill_tokens} (one step's prompt tokens); raise max_prefill_tokens")
+    with torch.no_grad():
+        return _Loop(engine, reqs, eos, on_step).run()
+
+
+class _Loop:
+    def __init__(self, engine: Engine, reqs: list[_Request], eos: set[int],
+                 on_step: Callable[[int, int], None] | None) -> None:
+        self.e, self.eos, self.on_step = engine, eos, on_step
+        self.pending = sorted(reqs, key=lambda r: r.arrives)
+        self.reqs = reqs
+        self.active: list[_Request] = []  # joined, not yet removed
+        self.steps: list[StepRecord] = []
+        self.waits = 0
+        self.t0 = 0.0
+        self.ingested: set[str] = set()
+
+    def run(self) -> Generation:
+        e = self.e
+        self.t0 = time.perf_counter()
+        # The launched step whose token ids are not read yet: (rows, argmax on the device, kind, graph).
+        inflight: tuple[list[_Request], torch.Tensor, str, bool, int] | None = None
+        step_no = 0
+        try:
+            while self.pending or self.active or inflight:
+                self._arrive(step_no)
+                launched = self._launch(inflight)
+                if inflight is not None:
+                    self._read(*inflight)
+                inflight = launched
+                self._leave(inflight[0] if inflight else [])
+                step_no += 1
+                if self.on_step is not None:
+                    self.on_step(sum(len(r.generated) for r in self.reqs), sum(r.max_new for r in self.reqs))
+                if step_no > 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000:
+                    raise RuntimeError(f"generate made no progress in {step_no} steps (a bug: please report it)")
+        finally:
+            for rid in self.ingested:
+                e.node.remove_request(rid)
+        seconds = time.perf_counter() - self.t0
+        return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
+                          tuple(r.first_token_s or 0.0 for r in self.reqs))
+
+    def _arrive(self, step_no: int) -> None:
+        while self.pending and self.pending[0].arrives <= step_no:
+            r = self.pending.pop(0)
+            r.joined_at = time.perf_counter()
+            self.active.append(r)
+
+    def _launch(self, inflight):  # noqa: ANN001, ANN202 - the loop's own tuple
+        """Pick the step's rows, admit and plan them, gather their tokens on the device, launch."""
+        e, o = self.e, self.e.options
+        decode = [r for r in self.active if r.launched and r.running]
+        joining = self._joining(decode)
+        while True:
+            rows = decode + joining
+            if not rows:
+                return None
+            for r in joining:
+                if r.rid not in self.ingested:
+                    e.node.ingest_request(r.rid)
+                    self.ingested.add(r.rid)
+            spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
+            prep = e.runner.prepare(Step(KVStep(spans), e.step_attn))
+            if prep.outcome:
+                break
+            if not joining:
+                raise RuntimeError(f"generate: a decode step of {len(decode)} requests was refused "
+                                   f"({prep.outcome.reason()}); the cache ({o.max_pages} pages) is too small")
+            log.info("request %s waits: %s", joining[-1].rid, prep.outcome.reason())
+            joining.pop()
+            self.waits += 1
+        tokens = self._tokens(decode, joining, inflight)
+        out = e.runner.launch(prep, tokens)
+        toks = out[: len(rows)].argmax(-1)
+        for r in rows:
+            r.launched += 1
+        kind = KINDS[step_kind(tuple(s.num_tokens for s in spans))]
+        return rows, toks, kind, prep.graph is not None, len(tokens)
+
+    def _joining(self, decode: list[_Request]) -> list[_Request]:
+        """Prompts that join this step: arrived, pages for their whole run free (counting what the
+        running requests will still take), the step's row and prompt-token budgets not spent."""
+        o = self.e.options
+        assert o.max_pages is not None
+        held = sum(r.pages for r in self.active if r.launched)
+        budget, rows = o.max_prefill_tokens, len(decode)
+        out = []
+        for r in self.active:
+            if r.launched:
+                continue
+            if held + r.pages > o.max_pages or len(r.prompt) > budget or rows >= o.max_batch_size:
+                self.waits += 1
+                log.debug("request %s waits (pages held %d + %d of %d, prompt budget %d)", r.rid, held, r.pages,
+                          o.max_pages, budget)
+                break  # first come, first served: later prompts do not overtake it
+            out.append(r)
+            held += r.pages
+            budget -= len(r.prompt)
+            rows += 1
+        return out
+
+    def _tokens(self, decode: list[_Request], joining: list[_Request], inflight) -> torch.Tensor:  # noqa: ANN001
+        """The step's input ids on the device: decode rows' last tokens gathered from the previous
+        step's argmax (no host round trip), then the joining prompts."""
+        dev = self.e.device
+        parts = []
+        if decode:
+            assert inflight is not None
+            prev_rows, prev_toks = inflight[0], inflight[1]
+            where = {id(r): i for i, r in enumerate(prev_rows)}
+            idx = [where[id(r)] for r in decode]
+            if idx == list(range(len(prev_rows))):
+                parts.append(prev_toks)
+            else:
+                parts.append(prev_toks[torch.tensor(idx, device=dev)])
+        if joining:
+            parts.append(torch.tensor([t for r in joining for t in r.prompt], device=dev))
+        return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+    def _read(self, rows: list[_Request], toks: torch.Tensor, kind: str, graph: bool, tokens: int) -> None:
+        ids = toks.tolist()  # the one synchronisation: the step after this one is already launched
+        now = time.perf_counter()
+        self.steps.append(StepRecord(kind, len(rows), tokens, graph, now - self.t0))
+        for r, t in zip(rows, ids):
+            if r.stopped:
+                continue  # computed before its end-of-sequence token was seen: dropped
+            r.generated.append(t)
+            if r.first_token_s is None:
+                r.first_token_s = now - r.joined_at
+            if t in self.eos:
+                r.stopped = True
+
+    def _leave(self, launched_rows: list[_Request]) -> None:
+        """Remove requests that have nothing left to launch and none of whose tokens is unread."""
+        unread = {id(r) for r in launched_rows}
+        for r in [r for r in self.active if r.launched and not r.running and id(r) not in unread]:
+            self.active.remove(r)
+            self.e.node.remove_request(r.rid)
+            self.ingested.discard(r.rid)

@@ -1,0 +1,182 @@
+"""A transformers causal LM on mstar's resources: the paged KV cache and attention manager of the
+backend picked for what the model's layers ask (:mod:`.probe`), the step runner with CUDA graphs
+for decode steps, and the forward of one step's packed tokens.
+
+The model is switched to ``attn_implementation="mstar"`` for the engine's life and back by
+:meth:`Engine.close`. Every forward runs inside :func:`.attention.bound` with the engine as the
+binding, so each layer's call writes its K/V once through the ``KVManager`` and runs the step's
+plan (prefill, mixed or decode: one plan per step and distinct window) for its layer index.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...graphs import GraphRunner
+from ...resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
+from ...resources.kv import KVConfig, KVManager
+from ...runner import Node
+from ...step import AttentionStep, StepContext
+from .attention import NAME, bound, register
+from .probe import ModelAttention, UnsupportedModel, probe, refuse_config
+
+log = logging.getLogger(__name__)
+LABEL = "text"
+
+
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine sizes mstar's resources. ``max_pages`` None: :func:`.generate` sizes the
+    cache for its prompts. ``graphs`` None: on for CUDA (decode steps replay captured graphs and
+    the next step is planned while one runs), off elsewhere."""
+
+    max_pages: int | None = None
+    page_size: int = 16
+    max_batch_size: int = 64
+    max_prefill_tokens: int = 8192  # prompt tokens admitted into one step (one prompt always fits)
+    graphs: bool | None = None
+    buckets: tuple[int, ...] | None = None  # graph batch sizes; None: powers of two up to max_batch_size
+    kv_dtype: str = "auto"
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"mstar generate: {name} must be an int >= 1, got {value!r}")
+        if self.max_pages is not None and (isinstance(self.max_pages, bool) or not isinstance(self.max_pages, int)
+                                           or self.max_pages < 1):
+            raise ValueError(f"mstar generate: max_pages must be an int >= 1 (or None: sized for the prompts), "
+                             f"got {self.max_pages!r}")
+        if self.graphs is not None and not isinstance(self.graphs, bool):
+            raise TypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
+        if self.buckets is not None:
+            object.__setattr__(self, "buckets", tuple(self.buckets))
+            if not self.buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.buckets):
+                raise ValueError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")
+
+    def graph_buckets(self) -> list[int]:
+        if self.buckets is not None:
+            return sorted({min(b, self.max_batch_size) for b in self.buckets})
+        out, b = [], 1
+        while b < self.max_batch_size:
+            out.append(b)
+            b *= 2
+        return [*out, self.max_batch_size]
+
+
+def switch(model: Any) -> str:
+    """Switch ``model`` to ``attn_implementation="mstar"`` (registering it first); returns the
+    implementation it had, for :meth:`Engine.close` to restore."""
+    refuse_config(model)
+    register()
+    before = getattr(model.config, "_attn_implementation", None) or "eager"
+    if before != NAME:
+        try:
+            model.set_attn_implementation(NAME)
+        except (ValueError, KeyError, NotImplementedError) as e:
+            raise UnsupportedModel(f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
+    return before
+
+
+class Engine:
+    """mstar's resources for one transformers model (see the module docstring). Build it, run
+    :meth:`.batching.run` (or :func:`.generate`) over it, close it."""
+
+    def __init__(self, model: Any, backend: str | None = None, options: EngineOptions | None = None) -> None:
+        from ...registry import select_backend
+
+        o = options or EngineOptions()
+        if o.max_pages is None:
+            raise ValueError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
+        if getattr(model, "training", False):
+            raise ValueError("Engine: the model is in training mode (dropout); call model.eval() first")
+        self.model = model
+        self.options = o
+        self._nodes: list[Node] = []  # what close() cleans up (empty until built; once closed)
+        self._restore = switch(model)
+        try:
+            self.attention: ModelAttention = probe(model)
+            a = self.attention
+            features = a.features(o.kv_dtype)
+            self.device, self.dtype = a.device, a.dtype
+            sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=self.device,
+                                 dtype=self.dtype, head_dim=a.head_dim, features=features)
+            self.backend = sel.name
+            log.info("%s on backend %s (%s)", a.describe(), sel.name, features)
+            kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
+            self.kv = KVManager(kvc, self.device, self.dtype, features=features)
+            graphs = self.device.type == "cuda" if o.graphs is None else o.graphs
+            capturable = "paged_decode" in sel.capturable
+            self.attn = PagedAttentionManager(
+                self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
+                graph_capturable=capturable, max_batch_size=o.max_batch_size,
+                max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features)
+            self.node = Node([self.kv, self.attn])
+            self._nodes.append(self.node)
+            # One sm_scale for every layer (the probe refuses a model whose layers differ).
+            self.step_attn = AttentionStep(sm_scale=a.sm_scale)
+            self.runner = GraphRunner(self.node, self._forward, o.graph_buckets(), self.device, LABEL,
+                                      max_seq_len=o.max_pages * o.page_size, attn=self.step_attn)
+            # What each layer passed when probed: a later call with other values would be served
+            # with the wrong plan, so it is refused instead.
+            self._expect = tuple((x.scaling, x.window_left, x.soft_cap, x.sinks) for x in a.layers)
+            with torch.no_grad():
+                if graphs:
+                    self.runner.warmup()
+                else:
+                    self.node.post_warmup_validate()
+            if graphs and not self.runner.enabled:
+                log.warning("graphs requested but backend %s cannot capture paged decode here: steps run eagerly",
+                            sel.name)
+        except BaseException:
+            self.close()
+            raise
+
+    # -- the binding every layer calls ----------------------------------------------------------
+    def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
+               kwargs: dict[str, Any]) -> torch.Tensor:
+        i = module.layer_idx
+        window = kwargs.get("sliding_window")
+        scaling, softcap, sinks = kwargs.get("scaling"), kwargs.get("softcap"), kwargs.get("s_aux")
+        got = (q.shape[-1] ** -0.5 if scaling is None else float(scaling), -1 if window is None else int(window) - 1,
+               None if softcap is None else float(softcap), sinks is not None)
+        if mask is not None or got != self._expect[i]:
+            raise UnsupportedModel(
+                f"{type(module).__name__} layer {i} called attention with (sm_scale, window_left, soft_cap, sinks) = "
+                f"{got}{' and a mask' if mask is not None else ''}; the engine was built for {self._expect[i]} "
+                "(attention arguments must not change after the model is probed)")
+        if self.attn.requires_kv_write:
+            self.kv.write_kv(k, v, layer_idx=i, label=LABEL)
+        return self.attn.run(q, LABEL, self.kv.layer_view(i), k=k, v=v, layer_idx=i, sinks=sinks)
+
+    def _forward(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
+        """Logits of the step's last token per row, ``[rows, vocab]`` (a graph step: every row is
+        one token, padded to the bucket)."""
+        lay = ctx.plan_results[self.kv.name].layout(LABEL)
+        keep: int | torch.Tensor = 0  # every token (one per row)
+        if ctx.bucket is None and lay.num_tokens != len(lay.spans):
+            # Prompt rows: only each row's last token reaches the LM head (a 512-token prompt's
+            # full logits would be 512 x vocab).
+            last = [s.q_start + s.to_compute - 1 for s in lay.spans]
+            keep = torch.tensor(last, device=self.device)
+        with bound(self):
+            out = self.model(input_ids=tokens[None], position_ids=lay.positions[None].long(), use_cache=False,
+                             logits_to_keep=keep)
+        return out.logits[0]
+
+    def close(self) -> None:
+        """Switch the model back to the attention implementation it had and free mstar's state."""
+        while self._nodes:
+            self._nodes.pop().cleanup()
+        if self._restore != NAME and getattr(self.model.config, "_attn_implementation", None) == NAME:
+            self.model.set_attn_implementation(self._restore)
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
