@@ -1,4 +1,4 @@
-"""The ``mstar`` command: ``demo``, ``backends``, ``bench``, ``warmup``; each sub-command lives in its own module
+"""The ``mstar`` command: ``demo``, ``generate``, ``backends``, ``bench``, ``warmup``; each sub-command lives in its own module
 exposing ``register(subparsers)``."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 
 from .. import first_use
-from . import backends, bench, demo, warmup
+from . import backends, bench, demo, generate, warmup
 from .progress import Progress
 
 
@@ -18,6 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="count", default=0, help="log selection and steps (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
     demo.register(sub)
+    generate.register(sub)
     backends.register(sub)
     bench.register(sub)
     warmup.register(sub)

@@ -12,11 +12,17 @@ import torch
 
 transformers = pytest.importorskip("transformers")
 
-from mstar_core.integrations.transformers import (  # noqa: E402
-    Engine, EngineOptions, UnsupportedModel, generate, generate_report, probe, run,
+from mstar_core.integrations.transformers import (
+    Engine,
+    EngineOptions,
+    UnsupportedModel,
+    generate,
+    generate_report,
+    probe,
+    run,
 )
-from mstar_core.integrations.transformers.engine import switch  # noqa: E402
-from mstar_core.testing.hf_models import ARCHITECTURES, build  # noqa: E402
+from mstar_core.integrations.transformers.engine import switch
+from mstar_core.testing.hf_models import ARCHITECTURES, build
 
 NEW = 32
 # 1 token, a page boundary (16) and one past it, several pages; arriving over the first steps.

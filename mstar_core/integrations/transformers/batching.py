@@ -13,10 +13,12 @@ request computed meanwhile is dropped.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -51,6 +53,16 @@ class _Request:
         return not self.stopped and self.launched < self.max_new
 
 
+class _Launched(NamedTuple):
+    """A launched step whose token ids the host has not read yet."""
+
+    rows: list[_Request]
+    toks: torch.Tensor  # [rows] argmax, on the device
+    kind: str
+    graph: bool
+    tokens: int
+
+
 @dataclass(frozen=True)
 class StepRecord:
     kind: str  # prefill, mixed or decode
@@ -83,11 +95,15 @@ class Generation:
     def new_tokens(self) -> int:
         return sum(len(x) for x in self.ids)
 
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.seconds, 1e-9)
+
     def decode_step_ms(self) -> list[float]:
         """Intervals between the host reads of consecutive decode steps of equal rows: a decode
         step's wall time in the steady state (nothing joined or left between them)."""
         s = self.steps
-        return [(b.read_s - a.read_s) * 1e3 for a, b in zip(s, s[1:])
+        return [(b.read_s - a.read_s) * 1e3 for a, b in itertools.pairwise(s)
                 if a.kind == b.kind == "decode" and a.rows == b.rows]
 
     def lines(self) -> list[str]:
@@ -98,8 +114,7 @@ class Generation:
         lines = [
             f"backend: {self.backend}",
             f"steps: {len(self.steps)} ({kinds}; {graph} replayed from CUDA graphs); admissions deferred: {self.waits}",
-            f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.new_tokens / max(self.seconds, 1e-9):.0f} "
-            "tokens/s)",
+            f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tokens/s)",
             f"time to first token: median {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms",
         ]
         if dec:
@@ -168,17 +183,16 @@ class _Loop:
     def run(self) -> Generation:
         e = self.e
         self.t0 = time.perf_counter()
-        # The launched step whose token ids are not read yet: (rows, argmax on the device, kind, graph).
-        inflight: tuple[list[_Request], torch.Tensor, str, bool, int] | None = None
+        inflight: _Launched | None = None
         step_no = 0
         try:
             while self.pending or self.active or inflight:
                 self._arrive(step_no)
                 launched = self._launch(inflight)
                 if inflight is not None:
-                    self._read(*inflight)
+                    self._read(inflight)
                 inflight = launched
-                self._leave(inflight[0] if inflight else [])
+                self._leave(inflight.rows if inflight else [])
                 step_no += 1
                 if self.on_step is not None:
                     self.on_step(sum(len(r.generated) for r in self.reqs), sum(r.max_new for r in self.reqs))
@@ -197,7 +211,7 @@ class _Loop:
             r.joined_at = time.perf_counter()
             self.active.append(r)
 
-    def _launch(self, inflight):  # noqa: ANN001, ANN202 - the loop's own tuple
+    def _launch(self, inflight: _Launched | None) -> _Launched | None:
         """Pick the step's rows, admit and plan them, gather their tokens on the device, launch."""
         e, o = self.e, self.e.options
         decode = [r for r in self.active if r.launched and r.running]
@@ -226,7 +240,7 @@ class _Loop:
         for r in rows:
             r.launched += 1
         kind = KINDS[step_kind(tuple(s.num_tokens for s in spans))]
-        return rows, toks, kind, prep.graph is not None, len(tokens)
+        return _Launched(rows, toks, kind, prep.graph is not None, len(tokens))
 
     def _joining(self, decode: list[_Request]) -> list[_Request]:
         """Prompts that join this step: arrived, pages for their whole run free (counting what the
@@ -250,29 +264,28 @@ class _Loop:
             rows += 1
         return out
 
-    def _tokens(self, decode: list[_Request], joining: list[_Request], inflight) -> torch.Tensor:  # noqa: ANN001
+    def _tokens(self, decode: list[_Request], joining: list[_Request], inflight: _Launched | None) -> torch.Tensor:
         """The step's input ids on the device: decode rows' last tokens gathered from the previous
         step's argmax (no host round trip), then the joining prompts."""
         dev = self.e.device
         parts = []
         if decode:
             assert inflight is not None
-            prev_rows, prev_toks = inflight[0], inflight[1]
-            where = {id(r): i for i, r in enumerate(prev_rows)}
+            where = {id(r): i for i, r in enumerate(inflight.rows)}
             idx = [where[id(r)] for r in decode]
-            if idx == list(range(len(prev_rows))):
-                parts.append(prev_toks)
+            if idx == list(range(len(inflight.rows))):
+                parts.append(inflight.toks)
             else:
-                parts.append(prev_toks[torch.tensor(idx, device=dev)])
+                parts.append(inflight.toks[torch.tensor(idx, device=dev)])
         if joining:
             parts.append(torch.tensor([t for r in joining for t in r.prompt], device=dev))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
-    def _read(self, rows: list[_Request], toks: torch.Tensor, kind: str, graph: bool, tokens: int) -> None:
-        ids = toks.tolist()  # the one synchronisation: the step after this one is already launched
+    def _read(self, step: _Launched) -> None:
+        ids = step.toks.tolist()  # the one synchronisation: the step after this one is already launched
         now = time.perf_counter()
-        self.steps.append(StepRecord(kind, len(rows), tokens, graph, now - self.t0))
-        for r, t in zip(rows, ids):
+        self.steps.append(StepRecord(step.kind, len(step.rows), step.tokens, step.graph, now - self.t0))
+        for r, t in zip(step.rows, ids):
             if r.stopped:
                 continue  # computed before its end-of-sequence token was seen: dropped
             r.generated.append(t)

@@ -175,7 +175,7 @@ class Engine:
         if self._restore != NAME and getattr(self.model.config, "_attn_implementation", None) == NAME:
             self.model.set_attn_implementation(self._restore)
 
-    def __enter__(self) -> Engine:
+    def __enter__(self) -> Engine:  # noqa: PYI034 - not subclassed
         return self
 
     def __exit__(self, *exc: object) -> None:

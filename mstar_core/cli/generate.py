@@ -1,0 +1,104 @@
+"""``mstar generate``: a local transformers model's greedy generation through mstar."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import sys
+import time
+from typing import Any
+
+from .demo import check_seed
+
+PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
+
+
+def register(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "generate",
+        help="greedy generation of a local transformers model through mstar",
+        description="Load a causal LM from a local directory (config.json; safetensors weights when present, "
+        "else random weights from --seed; nothing is downloaded), switch its attention to mstar and generate "
+        "greedily with continuous batching. Prints the backend, steps by kind, tokens/s and the generated ids "
+        "(and text, with a tokenizer). Needs the transformers extra: pip install 'mstar-core[transformers]'.",
+    )
+    p.add_argument("model", help="local model directory (config.json, optional *.safetensors and tokenizer)")
+    p.add_argument("--prompt", action="append", required=True, metavar="P",
+                   help="a prompt: token ids (\"1,2,3\" or \"1 2 3\"), or text when the directory has a tokenizer; "
+                   "repeat for several requests")
+    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
+    p.add_argument("--backend", default=None,
+                   help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
+    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--seed", type=int, default=0, help="random weights' seed when the directory has none (default 0)")
+    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                   help="replay decode steps from CUDA graphs (default: on for CUDA)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.set_defaults(func=run)
+
+
+def _prompt_ids(text: str, tokenizer: Any) -> list[int]:
+    parts = text.replace(",", " ").split()
+    if parts and all(x.lstrip("-").isdigit() for x in parts):
+        return [int(x) for x in parts]
+    if tokenizer is None:
+        raise ValueError(f"prompt {text!r} is not token ids (\"1,2,3\") and the model directory has no tokenizer")
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+class _Progress:
+    """``on_step``: a line on stderr every few seconds once a run is long."""
+
+    def __init__(self) -> None:
+        self.t0 = self.last = time.perf_counter()
+
+    def __call__(self, done: int, total: int) -> None:
+        now = time.perf_counter()
+        if now - self.last >= PROGRESS_EVERY_S:
+            self.last = now
+            print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    check_seed(args.seed)
+    if args.max_new_tokens < 1:
+        raise ValueError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if importlib.util.find_spec("transformers") is None:
+        raise RuntimeError("mstar generate needs transformers: pip install 'mstar-core[transformers]'")
+    import torch
+
+    from ..integrations.transformers import generate_report
+    from ..integrations.transformers.local import load
+    from ..resource import as_dtype
+
+    device = torch.device(args.device)
+    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else as_dtype(args.dtype)
+    model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
+    prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
+    options: dict[str, Any] = {"on_step": _Progress()}
+    if args.graphs is not None:
+        options["graphs"] = args.graphs
+    rep = generate_report(model, prompts, args.max_new_tokens, args.backend, **options)
+    texts = [tokenizer.decode(ids) for ids in rep.ids] if tokenizer is not None else None
+    if args.json:
+        out = {
+            "model": args.model, "architecture": type(model).__name__, "weights": "loaded" if weights else "random",
+            "backend": rep.backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
+            "tokens_per_s": rep.tokens_per_s, "ids": rep.ids,
+        }
+        if texts is not None:
+            out["texts"] = texts
+        print(json.dumps(out, indent=2))
+        return 0
+    print(f"model: {type(model).__name__} from {args.model} ({'weights' if weights else f'random weights, seed {args.seed}'}"
+          f", {str(dtype).replace('torch.', '')} on {device})")
+    for line in rep.lines():
+        print(line)
+    for i, ids in enumerate(rep.ids):
+        print(f"[{i}] {' '.join(map(str, ids))}")
+        if texts is not None:
+            print(f"[{i}] {texts[i]!r}")
+    return 0
