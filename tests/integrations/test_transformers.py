@@ -200,3 +200,25 @@ def test_the_core_never_imports_transformers():
             "from mstar_core.cli import build_parser; build_parser(); "
             "assert 'transformers' not in sys.modules, 'transformers was imported'")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_a_forward_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked_for(monkeypatch, caplog):
+    """A capture failure (on CUDA: a host sync in the model's forward) turns graphs off with a
+    warning when graphs were only the default; the ids stay right. Asked for, it is an error."""
+    import mstar_core.graphs as graphs_mod
+
+    def fail(fn, device):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(graphs_mod, "_capture", fail)
+    model, ps, want = case("llama")
+    import mstar_core.integrations.transformers.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "graphs_default", lambda device: True)  # as on CUDA
+    with caplog.at_level("WARNING"), Engine(model, "reference", EngineOptions(max_pages=64)) as engine:
+        assert not engine.runner.enabled
+        assert run(engine, ps[:2], NEW).ids == want[:2]
+    assert "graphs off: capturing LlamaForCausalLM" in caplog.text
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        Engine(model, "reference", EngineOptions(max_pages=64, graphs=True))
+    assert model.config._attn_implementation == "eager"

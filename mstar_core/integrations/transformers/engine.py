@@ -68,6 +68,12 @@ class EngineOptions:
         return [*out, self.max_batch_size]
 
 
+def graphs_default(device: torch.device) -> bool:
+    """Graphs when the caller does not say: on CUDA (a replay is what makes decode fast), not
+    elsewhere (on a CPU a "replay" re-runs the forward)."""
+    return device.type == "cuda"
+
+
 def switch(model: Any) -> str:
     """Switch ``model`` to ``attn_implementation="mstar"`` (registering it first); returns the
     implementation it had, for :meth:`Engine.close` to restore."""
@@ -79,6 +85,10 @@ def switch(model: Any) -> str:
             model.set_attn_implementation(NAME)
         except (ValueError, KeyError, NotImplementedError) as e:
             raise UnsupportedModel(f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
+        # transformers only warns (and changes nothing) for a class it cannot switch.
+        if getattr(model.config, "_attn_implementation", None) != NAME:
+            raise UnsupportedModel(f"{type(model).__name__} did not switch to attn_implementation {NAME!r} (transformers "
+                                   "refused it for this class): its attention does not go through AttentionInterface")
     return before
 
 
@@ -109,7 +119,7 @@ class Engine:
             log.info("%s on backend %s (%s)", a.describe(), sel.name, features)
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             self.kv = KVManager(kvc, self.device, self.dtype, features=features)
-            graphs = self.device.type == "cuda" if o.graphs is None else o.graphs
+            graphs = graphs_default(self.device) if o.graphs is None else o.graphs
             capturable = "paged_decode" in sel.capturable
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
@@ -126,7 +136,7 @@ class Engine:
             self._expect = tuple((x.scaling, x.window_left, x.soft_cap, x.sinks) for x in a.layers)
             with torch.no_grad():
                 if graphs:
-                    self.runner.warmup()
+                    self._warmup(explicit=o.graphs is True)
                 else:
                     self.node.post_warmup_validate()
             if graphs and not self.runner.enabled:
@@ -135,6 +145,21 @@ class Engine:
         except BaseException:
             self.close()
             raise
+
+    def _warmup(self, explicit: bool) -> None:
+        """Capture the decode graphs. A model whose forward cannot be captured (a host sync:
+        e.g. a mixture-of-experts layer that looks up which experts were hit) runs eagerly when
+        graphs were only the CUDA default, with a warning that says why; asked for explicitly, the
+        error stands."""
+        try:
+            self.runner.warmup()
+        except Exception as e:
+            if explicit:
+                raise
+            log.warning("graphs off: capturing %s's decode step failed (%s: %s); every step runs eagerly",
+                        self.attention.model, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
+            self.runner = GraphRunner(self.node, self._forward, [1], self.device, LABEL, attn=self.step_attn)
+            self.node.post_warmup_validate()
 
     # -- the binding every layer calls ----------------------------------------------------------
     def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,

@@ -1,0 +1,191 @@
+"""A Llama-3.2-1B-shaped transformers model (hidden 2048, 16 layers, 32 query / 8 KV heads, head
+dim 64, vocabulary 128256, tied embeddings; random bf16 weights) generating 128 greedy tokens for
+each of 64 prompts of 512 tokens: mstar (FlashInfer, decode steps replayed from CUDA graphs, the
+next step planned while one runs) against transformers' own paths measured in the same process.
+
+mstar's figures, from one ``generate``-style run after a warm-up run:
+
+- decode step: the median wall interval between consecutive decode steps of all 64 rows;
+- GPU time: the bucket-64 graph of that step replayed back to back (``timing.kernel_ms``);
+- the step's bytes: the weights read once (embedding rows aside, the tied LM head once) plus the
+  K/V every row reads at the median context of those steps, over the measured copy bandwidth;
+- time to first token per request (they all arrive at once; prompts join in steps of at most
+  ``--max-prefill-tokens``), and tokens/s.
+
+Targets (issue 14): decode step <= 1.10x the graph's GPU time; that GPU time <= 1.5x the step's
+bytes over the copy bandwidth; decode tokens/s >= 20x transformers' ``generate``.
+Run: ``python3 bench/hf_bench.py --device cuda [--json out.json]`` (``--smoke``: a tiny CPU run).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from hf_baselines import cb_workload_sizing, hf_generate, hf_generate_batch
+from timing import copy_bandwidth, kernel_ms, versions
+
+from mstar_core.integrations.transformers import Engine, EngineOptions, run
+
+
+def llama_1b(vocab: int, hidden: int, layers: int, dtype: torch.dtype, device: str):
+    import transformers
+
+    cfg = transformers.LlamaConfig(
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, num_hidden_layers=layers,
+        num_attention_heads=32, num_key_value_heads=8, head_dim=64, tie_word_embeddings=True,
+        rope_theta=500000.0, max_position_embeddings=131072, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device=device, dtype=dtype).eval()
+
+
+def step_bytes(model, rows: int, context: float) -> dict:
+    """What one decode step must read: every weight once (the tied embedding counted once: the LM
+    head reads all of it, the lookup a few rows) and each row's K/V at ``context`` tokens."""
+    c = model.config
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv = rows * context * c.num_hidden_layers * 2 * c.num_key_value_heads * c.head_dim * 2
+    return {"weights": weights, "kv": int(kv), "total": int(weights + kv)}
+
+
+def bench_mstar(model, prompts, new: int, backend: str, max_prefill_tokens: int) -> dict:
+    batch = len(prompts)
+    pages = sum(-(-(len(p) + new) // 16) for p in prompts) + batch + 1
+    opts = EngineOptions(max_pages=pages, max_batch_size=batch, max_prefill_tokens=max_prefill_tokens)
+    t0 = time.perf_counter()
+    with Engine(model, backend, opts) as engine:
+        build_s = time.perf_counter() - t0
+        run(engine, prompts, 8)  # warm-up: first uses, allocator
+        torch.cuda.synchronize() if engine.device.type == "cuda" else None
+        rep = run(engine, prompts, new)
+        steps = rep.decode_step_ms()
+        full = [s for s in rep.steps if s.kind == "decode" and s.rows == batch]
+        step_ms = statistics.median(steps)
+        out = {
+            "backend": rep.backend, "graphs": engine.runner.enabled, "preplan": engine.runner.supports_preplan,
+            "build_s": build_s, "seconds": rep.seconds, "new_tokens": rep.new_tokens, "tok_per_s": rep.tokens_per_s,
+            "steps": rep.kinds, "replayed_steps": sum(1 for s in rep.steps if s.graph), "decode_steps_timed": len(steps),
+            "decode_step_ms": step_ms, "decode_tok_per_s": batch / (step_ms / 1e3),
+            "decode_step_ms_p10_p90": [statistics.quantiles(steps, n=10)[0], statistics.quantiles(steps, n=10)[-1]]
+            if len(steps) >= 10 else None,
+            "ttft_s_median": statistics.median(rep.first_token_s), "ttft_s_max": max(rep.first_token_s),
+            "full_batch_decode_steps": len(full),
+        }
+        if engine.runner.enabled and engine.device.type == "cuda":
+            bucket = engine.runner.bucket_for(batch)
+            g = engine.runner._graphs[(bucket, 0)]  # noqa: SLF001 - the bench times the captured step itself
+            out["graph_gpu_ms"] = kernel_ms(g.replay, reps=20, rounds=7)
+            out["graph_bucket"] = bucket
+        # Median context of the timed steps: prompts of equal length decode in lock step after
+        # their prefill, so it is the prompt length plus the median new-token count of those steps.
+        out["median_context"] = len(prompts[0]) + new / 2
+        out["ids"] = rep.ids
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=512)
+    p.add_argument("--new", type=int, default=128)
+    p.add_argument("--layers", type=int, default=16)
+    p.add_argument("--hidden", type=int, default=2048)
+    p.add_argument("--vocab", type=int, default=128256)
+    p.add_argument("--max-prefill-tokens", type=int, default=8192)
+    p.add_argument("--paths", default="mstar,generate,generate_batch,generate_static",
+                   help="what to run, in this order")
+    p.add_argument("--smoke", action="store_true", help="a tiny CPU run of every path (checks the script only)")
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    if a.smoke:
+        a.device, a.backend, a.batch, a.prompt_len, a.new, a.layers, a.hidden, a.vocab = "cpu", "reference", 4, 16, 6, 2, 128, 512
+    dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
+    model = llama_1b(a.vocab, a.hidden, a.layers, dtype, a.device)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, a.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
+    res: dict = {"versions": versions("transformers", "flashinfer-python", "mstar-core"),
+                 "workload": {k: getattr(a, k) for k in ("batch", "prompt_len", "new", "layers", "hidden", "vocab")}}
+    if a.device == "cuda":
+        res["copy"] = copy_bandwidth()
+    print(json.dumps(res), flush=True)
+    for path in a.paths.split(","):
+        t0 = time.perf_counter()
+        try:
+            if path == "mstar":
+                r = bench_mstar(model, prompts, a.new, a.backend, a.max_prefill_tokens)
+            elif path == "generate":
+                r = hf_generate(model, prompts, a.new, reps=1, first_reps=2, return_output_ids=True)
+            elif path == "generate_static":
+                r = hf_generate(model, prompts, a.new, "static", reps=1, first_reps=2)
+            elif path == "generate_batch":
+                r = hf_generate_batch(model, prompts, a.new, reps=1, cb_overrides=cb_workload_sizing(prompts, a.new))
+            else:
+                raise ValueError(f"unknown path {path!r}")
+        except Exception as e:  # one path's failure is a result; the others still run
+            r = {"error": f"{type(e).__name__}: {e}"[:500]}
+        if r is not None:
+            r["wall_s"] = time.perf_counter() - t0
+        res[path] = r
+        print(json.dumps({path: {k: v for k, v in (r or {}).items() if k not in ("ids", "output_ids")}}, default=str),
+              flush=True)
+    summary(res, model, a.batch)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(res, f, indent=1, default=str)
+    return 0
+
+
+def summary(res: dict, model, batch: int) -> None:
+    m = res.get("mstar") or {}
+    hf = res.get("generate") or {}
+    if "ids" in m and "output_ids" in hf:
+        same = sum(x == y for a, b in zip(m["ids"], hf["output_ids"]) for x, y in zip(a, b))
+        total = sum(len(b) for b in hf["output_ids"])
+        res["greedy_same_share_vs_generate_sdpa"] = same / total
+        print(f"greedy tokens equal to transformers' generate (sdpa, same weights and dtype): {same}/{total} = {100 * same / total:.1f}%")
+    if "decode_step_ms" not in m:
+        return
+    lines = [f"mstar ({m['backend']}, graphs {m['graphs']}, pre-plan {m['preplan']}): decode step {m['decode_step_ms']:.3f} ms "
+             f"= {m['decode_tok_per_s']:.0f} tokens/s; TTFT median {m['ttft_s_median'] * 1e3:.0f} ms, max "
+             f"{m['ttft_s_max'] * 1e3:.0f} ms; {m['tok_per_s']:.0f} tokens/s with prefill"]
+    if "graph_gpu_ms" in m and "copy" in res:
+        b = step_bytes(model, batch, m["median_context"])
+        floor_ms = b["total"] / (res["copy"]["tb_per_s"] * 1e12) * 1e3
+        res["targets"] = t = {
+            "step_over_graph_gpu": m["decode_step_ms"] / m["graph_gpu_ms"],
+            "graph_gpu_over_bytes_floor": m["graph_gpu_ms"] / floor_ms,
+            "bytes": b, "floor_ms": floor_ms,
+        }
+        lines.append(f"  graph GPU time {m['graph_gpu_ms']:.3f} ms back to back; step / GPU = "
+                     f"{t['step_over_graph_gpu']:.3f} (target <= 1.10)")
+        lines.append(f"  bytes per step {b['total'] / 1e9:.3f} GB (weights {b['weights'] / 1e9:.3f}, KV {b['kv'] / 1e9:.3f} "
+                     f"at context {m['median_context']:.0f}) / copy {res['copy']['tb_per_s']:.2f} TB/s = {floor_ms:.3f} ms; "
+                     f"GPU / floor = {t['graph_gpu_over_bytes_floor']:.3f} (target <= 1.5)")
+    for path in ("generate", "generate_static", "generate_batch"):
+        r = res.get(path)
+        if not r or "error" in r:
+            lines.append(f"transformers {path}: {'not run' if not r else r['error']}")
+            continue
+        tok = r.get("decode_tok_per_s") or r.get("tok_per_s")
+        what = "decode" if "decode_tok_per_s" in r else "incl. prefill"
+        ratio = m["decode_tok_per_s"] / tok if tok else float("nan")
+        extra = f", {r['decode_ms_per_step']:.1f} ms per decode step, TTFT {r['ttft_s'] * 1e3:.0f} ms" \
+            if "decode_ms_per_step" in r else f", TTFT median {r.get('ttft_s_median', float('nan')) * 1e3:.0f} ms"
+        lines.append(f"transformers {path} ({r.get('attn_implementation')}): {tok:.0f} tokens/s {what}{extra}; "
+                     f"mstar decode / this = {ratio:.1f}x" + (" (target >= 20x)" if path == "generate" else ""))
+        if path == "generate":
+            res.setdefault("targets", {})["decode_over_generate"] = ratio
+    for line in lines:
+        print(line, flush=True)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,160 @@
+"""transformers models through mstar on a GPU, against transformers' own eager attention in the
+same dtype: teacher-forced logits (the largest error) and the share of greedy tokens that agree.
+
+For each architecture of ``mstar_core.testing.hf_models`` at its GPU size (head dims 64, 128,
+256): prompts of several lengths; transformers' eager greedy continuation of each (``new``
+tokens, one prompt at a time); then through mstar (graphs on: decode steps replayed)
+
+- teacher-forced: the prompts prefilled in one step, then the eager continuation fed one token
+  per decode step; each step's logits against the eager forward of the whole sequence. For
+  scale, the same eager forward in float32 against bfloat16 (what bf16 itself costs).
+- greedy: ``generate`` of the prompts (continuous batching, requests arriving over steps); the
+  share of positions whose token equals the eager greedy token, and where they first part.
+
+A backend that lacks a feature the architecture needs (FlashInfer: sink logits, gpt-oss) is
+replaced by ``auto``'s pick, and the line says so. Run: ``python3 bench/hf_check.py --device cuda``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import torch
+
+from timing import versions
+
+from mstar_core.integrations.transformers import Engine, EngineOptions, generate_report
+from mstar_core.integrations.transformers.engine import LABEL
+from mstar_core.registry.selection import BackendUnavailable
+from mstar_core.step import KVSpan, KVStep, Step
+from mstar_core.testing.hf_models import ARCHITECTURES, build
+
+LENGTHS = (1, 15, 16, 17, 64, 100, 257, 33)
+ARRIVALS = (0, 0, 0, 1, 2, 3, 5, 8)
+
+
+def eager_greedy(model, prompt: list[int], new: int) -> list[int]:
+    ids = torch.tensor([prompt], device=model.device)
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new,
+                         min_new_tokens=new)
+    return out[0, len(prompt):].tolist()
+
+
+def eager_logits(model, seq: list[int], start: int) -> torch.Tensor:
+    """Logits of positions ``start..`` of ``seq``, one eager forward, float32 on the host."""
+    with torch.no_grad():
+        out = model(torch.tensor([seq], device=model.device), use_cache=False).logits[0, start:]
+    return out.float().cpu()
+
+
+def teacher_forced(engine: Engine, prompts: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
+    """mstar's logits for each prompt's last token and then each continuation token but the last,
+    fed as decode steps (replayed from graphs where captured)."""
+    node, runner, dev = engine.node, engine.runner, engine.device
+    rids = [f"tf{i}" for i in range(len(prompts))]
+    out: list[list[torch.Tensor]] = [[] for _ in prompts]
+    try:
+        for r in rids:
+            node.ingest_request(r)
+        step = Step(KVStep(tuple(KVSpan(r, LABEL, len(p)) for r, p in zip(rids, prompts))), engine.step_attn)
+        tokens = torch.tensor([t for p in prompts for t in p], device=dev)
+        with torch.no_grad():
+            logits = runner.step(step, tokens)
+            for i in range(len(prompts)):
+                out[i].append(logits[i].float().cpu())
+            decode = Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)), engine.step_attn)
+            for t in range(len(conts[0]) - 1):
+                tokens = torch.tensor([c[t] for c in conts], device=dev)
+                logits = runner.step(decode, tokens)
+                for i in range(len(prompts)):
+                    out[i].append(logits[i].float().cpu())
+    finally:
+        for r in rids:
+            node.remove_request(r)
+    return [torch.stack(x) for x in out]
+
+
+def check(arch: str, backend: str, device: str, new: int, seed: int, size: str = "gpu") -> dict:
+    t0 = time.perf_counter()
+    model = build(arch, size, torch.bfloat16, device, seed=seed)
+    if hasattr(model.config, "_experts_implementation"):
+        # A mixture-of-experts layer's eager loop looks up the experts hit (a host sync): the
+        # batched implementation keeps the forward capturable.
+        model.set_experts_implementation("batched_mm")
+    g = torch.Generator().manual_seed(seed)
+    vocab = model.config.vocab_size
+    prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
+    conts = [eager_greedy(model, p, new) for p in prompts]
+    want = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
+    model.float()
+    want32 = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
+    model.to(torch.bfloat16)
+    bf16_cost = max(float((a - b).abs().max()) for a, b in zip(want, want32))
+    scale = max(float(w.abs().max()) for w in want)
+    used, why = backend, ""
+    pages = sum(-(-(len(p) + new) // 16) for p in prompts) + 16
+    try:
+        engine = Engine(model, backend, EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
+    except BackendUnavailable as e:
+        used, why = "auto", str(e).split(": ", 1)[-1][:160]
+        engine = Engine(model, "auto", EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
+    with engine:
+        got = teacher_forced(engine, prompts, conts)
+        picked, graphs = engine.backend, engine.runner.enabled
+    err = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    rep = generate_report(model, prompts, new, used, arrivals=list(ARRIVALS[: len(prompts)]),
+                          max_batch_size=len(prompts))
+    same = sum(a == b for x, y in zip(rep.ids, conts) for a, b in zip(x, y))
+    total = sum(len(c) for c in conts)
+    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(rep.ids, conts)]
+    cfg = model.config
+    return {
+        "arch": arch, "backend": picked, "requested_backend": backend, "fallback_reason": why, "graphs": graphs,
+        "replayed_steps": sum(1 for s in rep.steps if s.graph), "steps": rep.kinds,
+        "head_dim": cfg.head_dim, "gqa": cfg.num_attention_heads // cfg.num_key_value_heads,
+        "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "prompts": list(LENGTHS), "new_tokens": new,
+        "tf_max_abs_err": err, "logit_scale": scale, "bf16_vs_fp32_eager_max_abs": bf16_cost,
+        "greedy_same": same, "greedy_total": total, "greedy_share": same / total, "first_divergence": first,
+        "seconds": time.perf_counter() - t0,
+    }
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--archs", default=",".join(ARCHITECTURES))
+    p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--new", type=int, default=64)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--size", default="gpu", help="gpu, or tiny (a CPU smoke run of this script)")
+    p.add_argument("--json", default=None, help="also write the results here")
+    a = p.parse_args()
+    rows = []
+    print(json.dumps(versions("transformers", "flashinfer-python", "mstar-core"), default=str))
+    for arch in a.archs.split(","):
+        try:
+            r = check(arch, a.backend, a.device, a.new, a.seed, a.size)
+        except Exception as e:  # one architecture's failure is a result too; the others still run
+            r = {"arch": arch, "error": f"{type(e).__name__}: {e}"[:400]}
+            print(json.dumps(r), flush=True)
+            rows.append(r)
+            continue
+        rows.append(r)
+        print(f"{arch:8s} {r['backend']:10s} graphs={r['graphs']} replayed={r['replayed_steps']:3d} "
+              f"hd={r['head_dim']} gqa={r['gqa']}  teacher-forced max|err| {r['tf_max_abs_err']:.4g} "
+              f"(logits up to {r['logit_scale']:.3g}; bf16 vs fp32 eager {r['bf16_vs_fp32_eager_max_abs']:.4g})  "
+              f"greedy same {r['greedy_same']}/{r['greedy_total']} = {100 * r['greedy_share']:.1f}% "
+              f"(target >= 95%), first divergence {r['first_divergence']}"
+              + (f"  [{r['requested_backend']} refused: {r['fallback_reason']}]" if r["fallback_reason"] else ""),
+              flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"versions": versions("transformers", "flashinfer-python", "mstar-core"), "rows": rows}, f, indent=2, default=str)
+    return 0 if all("error" not in r and r["greedy_share"] >= 0.95 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
