@@ -91,6 +91,7 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
     want = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
     model.float()
     want32 = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
+    conts32 = [eager_greedy(model, p, new) for p in prompts]  # the yardstick: eager's own bf16 vs fp32
     model.to(torch.bfloat16)
     bf16_cost = max(float((a - b).abs().max()) for a, b in zip(want, want32))
     scale = max(float(w.abs().max()) for w in want)
@@ -105,6 +106,8 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
         got = teacher_forced(engine, prompts, conts)
         picked, graphs = engine.backend, engine.runner.enabled
     err = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    # Next-token agreement under teacher forcing: no divergence compounds.
+    tf_same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, want))
     rep = generate_report(model, prompts, new, used, arrivals=list(ARRIVALS[: len(prompts)]),
                           max_batch_size=len(prompts))
     same = sum(a == b for x, y in zip(rep.ids, conts) for a, b in zip(x, y))
@@ -118,6 +121,8 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
         "layers": cfg.num_hidden_layers, "hidden": cfg.hidden_size, "prompts": list(LENGTHS), "new_tokens": new,
         "tf_max_abs_err": err, "logit_scale": scale, "bf16_vs_fp32_eager_max_abs": bf16_cost,
         "greedy_same": same, "greedy_total": total, "greedy_share": same / total, "first_divergence": first,
+        "tf_argmax_same": tf_same, "tf_argmax_share": tf_same / total,
+        "eager_bf16_vs_fp32_greedy_share": sum(a == b for x, y in zip(conts, conts32) for a, b in zip(x, y)) / total,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -147,7 +152,8 @@ def main() -> int:
               f"hd={r['head_dim']} gqa={r['gqa']}  teacher-forced max|err| {r['tf_max_abs_err']:.4g} "
               f"(logits up to {r['logit_scale']:.3g}; bf16 vs fp32 eager {r['bf16_vs_fp32_eager_max_abs']:.4g})  "
               f"greedy same {r['greedy_same']}/{r['greedy_total']} = {100 * r['greedy_share']:.1f}% "
-              f"(target >= 95%), first divergence {r['first_divergence']}"
+              f"(target >= 95%; eager bf16 vs fp32: {100 * r['eager_bf16_vs_fp32_greedy_share']:.1f}%), "
+              f"teacher-forced next token same {100 * r['tf_argmax_share']:.1f}%, first divergence {r['first_divergence']}"
               + (f"  [{r['requested_backend']} refused: {r['fallback_reason']}]" if r["fallback_reason"] else ""),
               flush=True)
     if a.json:
