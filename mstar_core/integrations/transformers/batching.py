@@ -58,6 +58,8 @@ class _Launched(NamedTuple):
 
     rows: list[_Request]
     toks: torch.Tensor  # [rows] argmax, on the device
+    host: torch.Tensor  # the same ids, copied to (pinned) host memory as soon as the argmax is done
+    ready: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
     kind: str
     graph: bool
     tokens: int
@@ -179,6 +181,8 @@ class _Loop:
         self.waits = 0
         self.t0 = 0.0
         self.ingested: set[str] = set()
+        self._last_key: list[int] = []
+        self._last_step: Step | None = None
 
     def run(self) -> Generation:
         e = self.e
@@ -224,8 +228,8 @@ class _Loop:
                 if r.rid not in self.ingested:
                     e.node.ingest_request(r.rid)
                     self.ingested.add(r.rid)
-            spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
-            prep = e.runner.prepare(Step(KVStep(spans), e.step_attn))
+            step = self._step(rows)
+            prep = e.runner.prepare(step)
             if prep.outcome:
                 break
             if not joining:
@@ -237,10 +241,28 @@ class _Loop:
         tokens = self._tokens(decode, joining, inflight)
         out = e.runner.launch(prep, tokens)
         toks = out[: len(rows)].argmax(-1)
+        # Copied to the host now, in stream order right behind the argmax: a plain read later
+        # would queue behind the next step's replay and make the host wait for it too.
+        host, ready = toks, None
+        if toks.device.type == "cuda":
+            host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
+            host.copy_(toks, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
         for r in rows:
             r.launched += 1
-        kind = KINDS[step_kind(tuple(s.num_tokens for s in spans))]
-        return _Launched(rows, toks, kind, prep.graph is not None, len(tokens))
+        kind = KINDS[step_kind(tuple(s.num_tokens for s in step.kv.spans))]
+        return _Launched(rows, toks, host, ready, kind, prep.graph is not None, len(tokens))
+
+    def _step(self, rows: list[_Request]) -> Step:
+        """The step of ``rows``; a decode step of the same rows as the last one is reused (its
+        spans are 64 validated objects per step otherwise)."""
+        key = [r.index if r.launched else ~r.index for r in rows]
+        if key != self._last_key:
+            spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
+            self._last_key, self._last_step = key, Step(KVStep(spans), self.e.step_attn)
+        assert self._last_step is not None
+        return self._last_step
 
     def _joining(self, decode: list[_Request]) -> list[_Request]:
         """Prompts that join this step: arrived, pages for their whole run free (counting what the
@@ -282,7 +304,9 @@ class _Loop:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _read(self, step: _Launched) -> None:
-        ids = step.toks.tolist()  # the one synchronisation: the step after this one is already launched
+        if step.ready is not None:
+            step.ready.synchronize()  # the one wait: for this step only (the next is already queued)
+        ids = step.host.tolist()
         now = time.perf_counter()
         self.steps.append(StepRecord(step.kind, len(step.rows), step.tokens, step.graph, now - self.t0))
         for r, t in zip(step.rows, ids):
