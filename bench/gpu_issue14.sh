@@ -6,6 +6,7 @@
 #          teacher-forced logits and greedy agreement against transformers' eager attention
 #   all    bench, then check (the check after the GPU-size models' init moved to 0.01, with the yardsticks)
 #   prof   bench/hf_host_profile.py: cProfile of the generate loop on the hf_bench workload
+#   share  bench/hf_attention_share.py: the hf_bench graph's GPU time with and without attention
 #   bench  bench/hf_bench.py: the Llama-3.2-1B-shaped workload (64 x 512 prompts, 128 new tokens), mstar against
 #          transformers' generate (dynamic and static cache, sdpa) and generate_batch
 stage=${1:?stage}
@@ -23,6 +24,8 @@ bench)
   T 560 hf_bench python3 bench/hf_bench.py --json "$R/hf_bench.json" ;;
 prof)  # where the host's time goes in the generate loop
   T 300 hf_host_profile python3 bench/hf_host_profile.py 64 ;;
+share)  # the captured step with and without attention
+  T 300 hf_attention_share python3 bench/hf_attention_share.py ;;
 all)  # bench, then check, in one lease
   T 320 hf_bench python3 bench/hf_bench.py --json "$R/hf_bench.json"
   T 240 hf_check python3 bench/hf_check.py --json "$R/hf_check.json" ;;
