@@ -222,3 +222,16 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked
     with pytest.raises(RuntimeError, match="stream is capturing"):
         Engine(model, "reference", EngineOptions(max_pages=64, graphs=True))
     assert model.config._attn_implementation == "eager"
+
+
+def test_the_readme_example_runs_as_written():
+    """The README's "Use with transformers" example, executed: its assert compares with
+    transformers' own greedy ids."""
+    import pathlib
+    import re
+
+    text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
+    section = text.split("## Use with transformers", 1)[1]
+    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    assert "generate(model" in code and "assert ids[0] == ref" in code
+    exec(compile(code, "README.md", "exec"), {})
