@@ -232,6 +232,16 @@ def test_the_readme_example_runs_as_written():
 
     text = (pathlib.Path(__file__).parents[2] / "README.md").read_text()
     section = text.split("## Use with transformers", 1)[1]
-    code = re.search(r"```python\n(.*?)```", section, re.S).group(1)
+    code = re.search(r"```python\n(.*?)```", section, re.DOTALL).group(1)
     assert "generate(model" in code and "assert ids[0] == ref" in code
     exec(compile(code, "README.md", "exec"), {})
+
+
+def test_fp8_kv_cache_option():
+    """kv_dtype="fp8_e4m3" stores the cache in FP8 (scale 1.0). Gemma 2's capped logits keep
+    every greedy token through FP8's rounding here (Llama's random ones do not: FP8 is lossy);
+    broken scaling or a cache read back in the wrong dtype would not."""
+    model, ps, want = case("gemma2")
+    with Engine(model, "reference", EngineOptions(max_pages=64, kv_dtype="fp8_e4m3")) as engine:
+        assert engine.kv.kv_dtype == torch.float8_e4m3fn
+        assert run(engine, ps, NEW, arrivals=list(ARRIVALS)).ids == want

@@ -21,7 +21,7 @@ from dataclasses import fields
 from typing import Any
 
 from .attention import NAME, mstar_attention, register
-from .batching import Generation, StepRecord, run
+from .batching import Generation, StepRecord, check_max_new, check_prompts, run
 from .engine import Engine, EngineOptions
 from .probe import LayerAttention, ModelAttention, UnsupportedModel, probe
 
@@ -55,6 +55,9 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:
         raise TypeError(f"generate got unknown options {unknown}; it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
+    # Refused before the engine is built (probing and graph capture are not free).
+    check_max_new(max_new_tokens)
+    prompts = check_prompts(prompts, getattr(getattr(model, "config", None), "vocab_size", None))
     run_kw = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
     if "eos_token_id" not in run_kw:
         gen = getattr(model, "generation_config", None)
@@ -64,15 +67,14 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
         return run(engine, prompts, max_new_tokens, **run_kw)
 
 
-def _sized(prompts: Sequence[Sequence[int]], max_new_tokens: int, options: dict[str, Any]) -> EngineOptions:
+def _sized(prompts: list[list[int]], max_new_tokens: int, options: dict[str, Any]) -> EngineOptions:
     """The caller's options, with what they leave out sized for these prompts: pages for all of
     them at once, a batch of all of them (at most 64), a step budget that fits the longest."""
     o = dict(options)
-    n = len(prompts) if isinstance(prompts, Sequence) else 1
-    lengths = [len(p) for p in prompts] if isinstance(prompts, Sequence) else [1]
-    o.setdefault("max_batch_size", max(1, min(64, n)))
+    lengths = [len(p) for p in prompts]
+    o.setdefault("max_batch_size", min(64, len(prompts)))
     ps = o.get("page_size", EngineOptions.page_size)
-    if isinstance(ps, int) and ps >= 1 and isinstance(max_new_tokens, int):
+    if isinstance(ps, int) and ps >= 1:
         need = sum(-(-(m + max_new_tokens) // ps) for m in lengths)
         # + the graph warm-up's dummy rows (one page each, given back before any request joins)
         o.setdefault("max_pages", max(need, o["max_batch_size"]) + 1)

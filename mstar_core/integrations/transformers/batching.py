@@ -124,7 +124,7 @@ class Generation:
         return lines
 
 
-def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise ValueError("generate: prompts must be a non-empty list of token-id lists")
     out = []
@@ -141,6 +141,11 @@ def _check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[
     return out
 
 
+def check_max_new(max_new_tokens: object) -> None:
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
         on_step: Callable[[int, int], None] | None = None) -> Generation:
@@ -148,9 +153,8 @@ def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     comes first). ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
     ``on_step(done, total)`` is called after each step with the tokens produced so far.
     Whatever happens, every request is removed from the engine's resources on return."""
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-    prompts = _check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
+    check_max_new(max_new_tokens)
+    prompts = check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     if len(arrivals) != len(prompts) or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in arrivals):
         raise ValueError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")

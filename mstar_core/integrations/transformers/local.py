@@ -19,8 +19,6 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
          seed: int = 0) -> tuple[Any, Any | None, bool]:
     """``(model, tokenizer or None, weights_loaded)`` from ``directory``; raises ``ValueError``
     naming what is missing."""
-    # Nothing is downloaded: a missing file is an error here, not a fetch.
-    os.environ.setdefault("HF_HUB_OFFLINE", "1")
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
     d = Path(directory)
@@ -31,6 +29,7 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
         raise ValueError(f"model directory {str(d)!r} has no config.json")
     weights = any(d.glob("*.safetensors"))
     if weights:
+        # local_files_only everywhere: a missing file is an error here, never a download.
         model = AutoModelForCausalLM.from_pretrained(d, local_files_only=True, dtype=dtype)
     else:
         config = AutoConfig.from_pretrained(d, local_files_only=True)
