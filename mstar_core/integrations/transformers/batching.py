@@ -297,12 +297,11 @@ class _Loop:
         parts = []
         if decode:
             assert inflight is not None
-            where = {id(r): i for i, r in enumerate(inflight.rows)}
-            idx = [where[id(r)] for r in decode]
-            if idx == list(range(len(inflight.rows))):
-                parts.append(inflight.toks)
+            if len(decode) == len(inflight.rows) and all(a is b for a, b in zip(decode, inflight.rows)):
+                parts.append(inflight.toks)  # the steady state: the same rows in the same order
             else:
-                parts.append(inflight.toks[torch.tensor(idx, device=dev)])
+                where = {id(r): i for i, r in enumerate(inflight.rows)}
+                parts.append(inflight.toks[torch.tensor([where[id(r)] for r in decode], device=dev)])
         if joining:
             parts.append(torch.tensor([t for r in joining for t in r.prompt], device=dev))
         return parts[0] if len(parts) == 1 else torch.cat(parts)

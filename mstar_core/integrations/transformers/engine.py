@@ -22,7 +22,13 @@ from ...resources.kv import KVConfig, KVManager
 from ...runner import Node
 from ...step import AttentionStep, StepContext
 from .attention import NAME, bound, register
-from .probe import ModelAttention, UnsupportedModel, probe, refuse_config
+from .probe import (
+    ModelAttention,
+    UnsupportedModel,
+    attention_args,
+    probe,
+    refuse_config,
+)
 
 log = logging.getLogger(__name__)
 LABEL = "text"
@@ -133,7 +139,7 @@ class Engine:
                                       max_seq_len=o.max_pages * o.page_size, attn=self.step_attn)
             # What each layer passed when probed: a later call with other values would be served
             # with the wrong plan, so it is refused instead.
-            self._expect = tuple((x.scaling, x.window_left, x.soft_cap, x.sinks) for x in a.layers)
+            self._expect = tuple(x.args for x in a.layers)
             with torch.no_grad():
                 if graphs:
                     self._warmup(explicit=o.graphs is True)
@@ -165,10 +171,7 @@ class Engine:
     def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,
                kwargs: dict[str, Any]) -> torch.Tensor:
         i = module.layer_idx
-        window = kwargs.get("sliding_window")
-        scaling, softcap, sinks = kwargs.get("scaling"), kwargs.get("softcap"), kwargs.get("s_aux")
-        got = (q.shape[-1] ** -0.5 if scaling is None else float(scaling), -1 if window is None else int(window) - 1,
-               None if softcap is None else float(softcap), sinks is not None)
+        got = attention_args(q, kwargs)
         if mask is not None or got != self._expect[i]:
             raise UnsupportedModel(
                 f"{type(module).__name__} layer {i} called attention with (sm_scale, window_left, soft_cap, sinks) = "
@@ -176,7 +179,7 @@ class Engine:
                 "(attention arguments must not change after the model is probed)")
         if self.attn.requires_kv_write:
             self.kv.write_kv(k, v, layer_idx=i, label=LABEL)
-        return self.attn.run(q, LABEL, self.kv.layer_view(i), k=k, v=v, layer_idx=i, sinks=sinks)
+        return self.attn.run(q, LABEL, self.kv.layer_view(i), k=k, v=v, layer_idx=i, sinks=kwargs.get("s_aux"))
 
     def _forward(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the step's last token per row, ``[rows, vocab]`` (a graph step: every row is

@@ -47,6 +47,11 @@ class LayerAttention:
     soft_cap: float | None
     sinks: bool
 
+    @property
+    def args(self) -> tuple[float, int, float | None, bool]:
+        """What :func:`attention_args` read from the call."""
+        return (self.scaling, self.window_left, self.soft_cap, self.sinks)
+
 
 @dataclass(frozen=True)
 class ModelAttention:
@@ -87,6 +92,14 @@ class ModelAttention:
                 f"{self.features()}")
 
 
+def attention_args(q: torch.Tensor, kwargs: dict[str, Any]) -> tuple[float, int, float | None, bool]:
+    """``(sm_scale, window_left, soft_cap, sinks)`` of one attention call's keywords, as mstar
+    plans them (the probe records them; the engine checks every later call against them)."""
+    scaling, window, cap = kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("softcap")
+    return (q.shape[-1] ** -0.5 if scaling is None else float(scaling), -1 if window is None else int(window) - 1,
+            None if cap is None else float(cap), kwargs.get("s_aux") is not None)
+
+
 class _Recorder:
     """The probing binding: records each layer's call and answers zeros (the values of later
     layers do not matter, only what they pass)."""
@@ -119,19 +132,11 @@ class _Recorder:
         if unknown:
             self._problem(layer, f"attention keywords mstar does not know {unknown} (it understands "
                                  f"{sorted(MAPPED_KWARGS)}); refusing rather than ignoring them")
-        window = kwargs.get("sliding_window")
-        scaling = kwargs.get("scaling")
         sinks = kwargs.get("s_aux")
         if sinks is not None and tuple(sinks.shape) != (q.shape[1],):
             self._problem(layer, f"s_aux (sink logits) has shape {tuple(sinks.shape)}, mstar takes one per "
                                  f"query head ({q.shape[1]},)")
-        self.calls[layer] = LayerAttention(
-            layer, q.shape[1], k.shape[1], q.shape[-1],
-            float(scaling) if scaling is not None else q.shape[-1] ** -0.5,
-            -1 if window is None else int(window) - 1,
-            None if kwargs.get("softcap") is None else float(kwargs["softcap"]),
-            sinks is not None,
-        )
+        self.calls[layer] = LayerAttention(layer, q.shape[1], k.shape[1], q.shape[-1], *attention_args(q, kwargs))
         return q.new_zeros(*q.shape[:2], v.shape[-1])  # the output has the values' head dim (MLA: not the queries')
 
 
