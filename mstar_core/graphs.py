@@ -120,9 +120,15 @@ class GraphRunner:
         else:
             for r in self.node.resources:
                 r.build_accelerator_graph_buffers(self.slots, max(self.buckets), self.max_seq_len)
-            for bucket in self.buckets:
-                for slot in range(self.slots):
-                    self._graphs[(bucket, slot)] = self._capture_one(bucket, slot)
+            try:
+                for bucket in self.buckets:
+                    for slot in range(self.slots):
+                        self._graphs[(bucket, slot)] = self._capture_one(bucket, slot)
+            except BaseException:
+                # Nothing half-captured stays behind: the runner stays disabled (steps run eagerly)
+                # and holds no graph.
+                self._graphs.clear()
+                raise
             self.enabled = True
             log.info("captured %d graphs: buckets %s x %d slots", len(self._graphs), self.buckets, self.slots)
         self.node.post_warmup_validate()

@@ -57,6 +57,35 @@ def test_graphs_off_when_a_resource_cannot_capture():
     assert kv.num_free_pages == free0 and kv.sink_page is None  # no graph buffers built for nothing
 
 
+def test_a_capture_that_fails_half_way_leaves_no_graph_and_runs_eagerly(monkeypatch):
+    """A failure while capturing the second graph: the first one is dropped too, the runner stays
+    disabled, the dummies are gone, and steps run eagerly."""
+    import pytest
+
+    import mstar_core.graphs as graphs_mod
+
+    model, kv, node, runner = build()
+    captured = []
+    real = graphs_mod._capture
+
+    def second_fails(fn, device):
+        if captured:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        captured.append(fn)
+        return real(fn, device)
+
+    monkeypatch.setattr(graphs_mod, "_capture", second_fails)
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        runner.warmup()
+    assert captured and not runner.enabled and runner._graphs == {}
+    assert kv.requests == ()
+    node.ingest_request("a")
+    prep = runner.prepare(Step(KVStep((KVSpan("a", "text", 3),))))
+    assert prep.graph is None
+    logits = runner.launch(prep, torch.tensor([1, 2, 3]))
+    assert torch.allclose(logits[-1], model.forward_full(torch.tensor([1, 2, 3]))[-1], atol=1e-9)
+
+
 def warm_with_two_prompts():
     """Graphs captured; requests "a" and "b" hold 3 prompt tokens each. Returns (kv, node,
     runner, the decode step of both)."""

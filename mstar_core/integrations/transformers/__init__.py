@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
+from ...resources.kv.paged import pages_for
 from .attention import NAME, mstar_attention, register
 from .batching import Generation, StepRecord, check_max_new, check_prompts, run
 from .engine import Engine, EngineOptions
@@ -75,7 +76,7 @@ def _sized(prompts: list[list[int]], max_new_tokens: int, options: dict[str, Any
     o.setdefault("max_batch_size", min(64, len(prompts)))
     ps = o.get("page_size", EngineOptions.page_size)
     if isinstance(ps, int) and ps >= 1:
-        need = sum(-(-(m + max_new_tokens) // ps) for m in lengths)
+        need = sum(pages_for(m + max_new_tokens, ps) for m in lengths)
         # + the graph warm-up's dummy rows (one page each, given back before any request joins)
         o.setdefault("max_pages", max(need, o["max_batch_size"]) + 1)
     o.setdefault("max_prefill_tokens", max([EngineOptions.max_prefill_tokens, *lengths]))

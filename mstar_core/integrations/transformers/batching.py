@@ -23,7 +23,8 @@ from typing import NamedTuple
 import torch
 
 from ...resources.attn.paged import step_kind
-from ...step import KVSpan, KVStep, Step
+from ...resources.kv.paged import pages_for
+from ...step import KVSpan, KVStep, Step, is_int
 from .engine import LABEL, Engine
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
 
 
 def check_max_new(max_new_tokens: object) -> None:
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+    if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
@@ -156,11 +157,11 @@ def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     check_max_new(max_new_tokens)
     prompts = check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
-    if len(arrivals) != len(prompts) or any(isinstance(a, bool) or not isinstance(a, int) or a < 0 for a in arrivals):
+    if len(arrivals) != len(prompts) or any(not is_int(a) or a < 0 for a in arrivals):
         raise ValueError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     o, ps = engine.options, engine.options.page_size
-    reqs = [_Request(i, p, max_new_tokens, a, -(-(len(p) + max_new_tokens) // ps))
+    reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
             for i, (p, a) in enumerate(zip(prompts, arrivals))]
     assert o.max_pages is not None
     for r in reqs:
@@ -186,13 +187,14 @@ class _Loop:
         self.t0 = 0.0
         self.ingested: set[str] = set()
         self._last_key: list[int] = []
-        self._last_step: Step | None = None
+        self._last: tuple[Step, str] | None = None
 
     def run(self) -> Generation:
         e = self.e
         self.t0 = time.perf_counter()
         inflight: _Launched | None = None
         step_no = 0
+        limit = 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000
         try:
             while self.pending or self.active or inflight:
                 self._arrive(step_no)
@@ -204,7 +206,7 @@ class _Loop:
                 step_no += 1
                 if self.on_step is not None:
                     self.on_step(sum(len(r.generated) for r in self.reqs), sum(r.max_new for r in self.reqs))
-                if step_no > 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000:
+                if step_no > limit:
                     raise RuntimeError(f"generate made no progress in {step_no} steps (a bug: please report it)")
         finally:
             for rid in self.ingested:
@@ -232,7 +234,7 @@ class _Loop:
                 if r.rid not in self.ingested:
                     e.node.ingest_request(r.rid)
                     self.ingested.add(r.rid)
-            step = self._step(rows)
+            step, kind = self._step(rows)
             prep = e.runner.prepare(step)
             if prep.outcome:
                 break
@@ -255,18 +257,18 @@ class _Loop:
             ready.record()
         for r in rows:
             r.launched += 1
-        kind = KINDS[step_kind(tuple(s.num_tokens for s in step.kv.spans))]
         return _Launched(rows, toks, host, ready, kind, prep.graph is not None, len(tokens))
 
-    def _step(self, rows: list[_Request]) -> Step:
-        """The step of ``rows``; a decode step of the same rows as the last one is reused (its
-        spans are 64 validated objects per step otherwise)."""
+    def _step(self, rows: list[_Request]) -> tuple[Step, str]:
+        """The step of ``rows`` and its kind; a decode step of the same rows as the last one is
+        reused (its spans are 64 validated objects per step otherwise)."""
         key = [r.index if r.launched else ~r.index for r in rows]
         if key != self._last_key:
             spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
-            self._last_key, self._last_step = key, Step(KVStep(spans), self.e.step_attn)
-        assert self._last_step is not None
-        return self._last_step
+            kind = KINDS[step_kind(tuple(s.num_tokens for s in spans))]
+            self._last_key, self._last = key, (Step(KVStep(spans), self.e.step_attn), kind)
+        assert self._last is not None
+        return self._last
 
     def _joining(self, decode: list[_Request]) -> list[_Request]:
         """Prompts that join this step: arrived, pages for their whole run free (counting what the

@@ -20,7 +20,7 @@ from ...graphs import GraphRunner
 from ...resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
 from ...resources.kv import KVConfig, KVManager
 from ...runner import Node
-from ...step import AttentionStep, StepContext
+from ...step import AttentionStep, StepContext, is_int
 from .attention import NAME, bound, register
 from .probe import (
     ModelAttention,
@@ -51,17 +51,16 @@ class EngineOptions:
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            if not is_int(value) or value < 1:
                 raise ValueError(f"mstar generate: {name} must be an int >= 1, got {value!r}")
-        if self.max_pages is not None and (isinstance(self.max_pages, bool) or not isinstance(self.max_pages, int)
-                                           or self.max_pages < 1):
+        if self.max_pages is not None and (not is_int(self.max_pages) or self.max_pages < 1):
             raise ValueError(f"mstar generate: max_pages must be an int >= 1 (or None: sized for the prompts), "
                              f"got {self.max_pages!r}")
         if self.graphs is not None and not isinstance(self.graphs, bool):
             raise TypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", tuple(self.buckets))
-            if not self.buckets or any(isinstance(b, bool) or not isinstance(b, int) or b < 1 for b in self.buckets):
+            if not self.buckets or any(not is_int(b) or b < 1 for b in self.buckets):
                 raise ValueError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")
 
     def graph_buckets(self) -> list[int]:
@@ -164,8 +163,7 @@ class Engine:
                 raise
             log.warning("graphs off: capturing %s's decode step failed (%s: %s); every step runs eagerly",
                         self.attention.model, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
-            self.runner = GraphRunner(self.node, self._forward, [1], self.device, LABEL, attn=self.step_attn)
-            self.node.post_warmup_validate()
+            self.node.post_warmup_validate()  # the runner holds no graph and runs every step eagerly
 
     # -- the binding every layer calls ----------------------------------------------------------
     def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,

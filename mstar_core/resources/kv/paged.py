@@ -41,7 +41,8 @@ class _Admitted:
     streams: dict[tuple[str, str], CacheStream]
 
 
-def _pages_for(tokens: int, page_size: int) -> int:
+def pages_for(tokens: int, page_size: int) -> int:
+    """Pages that hold ``tokens`` tokens."""
     return -(-tokens // page_size)
 
 
@@ -63,7 +64,7 @@ class _LabelRows:
     def add(self, s: KVSpan, stream: CacheStream, ps: int) -> None:
         n = s.num_tokens
         length = stream.length + n
-        npages = _pages_for(length, ps)
+        npages = pages_for(length, ps)
         pages = stream.pages
         if npages > len(pages):
             raise RuntimeError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
@@ -217,7 +218,7 @@ class KVManager(Resource):
         if (dst_rid, label) in self.streams:
             raise ValueError(f"fork: request {dst_rid!r} already has a {label!r} stream")
         # Only the committed tokens' pages: a step in flight on the source may hold more.
-        n = _pages_for(src.length, self.config.page_size)
+        n = pages_for(src.length, self.config.page_size)
         if n > self.pool.num_free:
             return AdmitOutcome.refuse(Shortage(self.name, "pages", n, self.pool.num_free, dst_rid))
         pages = self.pool.take(n)
@@ -265,11 +266,11 @@ class KVManager(Resource):
             key = (s.request_id, s.label)
             stream = streams.get(key)
             if stream is None:
-                n = _pages_for(s.num_tokens, ps)
+                n = pages_for(s.num_tokens, ps)
             else:
                 if stream.in_flight:
                     busy.append(key)
-                n = max(0, _pages_for(stream.length + s.num_tokens, ps) - len(stream.pages))
+                n = max(0, pages_for(stream.length + s.num_tokens, ps) - len(stream.pages))
             need[key] = n
             total += n
         if busy:
@@ -517,7 +518,7 @@ class KVManager(Resource):
             stream.in_flight = False
             if s.commit:
                 stream.length += s.num_tokens
-            keep = _pages_for(stream.length, ps)
+            keep = pages_for(stream.length, ps)
             if len(stream.pages) > keep:
                 # Pages held only for commit=False tokens: nothing will read them again.
                 self.pool.give_back(stream.pages[keep:])
@@ -588,7 +589,7 @@ class KVManager(Resource):
                 f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
             )
         ps = self.config.page_size
-        short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < _pages_for(s.length, ps)}
+        short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < pages_for(s.length, ps)}
         if short:
             raise RuntimeError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
         check_same_across_ranks(f"{self.name} free pages", self.pool.num_free)
