@@ -26,6 +26,7 @@ from mstar_core.features import (
     parse_kv_dtype,
 )
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
+from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.device import as_device, describe, device_arch
 from mstar_core.registry.selection import ENV_BACKEND
 from mstar_core.registry.spec import dtype_name
@@ -135,12 +136,17 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     """Everything the table shows, as plain data (the ``--json`` output); ``features`` is what
     every auto pick is judged for."""
     backends = []
-    for name, spec in registry.backends.items():
-        reasons = registry.device_reasons(name, device)
+    listed = [(spec, registry.device_reasons(spec, device)) for spec in registry.backends.values()]
+    # A name several distributions register: every claimant, none available until pinned.
+    listed += [(spec, [registry.conflict_reason(name)]) for name, claims in registry.conflicts.items() for spec in claims]
+    for spec, reasons in sorted(listed, key=lambda x: (x[0].name, x[0].distribution or "")):
+        name = spec.name
         backends.append({
             "name": name,
             "distribution": spec.distribution,
             "version": spec.version,
+            "api_version": spec.api_version,
+            "conflict": name in registry.conflicts,
             "provides": list(spec.provides),
             "devices": list(spec.devices),
             "archs": list(spec.archs) if spec.archs is not None else None,
@@ -173,6 +179,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "features_description": str(features),
         "known_features": dict(FEATURES),
         "torch": torch.__version__,
+        "plugin_api": API_VERSION,
         "backends": backends,
         "auto": auto,
         "plugins": [{"entry_point": p.entry_point, "distribution": p.distribution, "version": p.version,
@@ -210,7 +217,8 @@ def render(data: dict[str, Any]) -> str:
     judged = f"dtype {data['dtype']}, head_dim {data['head_dim']}"
     if data["features_description"] != str(PLAIN):
         judged += f", features: {data['features_description']}"
-    lines = [f"attention backends on {data['device']} (torch {data['torch']}; auto judged for {judged})", ""]
+    lines = [f"attention backends on {data['device']} (torch {data['torch']}, plugin API {data['plugin_api']}; auto "
+             f"judged for {judged})", ""]
     rows = [("backend", "distribution", "provides", "dtypes", "head dims", "status")]
     for b in data["backends"]:
         status = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])

@@ -4,34 +4,45 @@ loaded in isolation so one broken install never hides the others (pluggy's own
 
 from __future__ import annotations
 
+import ast
 import importlib.metadata as md
+import importlib.util
 import os
 from dataclasses import dataclass
 
 GROUP = "mstar.backends"
 ENV_ALLOWLIST = "MSTAR_PLUGINS"
 ENV_STRICT = "MSTAR_STRICT_PLUGINS"
+ENV_PINS = "MSTAR_BACKEND_PINS"
 
 # Entry points that ship with mstar-core. They load even when MSTAR_PLUGINS leaves them out
 # (so an allowlist never leaves the engine without a backend), and are added by hand when the
 # core runs from a source tree that has no installed metadata.
 BUILTIN: dict[str, str] = {"reference": "mstar_core.backends.reference.plugin"}
 CORE_DISTRIBUTION = "mstar-core"
+# Backend names only the core may register: a plugin claiming one is refused (a conflict over
+# the reference would leave auto without its fallback).
+RESERVED: dict[str, str] = {name: CORE_DISTRIBUTION for name in BUILTIN}
 
 
 @dataclass(frozen=True)
 class PluginFailure:
-    """A plugin that failed: at ``stage`` "load" (importing its module or checking its hooks),
-    "register" (its hook raised, or it has none), or "duplicate" (a backend name taken first)."""
+    """A plugin that failed: at ``stage`` "load" (importing its module), "register" (its hook
+    raised, it has none, or what it registers cannot be kept) or "provides" (strict mode: a
+    wrapper reference that does not import). ``backends``: the names it meant to register, as
+    far as they are known (see :func:`intended_backends`)."""
 
     entry_point: str
     distribution: str
     version: str
     stage: str
     error: str
+    backends: tuple[str, ...] = ()
 
     def __str__(self) -> str:
-        return f"plugin {self.entry_point!r} ({self.distribution} {self.version}) failed at {self.stage}: {self.error}"
+        meant = f", meant to register {', '.join(map(repr, self.backends))}" if self.backends else ""
+        return (f"plugin {self.entry_point!r} ({self.distribution} {self.version}{meant}) failed at {self.stage}: "
+                f"{self.error}")
 
 
 @dataclass(frozen=True)
@@ -44,7 +55,8 @@ class LoadedPlugin:
 
 
 class PluginError(RuntimeError):
-    """Raised in strict mode for a failure that is not itself an exception (a duplicate name)."""
+    """A plugin failure in strict mode (the message names the plugin; the cause, if any, is
+    chained), or a hand registration of a taken name."""
 
 
 # The values a boolean environment variable may take (case-insensitive; unset or empty is off).
@@ -71,6 +83,44 @@ def env_flag(name: str) -> bool:
 
 def strict_from_env() -> bool:
     return env_flag(ENV_STRICT)
+
+
+def pins_from_env() -> dict[str, str]:
+    """``MSTAR_BACKEND_PINS=name=distribution[,name=distribution...]``; unset or empty: none."""
+    raw = os.environ.get(ENV_PINS, "")
+    pins: dict[str, str] = {}
+    for part in filter(None, (p.strip() for p in raw.split(","))):
+        name, sep, dist = (x.strip() for x in part.partition("="))
+        if not sep or not name or not dist:
+            raise ValueError(f"{ENV_PINS}={raw!r}: {part!r} is not NAME=DISTRIBUTION (e.g. "
+                             f"{ENV_PINS}=fast=fast-kernels,other=other-dist)")
+        pins[name] = dist
+    return pins
+
+
+def intended_backends(module: str) -> tuple[str, ...]:
+    """The backend names a plugin module's source passes to ``BackendSpec(name=...)`` (or as
+    its first argument), read without executing it: what a plugin that failed to load or
+    register meant to provide, so selecting such a name can say that plugin failed."""
+    try:
+        spec = importlib.util.find_spec(module)
+        origin = spec.origin if spec is not None else None
+        if not origin or not origin.endswith(".py"):
+            return ()
+        with open(origin, encoding="utf-8") as f:
+            tree = ast.parse(f.read(), origin)
+    except Exception:  # a best-effort reading: no names is the answer
+        return ()
+    names = []
+    for node in ast.walk(tree):
+        if not isinstance(node, ast.Call):
+            continue
+        func = node.func
+        if (func.id if isinstance(func, ast.Name) else getattr(func, "attr", None)) != "BackendSpec":
+            continue
+        values = [k.value for k in node.keywords if k.arg == "name"] + node.args[:1]
+        names += [v.value for v in values[:1] if isinstance(v, ast.Constant) and isinstance(v.value, str)]
+    return tuple(dict.fromkeys(names))
 
 
 def allowlist_from_env() -> frozenset[str] | None:

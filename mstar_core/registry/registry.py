@@ -7,14 +7,24 @@ import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import replace
 from typing import Any, TypeVar
 
 import pluggy
 import torch
 
+from ..config import check_pins
 from ..features import AttentionFeatures
 from . import discovery, hookspecs
-from .device import as_device, compute_capability, device_arch, device_available_reasons, device_key, device_kind
+from .api import api_reasons
+from .device import (
+    as_device,
+    compute_capability,
+    device_arch,
+    device_available_reasons,
+    device_key,
+    device_kind,
+)
 from .discovery import LoadedPlugin, PluginError, PluginFailure
 from .spec import BackendSpec, load_ref
 
@@ -26,9 +36,11 @@ class Registry:
     """Every backend this process can see.
 
     ``Registry()`` discovers the entry points now (``discover=False`` starts empty: tests and
-    embedders ``register`` by hand). ``strict`` (default: ``MSTAR_STRICT_PLUGINS``) re-raises
-    the first plugin failure instead of recording it; ``allowlist`` (default: ``MSTAR_PLUGINS``)
-    limits which entry points load, by entry-point or distribution name.
+    embedders ``register`` by hand). ``strict`` (default: ``MSTAR_STRICT_PLUGINS``) raises
+    :class:`PluginError`, naming the plugin, at the first plugin failure instead of recording
+    it; ``allowlist`` (default: ``MSTAR_PLUGINS``) limits which entry points load, by
+    entry-point or distribution name; ``pins`` (default: ``MSTAR_BACKEND_PINS``) maps a backend
+    name to the distribution that serves it when several register that name.
     """
 
     def __init__(
@@ -37,8 +49,11 @@ class Registry:
         discover: bool = True,
         strict: bool | None = None,
         allowlist: Iterable[str] | None | type[Ellipsis] = ...,  # ...: read MSTAR_PLUGINS
+        pins: Mapping[str, str] | None = None,  # None: read MSTAR_BACKEND_PINS
     ) -> None:
-        self._backends: dict[str, BackendSpec] = {}
+        # name -> every spec registered under it, one per distribution (a name two distributions
+        # claim is a conflict: served only where a pin picks one).
+        self._claims: dict[str, list[BackendSpec]] = {}
         self.failures: list[PluginFailure] = []
         self.plugins: list[LoadedPlugin] = []
         if strict is not None and not isinstance(strict, bool):
@@ -50,17 +65,22 @@ class Registry:
                             f"(write [{allowlist!r}])")
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
-        self._probe_cache: dict[tuple[str, str], tuple[str, ...]] = {}
+        self.pins: dict[str, str] = discovery.pins_from_env() if pins is None else check_pins(
+            pins, "Registry(pins=...)")
+        self._probe_cache: dict[tuple[str, str | None, str], tuple[str, ...]] = {}
+        # (name, distribution) -> (capability -> loaded wrapper, reasons): provides resolved once.
+        self._resolved: dict[tuple[str, str | None], tuple[dict[str, Any], tuple[str, ...]]] = {}
         # Answers derived from probes (dense_or_flashinfer's selections): they live and die with
         # this registry and are forgotten with the probe cache (see ``derived``).
         self._derived: dict[Any, Any] = {}
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()
         if discover:
             self.discover()
 
     # -- discovery ---------------------------------------------------------------------------
     def discover(self) -> None:
-        """Load every allowed entry point, each in isolation."""
+        """Load every allowed entry point, each in isolation; then check the pins and, in strict
+        mode, refuse a name two distributions claim that no pin settles."""
         pm = pluggy.PluginManager(hookspecs.PROJECT)
         pm.add_hookspecs(hookspecs)
         matched: set[str] = set()
@@ -79,27 +99,35 @@ class Registry:
                        f"or distribution name (group {discovery.GROUP!r})")
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        for name, claims in sorted(self.conflicts.items()):
+            log.warning("%s", self.conflict_reason(name))
+            if self.strict:
+                raise PluginError(f"strict mode: {self.conflict_reason(name)}")
+        for name, dist in self.pins.items():
+            if name in self._claims:  # a pin the user set for a name nobody registers is harmless
+                self.view({name: dist})  # raises when the pinned distribution does not register it
 
-    def _fail(self, ep_name: str, dist: str, version: str, stage: str, error: BaseException | str) -> None:
+    def _fail(self, ep_name: str, dist: str, version: str, stage: str, error: BaseException | str,
+              backends: Sequence[str] = ()) -> None:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
-        failure = PluginFailure(ep_name, dist, version, stage, text)
+        failure = PluginFailure(ep_name, dist, version, stage, text, tuple(dict.fromkeys(backends)))
         self.failures.append(failure)
         log.warning("%s", failure)
         if self.strict:
-            if isinstance(error, BaseException):
-                raise error
-            raise PluginError(str(failure))
+            # One way to fail in strict mode: a PluginError naming the plugin, the cause chained.
+            raise PluginError(f"strict mode: {failure}") from (error if isinstance(error, BaseException) else None)
 
     def _load_one(self, pm: pluggy.PluginManager, ep, dist: str, version: str) -> None:
         try:
             module = ep.load()
             pm.register(module, name=f"{dist}:{ep.name}")
         except Exception as e:
-            self._fail(ep.name, dist, version, "load", e)
+            self._fail(ep.name, dist, version, "load", e, discovery.intended_backends(ep.value))
             return
         impls = [i for i in pm.hook.mstar_register_backends.get_hookimpls() if i.plugin_name == f"{dist}:{ep.name}"]
         if not impls:
-            self._fail(ep.name, dist, version, "register", f"{ep.value} defines no @hookimpl mstar_register_backends")
+            self._fail(ep.name, dist, version, "register", f"{ep.value} defines no @hookimpl mstar_register_backends",
+                       discovery.intended_backends(ep.value))
             return
         staged: list[BackendSpec] = []
 
@@ -111,56 +139,113 @@ class Registry:
         try:
             for impl in impls:
                 impl.function(*[{"register": register}[a] for a in impl.argnames])
+            problem = self._claim_problem(staged, dist)
         except Exception as e:
             # Nothing of a plugin whose hook raised is kept: half a registration is worse than none.
-            self._fail(ep.name, dist, version, "register", e)
+            self._fail(ep.name, dist, version, "register", e,
+                       [s.name for s in staged] + list(discovery.intended_backends(ep.value)))
             return
-        names = []
+        if problem:
+            self._fail(ep.name, dist, version, "register", problem, [s.name for s in staged])
+            return
         for spec in staged:
-            if self._add(spec, dist, version, ep.name):
-                names.append(spec.name)
-        self.plugins.append(LoadedPlugin(ep.name, dist, version, ep.value, tuple(names)))
+            self._claims.setdefault(spec.name, []).append(
+                replace(spec, distribution=spec.distribution or dist, version=spec.version or version))
+        self.plugins.append(LoadedPlugin(ep.name, dist, version, ep.value, tuple(s.name for s in staged)))
 
-    def _add(self, spec: BackendSpec, dist: str, version: str, ep_name: str) -> bool:
-        first = self._backends.get(spec.name)
-        if first is not None:
-            self._fail(ep_name, dist, version, "duplicate",
-                       f"backend {spec.name!r} is already registered by {first.label}; this one is ignored")
-            return False
-        from dataclasses import replace
-
-        self._backends[spec.name] = replace(spec, distribution=spec.distribution or dist, version=spec.version or version)
-        return True
+    def _claim_problem(self, staged: Sequence[BackendSpec], dist: str) -> str | None:
+        """Why a plugin's registrations cannot be kept whole, or None."""
+        names = [s.name for s in staged]
+        twice = sorted({n for n in names if names.count(n) > 1})
+        if twice:
+            return f"it registers backend {', '.join(map(repr, twice))} more than once"
+        for name in names:
+            owner = discovery.RESERVED.get(name)
+            if owner is not None and dist != owner:
+                return f"backend name {name!r} is reserved for {owner}'s built-in backend"
+            for other in self._claims.get(name, ()):
+                if other.distribution == dist:
+                    return f"backend {name!r} is already registered by {other.label} (the same distribution)"
+        return None
 
     def register(self, spec: BackendSpec, *, distribution: str = "?", version: str = "?") -> None:
         """Add a backend by hand (tests, an embedding application). A taken name raises."""
-        if spec.name in self._backends:
-            raise PluginError(f"backend {spec.name!r} is already registered by {self._backends[spec.name].label}")
-        self._add(spec, distribution, version, spec.name)
+        if spec.name in self._claims:
+            raise PluginError(f"backend {spec.name!r} is already registered by {self._claims[spec.name][0].label}")
+        self._claims[spec.name] = [replace(spec, distribution=spec.distribution or distribution,
+                                           version=spec.version or version)]
 
     # -- lookup ------------------------------------------------------------------------------
     @property
     def backends(self) -> Mapping[str, BackendSpec]:
-        """By name (sorted, so listings do not depend on entry-point order)."""
-        return {n: self._backends[n] for n in sorted(self._backends)}
+        """By name (sorted, so listings do not depend on entry-point order): every backend whose
+        name one distribution registers, or a pin settles."""
+        return self.view({})
+
+    @property
+    def conflicts(self) -> Mapping[str, tuple[BackendSpec, ...]]:
+        """Names several distributions register that no pin (``MSTAR_BACKEND_PINS`` or the
+        registry's ``pins``) settles: neither is picked by that name."""
+        return {n: tuple(c) for n, c in sorted(self._claims.items()) if len(c) > 1 and n not in self.pins}
+
+    def view(self, pins: Mapping[str, str]) -> dict[str, BackendSpec]:
+        """The backends a selection sees with ``pins`` (a config's ``attention.pins``) on top of
+        the registry's own: each name's one registration, or the pinned distribution's. A pin
+        naming a distribution that does not register that name raises, naming who does."""
+        pins = {**self.pins, **pins}
+        out: dict[str, BackendSpec] = {}
+        for name in sorted(self._claims):
+            claims = self._claims[name]
+            pinned = pins.get(name)
+            if pinned is None:
+                if len(claims) == 1:
+                    out[name] = claims[0]
+                continue
+            match = [c for c in claims if c.distribution == pinned]
+            if not match:
+                raise ValueError(f"backend {name!r} is pinned to distribution {pinned!r}, which does not register it; "
+                                 f"registered by: {', '.join(c.label for c in claims)}")
+            out[name] = match[0]
+        return out
+
+    def claimants(self, name: str) -> tuple[BackendSpec, ...]:
+        """Every registration of ``name`` (one per distribution)."""
+        return tuple(self._claims.get(name, ()))
+
+    def conflict_reason(self, name: str) -> str:
+        labels = " and ".join(c.label for c in self._claims[name])
+        return (f"backend name {name!r} is registered by {len(self._claims[name])} distributions ({labels}); "
+                f"neither serves it until one is pinned: {discovery.ENV_PINS}={name}=DISTRIBUTION, or "
+                f"pins = {{{name} = \"DISTRIBUTION\"}} in the config's [attention] table")
 
     def names(self) -> list[str]:
-        return sorted(self._backends)
+        return list(self.backends)
 
     def get(self, name: str) -> BackendSpec | None:
-        return self._backends.get(name)
+        return self.backends.get(name)
 
     def failure_for(self, name: str) -> PluginFailure | None:
-        """The failure of a plugin whose entry point carries ``name`` (so "fa3 is unknown" can say
-        the fa3 plugin failed to load, rather than that it does not exist)."""
-        return next((f for f in self.failures if f.entry_point == name and f.stage != "duplicate"), None)
+        """The failure of a plugin that meant to register ``name`` (its entry point's name, a
+        name it registered before failing, or one its source passes to ``BackendSpec``), so
+        "fa3 is unknown" can say the fa3 plugin failed, rather than that it does not exist."""
+        return next((f for f in self.failures if name == f.entry_point or name in f.backends), None)
+
+    def _spec(self, backend: str | BackendSpec) -> BackendSpec:
+        if isinstance(backend, BackendSpec):
+            return backend
+        spec = self.get(backend)
+        if spec is None:
+            raise KeyError(f"no usable backend {backend!r}: "
+                           + (self.conflict_reason(backend) if backend in self.conflicts else
+                              f"known: {', '.join(self.names())}"))
+        return spec
 
     # -- can it run --------------------------------------------------------------------------
-    def probe(self, name: str, device: torch.device | str | None = None) -> tuple[str, ...]:
+    def probe(self, backend: str | BackendSpec, device: torch.device | str | None = None) -> tuple[str, ...]:
         """The backend's own probe on ``device``, cached per (backend, device)."""
-        spec = self._backends[name]
+        spec = self._spec(backend)
         device = as_device(device)
-        key = (name, device_key(device))
+        key = (spec.name, spec.distribution, device_key(device))
         with self._lock:
             if key in self._probe_cache:
                 return self._probe_cache[key]
@@ -180,14 +265,22 @@ class Registry:
             return self._derived.setdefault(key, value)
 
     def clear_probe_cache(self) -> None:
-        """Forget probe results and what was derived from them (after installing a kernel library)."""
+        """Forget probe results, resolved wrappers and what was derived from them (after
+        installing a kernel library)."""
         with self._lock:
             self._probe_cache.clear()
+            self._resolved.clear()
             self._derived.clear()
 
-    def device_reasons(self, name: str, device: torch.device | str | None = None) -> list[str]:
-        """Reasons from the device alone: kind, availability, architecture, then the probe."""
-        spec = self._backends[name]
+    def device_reasons(self, backend: str | BackendSpec, device: torch.device | str | None = None,
+                       capabilities: Sequence[str] = ()) -> list[str]:
+        """Reasons from the device alone: the plugin API version (an incompatible backend is
+        neither probed nor imported), kind, availability, architecture, the probe, then whether
+        the ``provides`` references of ``capabilities`` (none given: every one) import."""
+        spec = self._spec(backend)
+        api = api_reasons(spec.api_version)
+        if api:
+            return api
         device = as_device(device)
         kind = device_kind(device)
         reasons: list[str] = []
@@ -197,23 +290,56 @@ class Registry:
             reasons.extend(device_available_reasons(device))
             if not reasons:
                 reasons.extend(_arch_reasons(spec, device))
-        for r in self.probe(name, device):
+        for r in self.probe(spec, device):
             if r not in reasons:
                 reasons.append(r)
+        if not reasons:
+            reasons.extend(self.wrappers(spec, tuple(capabilities) or tuple(spec.provides))[1])
         return reasons
+
+    def wrappers(self, backend: str | BackendSpec, capabilities: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+        """``(capability -> loaded wrapper, reasons)`` for ``capabilities``: every ``provides``
+        reference of the backend is imported once (the kernel library loads here); one that
+        fails is a reason naming it -- in strict mode a :class:`PluginError` naming the plugin."""
+        spec = self._spec(backend)
+        key = (spec.name, spec.distribution)
+        with self._lock:
+            resolved = self._resolved.get(key)
+        if resolved is None:
+            classes: dict[str, Any] = {}
+            failed: dict[str, str] = {}
+            for cap, ref in spec.provides.items():
+                try:
+                    classes[cap] = load_ref(ref)
+                except Exception as e:  # a wrapper module that fails to import, an attribute that is not there
+                    failed[cap] = f"its {cap} wrapper {ref} cannot be loaded ({type(e).__name__}: {e})"
+            resolved = (classes, failed)
+            with self._lock:
+                self._resolved.setdefault(key, resolved)
+            if failed and self.strict:
+                plugin = next((p for p in self.plugins if spec.name in p.backends and p.distribution == spec.distribution),
+                              None)
+                self._fail(plugin.entry_point if plugin else spec.name, spec.distribution or "?", spec.version or "?",
+                           "provides", "; ".join(failed.values()), [spec.name])
+        classes, failed = resolved
+        return {c: classes[c] for c in capabilities if c in classes}, [failed[c] for c in capabilities if c in failed]
 
     def reasons(
         self,
-        name: str,
+        backend: str | BackendSpec,
         capabilities: Sequence[str] = (),
         device: torch.device | str | None = None,
         dtype: torch.dtype | None = None,
         head_dim: int | None = None,
         features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Every reason ``name`` cannot serve this request; empty when it can."""
-        spec = self._backends[name]
-        return self.device_reasons(name, device) + spec.declared_reasons(capabilities, dtype, head_dim, features)
+        """Every reason the backend cannot serve this request; empty when it can."""
+        spec = self._spec(backend)
+        provided = [c for c in capabilities if c in spec.provides]
+        device_reasons = self.device_reasons(spec, device, provided)
+        if api_reasons(spec.api_version):
+            return device_reasons
+        return device_reasons + spec.declared_reasons(capabilities, dtype, head_dim, features)
 
 
 def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:

@@ -6,14 +6,13 @@ from __future__ import annotations
 
 import logging
 import os
-import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
 
+from ..config import Config, ConfigSource, load_config
 from ..features import PLAIN, AttentionFeatures
 from ..step import is_int
 from .device import as_device, describe
@@ -68,53 +67,10 @@ class Selection:
         return tuple(c for c in self.classes if c in self.backend.capturable)
 
 
-CONFIG_SHAPE = '{"attention": {"backend": NAME}}'
-
-
-def _read_config_file(path: Path) -> Mapping[str, Any]:
-    try:
-        with path.open("rb") as f:
-            data = f.read()
-    except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
-    except OSError as e:  # a directory, no permission, ...
-        raise ValueError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
-    try:
-        text = data.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(
-            f"config file {str(path)!r} is not UTF-8 text (TOML files must be UTF-8): byte "
-            f"{data[e.start:e.start + 1]!r} at offset {e.start} cannot be decoded ({e.reason})") from None
-    try:
-        return tomllib.loads(text)
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
-
-
-def config_backend(config: Mapping[str, Any] | str | os.PathLike[str] | None) -> str | None:
-    """``attention.backend`` from a mapping or a TOML file holding the same table."""
-    if config is None:
-        return None
-    where = "config"
-    if isinstance(config, (str, os.PathLike)):
-        path = Path(config)
-        config = _read_config_file(path)
-        where = f"config file {str(path)!r}"
-    if not isinstance(config, Mapping):
-        raise ValueError(
-            f"{where} must be a table (a mapping) shaped {CONFIG_SHAPE}, or the path of a TOML file holding one; "
-            f"got {type(config).__name__} {_short(config)}")
-    attention = config.get("attention")
-    if attention is None:
-        return None
-    if not isinstance(attention, Mapping):
-        raise ValueError(f"{where}: 'attention' must be a table shaped {CONFIG_SHAPE}, got "
-                         f"{type(attention).__name__} {_short(attention)}")
-    value = attention.get("backend")
-    if value is not None and not isinstance(value, str):
-        prefix = "config" if where == "config" else f"{where}:"
-        raise ValueError(f"{prefix} attention.backend must be a string, got {value!r} (a backend name or {AUTO!r})")
-    return value
+def config_backend(config: ConfigSource) -> str | None:
+    """``attention.backend`` from a mapping or a TOML file holding the same table (checked
+    strictly: :func:`mstar_core.config.load_config`)."""
+    return load_config(config).backend
 
 
 def _short(value: Any, limit: int = 80) -> str:
@@ -122,7 +78,7 @@ def _short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | os.PathLike[str] | None,
+def resolve_requested(requested: str | None, config: ConfigSource | Config,
                       honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
     the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
@@ -134,7 +90,7 @@ def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | o
         configured: str | None = requested.strip()
         where = "argument"
     else:
-        configured, where = config_backend(config), "config"
+        configured, where = (config if isinstance(config, Config) else load_config(config)).backend, "config"
         configured = configured.strip() if configured is not None else None
     env = os.environ.get(ENV_BACKEND, "").strip() if honor_env else ""
     if env:
@@ -149,35 +105,28 @@ def resolve_requested(requested: str | None, config: Mapping[str, Any] | str | o
     return AUTO, "default"
 
 
-def auto_order(capabilities: Sequence[str], registry: Registry) -> list[str]:
-    """Candidates in the order auto tries them, among the backends that provide every one of
-    ``capabilities``: the first capability's list, then any other listed name, then unlisted
-    plugins by priority (higher first), then the reference."""
+def auto_order(capabilities: Sequence[str], registry: Registry,
+               backends: Mapping[str, BackendSpec] | None = None) -> list[str]:
+    """Candidates in the order auto tries them, among ``backends`` (default: the registry's)
+    that provide every one of ``capabilities``: the first capability's list, then any other
+    listed name, then unlisted plugins by declared priority (higher first, ties by name), then
+    the reference."""
+    backends = registry.backends if backends is None else backends
     order: list[str] = []
     for cap in capabilities:
         for name in AUTO_PRIORITY.get(cap, ()):
             if name != FALLBACK and name not in order:
                 order.append(name)
     listed = set(order) | {FALLBACK}
-    extra = [s for s in registry.backends.values() if s.name not in listed]
+    extra = [s for s in backends.values() if s.name not in listed]
     order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
     order.append(FALLBACK)
-    return [n for n in order if (s := registry.get(n)) is not None and all(c in s.provides for c in capabilities)]
+    return [n for n in order if (s := backends.get(n)) is not None and all(c in s.provides for c in capabilities)]
 
 
 def format_rejected(rejected: Mapping[str, Sequence[str]]) -> str:
     """``name: reason; reason | name: reason`` for logs and errors."""
     return " | ".join(f"{n}: {'; '.join(r)}" for n, r in rejected.items())
-
-
-def _load_classes(spec: BackendSpec, capabilities: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
-    classes, reasons = {}, []
-    for cap in capabilities:
-        try:
-            classes[cap] = spec.load(cap)
-        except Exception as e:  # a wrapper module that fails to import: the backend cannot run
-            reasons.append(f"its {cap} wrapper {spec.provides[cap]} failed to load ({type(e).__name__}: {e})")
-    return classes, reasons
 
 
 @dataclass(frozen=True)
@@ -190,8 +139,8 @@ class Request:
     head_dim: int | None
     features: AttentionFeatures = PLAIN
 
-    def reasons(self, registry: Registry, name: str) -> list[str]:
-        return registry.reasons(name, self.capabilities, self.device, self.dtype, self.head_dim, self.features)
+    def reasons(self, registry: Registry, spec: BackendSpec) -> list[str]:
+        return registry.reasons(spec, self.capabilities, self.device, self.dtype, self.head_dim, self.features)
 
     def __str__(self) -> str:
         parts = [f"device {describe(self.device)}"]
@@ -205,9 +154,9 @@ class Request:
         return ", ".join(parts)
 
 
-def runnable(registry: Registry, request: Request) -> list[str]:
-    """Names of the backends that could serve this request (declared data and probes)."""
-    return [n for n in registry.names() if not request.reasons(registry, n)]
+def runnable(registry: Registry, request: Request, backends: Mapping[str, BackendSpec]) -> list[str]:
+    """Names of the ``backends`` that could serve this request (declared data and probes)."""
+    return [n for n, spec in backends.items() if not request.reasons(registry, spec)]
 
 
 def select_backend(
@@ -216,7 +165,7 @@ def select_backend(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = torch.float32,
     head_dim: int | None = 64,
-    config: Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    config: ConfigSource | Config = None,
     registry: Registry | None = None,
     honor_env: bool = True,
     features: AttentionFeatures | None = None,
@@ -250,32 +199,39 @@ def select_backend(
     registry = registry or get_registry()
     device = as_device(device)
     request = Request(capabilities, device, dtype, head_dim, features or PLAIN)
+    config = config if isinstance(config, Config) else load_config(config)
     name, source = resolve_requested(requested, config, honor_env)
+    backends = registry.view(config.pins)
     if name == AUTO:
-        return _select_auto(registry, request, source)
-    return _select_named(registry, name, source, request)
+        return _select_auto(registry, request, source, backends)
+    return _select_named(registry, name, source, request, backends)
 
 
-def _select_named(registry: Registry, name: str, source: str, request: Request) -> Selection:
-    known = registry.names()
+def _select_named(registry: Registry, name: str, source: str, request: Request,
+                  backends: Mapping[str, BackendSpec]) -> Selection:
+    known = list(backends)
     where = str(request)
-    capabilities = request.capabilities
-    spec = registry.get(name)
+    spec = backends.get(name)
     if spec is None:
-        ok = runnable(registry, request)
+        ok = runnable(registry, request, backends)
         failed = registry.failure_for(name)
-        why = f"its plugin failed to load: {failed}" if failed else "no installed plugin registers it"
+        if registry.claimants(name):
+            why = registry.conflict_reason(name)
+        elif failed:
+            why = f"its plugin failed: {failed}"
+        else:
+            why = "no installed plugin registers it"
         raise BackendUnavailable(
             f"attention backend {name!r} (from {source}) is unknown: {why}. "
             f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "
             f"(or use 'auto').",
             requested=name, reasons={name: [why]}, available=ok, known=known)
-    reasons = request.reasons(registry, name)
+    reasons = request.reasons(registry, spec)
     classes: dict[str, Any] = {}
     if not reasons:
-        classes, reasons = _load_classes(spec, capabilities)
+        classes, reasons = registry.wrappers(spec, request.capabilities)
     if reasons:
-        ok = [n for n in runnable(registry, request) if n != name]
+        ok = [n for n in runnable(registry, request, backends) if n != name]
         raise BackendUnavailable(
             f"attention backend {name!r} ({spec.label}, from {source}) cannot run here ({where}): "
             f"{'; '.join(reasons)}. Backends that can: {', '.join(ok) or 'none'}; known backends: {', '.join(known)}.",
@@ -284,27 +240,33 @@ def _select_named(registry: Registry, name: str, source: str, request: Request) 
     return Selection(name, spec, classes, {}, name, source)
 
 
-def _select_auto(registry: Registry, request: Request, source: str) -> Selection:
+def _select_auto(registry: Registry, request: Request, source: str, backends: Mapping[str, BackendSpec]) -> Selection:
     where = str(request)
     capabilities = request.capabilities
     rejected: dict[str, list[str]] = {}
-    for name in auto_order(capabilities, registry):
-        spec = registry.backends[name]
-        reasons = request.reasons(registry, name)
+    for name in auto_order(capabilities, registry, backends):
+        spec = backends[name]
+        reasons = request.reasons(registry, spec)
         classes: dict[str, Any] = {}
         if not reasons:
-            classes, reasons = _load_classes(spec, capabilities)
+            classes, reasons = registry.wrappers(spec, capabilities)
         if reasons:
             rejected[name] = reasons
             continue
+        for other in registry.conflicts:
+            if other not in backends:
+                rejected[other] = [registry.conflict_reason(other)]
         passed = format_rejected(rejected) or "none"
         log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
         return Selection(name, spec, classes, rejected, AUTO, source)
-    for n in registry.names():
+    for n, spec in backends.items():
         if n not in rejected:
-            rejected[n] = request.reasons(registry, n) or ["not in the auto order"]
+            rejected[n] = request.reasons(registry, spec) or ["not in the auto order"]
+    for other in registry.conflicts:
+        if other not in backends:
+            rejected[other] = [registry.conflict_reason(other)]
     detail = format_rejected(rejected)
     raise BackendUnavailable(
         f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "
-        f"Known backends: {', '.join(registry.names()) or 'none'}.",
-        requested=AUTO, reasons=rejected, available=[], known=registry.names())
+        f"Known backends: {', '.join(backends) or 'none'}.",
+        requested=AUTO, reasons=rejected, available=[], known=list(backends))

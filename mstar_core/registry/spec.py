@@ -12,6 +12,8 @@ from typing import Any, Union
 import torch
 
 from ..features import FEATURES, AttentionFeatures
+from ..step import is_int
+from .api import parse_api_version
 
 # The capability names other parts of mstar rely on; each names one wrapper protocol.
 CAPABILITIES: tuple[str, ...] = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded")
@@ -102,16 +104,24 @@ class BackendSpec:
     # ``warmup(config, device, capabilities) -> list[WarmedKernel | str]`` (mstar_core.warmup), which
     # prepares every kernel a configuration uses. None: nothing to prepare.
     warmup: WarmupRef = None
-    # Order among backends that no built-in auto list names (higher first); see selection.
+    # Order among backends that no built-in auto list names (higher first, ties by name); see
+    # selection.auto_order and docs/PLUGINS.md.
     priority: int = 0
+    # The plugin contract version this backend was written for (registry.api). A spec that
+    # leaves it out is held to 1.0, the first versioned contract.
+    api_version: str = "1.0"
     description: str = ""
     install_hint: str = ""
     distribution: str | None = None
     version: str | None = None
 
     def __post_init__(self) -> None:
-        if not self.name or not self.name.replace("_", "").replace("-", "").isalnum():
+        if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
             raise ValueError(f"backend name must be a non-empty identifier, got {self.name!r}")
+        parse_api_version(self.api_version, f"backend {self.name!r}: api_version")
+        if not is_int(self.priority):
+            raise TypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
+                            f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
             raise ValueError(f"backend {self.name!r} provides unknown capabilities {unknown}; known: {list(CAPABILITIES)}")

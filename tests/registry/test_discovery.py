@@ -49,11 +49,12 @@ def plugins(fake_module, make_ep):
 def test_discovery_survives_each_failure_and_records_it(plugins, fake_entry_points):
     fake_entry_points(*plugins)
     reg = Registry()
-    assert reg.names() == ["dup_extra", "good", "reference"]
-    assert reg.get("good").distribution == "mstar-good" and reg.get("good").version == "1.0"
+    # "good" is claimed by two distributions: neither serves it until a pin picks one
+    assert reg.names() == ["dup_extra", "reference"]
+    assert [c.label for c in reg.conflicts["good"]] == ["mstar-good 1.0", "mstar-dup 4.0"]
     assert reg.get("reference").distribution == "mstar-core"
     by_ep = {f.entry_point: f for f in reg.failures}
-    assert set(by_ep) == {"broken", "raises", "dup", "nohook"}
+    assert set(by_ep) == {"broken", "raises", "nohook"}
     broken = by_ep["broken"]
     assert (broken.distribution, broken.version, broken.stage) == ("mstar-broken", "2.1", "load")
     assert "ModuleNotFoundError" in broken.error and "fake_missing_module_xyz" in broken.error
@@ -61,25 +62,27 @@ def test_discovery_survives_each_failure_and_records_it(plugins, fake_entry_poin
     assert (raises.distribution, raises.version, raises.stage) == ("mstar-raises", "0.3", "register")
     assert "RuntimeError: kernel table corrupt" in raises.error
     assert reg.get("half") is None
-    dup = by_ep["dup"]
-    assert (dup.distribution, dup.stage) == ("mstar-dup", "duplicate")
-    assert "'good'" in dup.error and "mstar-good 1.0" in dup.error
-    assert reg.get("good").distribution == "mstar-good"  # the first registration stays
+    assert raises.backends == ("half",)  # what it meant to register: selecting "half" names this failure
+    assert reg.failure_for("half") is raises
     assert by_ep["nohook"].stage == "register" and "no @hookimpl" in by_ep["nohook"].error
     assert "mstar-broken 2.1" in str(broken)
 
 
 @pytest.mark.parametrize("first_bad", ["broken", "raises", "dup", "nohook"])
-def test_strict_mode_reraises(plugins, fake_entry_points, monkeypatch, first_bad):
+def test_strict_mode_fails_one_way_naming_the_plugin(plugins, fake_entry_points, monkeypatch, first_bad):
     good = plugins[0]
     bad = next(ep for ep in plugins if ep.name == first_bad)
     fake_entry_points(good, bad)
     monkeypatch.setenv("MSTAR_STRICT_PLUGINS", "1")
-    expected = {"broken": ModuleNotFoundError, "raises": RuntimeError, "dup": PluginError, "nohook": PluginError}
-    with pytest.raises(expected[first_bad]):
+    cause = {"broken": ModuleNotFoundError, "raises": RuntimeError, "dup": None, "nohook": None}[first_bad]
+    with pytest.raises(PluginError, match="strict mode") as e:
         Registry()
-    # the same plugins without strict mode load fine
-    assert Registry(strict=False).get("good") is not None
+    named = "'good' is registered by 2 distributions (mstar-good 1.0 and mstar-dup 4.0)" if first_bad == "dup" else (
+        f"plugin {first_bad!r} (mstar-")
+    assert named in str(e.value)
+    assert (type(e.value.__cause__) if cause else e.value.__cause__) == cause
+    # the same plugins without strict mode load (the conflicting name is then served by neither)
+    assert Registry(strict=False).get("good") is None if first_bad == "dup" else Registry(strict=False).get("good")
 
 
 def test_allowlist_loads_only_named_plugins(plugins, fake_entry_points, monkeypatch):
@@ -87,8 +90,8 @@ def test_allowlist_loads_only_named_plugins(plugins, fake_entry_points, monkeypa
     # by entry-point name ("good") and by distribution name ("mstar-dup")
     monkeypatch.setenv("MSTAR_PLUGINS", "good, mstar-dup")
     reg = Registry()
-    assert reg.names() == ["dup_extra", "good", "reference"]
-    assert [f.entry_point for f in reg.failures] == ["dup"]  # broken/raises were never loaded
+    assert reg.names() == ["dup_extra", "reference"] and list(reg.conflicts) == ["good"]
+    assert reg.failures == []  # broken/raises were never loaded
 
 
 def test_allowlist_warns_for_unknown_names(plugins, fake_entry_points, monkeypatch, caplog):

@@ -1,0 +1,124 @@
+"""mstar's configuration: a mapping, or a TOML file holding the same tables, read strictly.
+
+```toml
+[attention]
+backend = "flashinfer"          # a backend name, or "auto"
+[attention.pins]                # which distribution serves a name that several register
+fast = "fast-kernels"
+```
+
+An unknown table or key is an error that names it, where it is, and the closest known key: a
+misspelled table silently read as "no config" would fall back to ``auto``, the one mistake a
+user cannot see.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}}'
+
+# Every table and the keys it takes.
+SCHEMA: dict[str, tuple[str, ...]] = {"attention": ("backend", "pins")}
+
+ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
+
+
+@dataclass(frozen=True)
+class Config:
+    """What a config asks of mstar: ``backend`` (None: not set) and ``pins`` (backend name ->
+    distribution that serves it)."""
+
+    backend: str | None = None
+    pins: Mapping[str, str] = field(default_factory=dict)
+
+
+def _short(value: Any, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _closest(word: str, known: tuple[str, ...]) -> str:
+    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+    return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def check_pins(pins: object, where: str) -> dict[str, str]:
+    """``{backend name: distribution}``, both non-empty strings."""
+    if not isinstance(pins, Mapping):
+        raise ValueError(f"{where} must map backend names to distribution names, got {type(pins).__name__} {pins!r}")
+    for name, dist in pins.items():
+        if not isinstance(name, str) or not name or not isinstance(dist, str) or not dist.strip():
+            raise ValueError(f"{where}: {name!r} = {dist!r}: a pin maps a backend name to the distribution that "
+                             "serves it, both strings (e.g. {\"fast\": \"fast-kernels\"})")
+    return {name: dist.strip() for name, dist in pins.items()}
+
+
+def read_file(path: Path) -> Mapping[str, Any]:
+    """A TOML file's tables; a missing, unreadable, non-UTF-8 or invalid file raises ValueError."""
+    try:
+        with path.open("rb") as f:
+            data = f.read()
+    except FileNotFoundError:
+        raise ValueError(f"config file {str(path)!r} does not exist") from None
+    except OSError as e:  # a directory, no permission, ...
+        raise ValueError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"config file {str(path)!r} is not UTF-8 text (TOML files must be UTF-8): byte "
+            f"{data[e.start:e.start + 1]!r} at offset {e.start} cannot be decoded ({e.reason})") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+
+
+def _check_tables(config: Mapping[str, Any], where: str) -> None:
+    for table, value in config.items():
+        if table not in SCHEMA:
+            hint = _closest(str(table), tuple(SCHEMA))
+            if not hint and isinstance(value, Mapping) and set(value) & set(SCHEMA):
+                inner = min(set(value) & set(SCHEMA))
+                hint = f" (it holds [{inner}]: nested one table too deep? [{inner}] belongs at the top level)"
+            raise ValueError(f"{where}: unknown table {table!r}{hint}; known tables: {', '.join(SCHEMA)} "
+                             f"(shape {CONFIG_SHAPE})")
+        if not isinstance(value, Mapping):
+            raise ValueError(f"{where}: {table!r} must be a table shaped {CONFIG_SHAPE}, got "
+                             f"{type(value).__name__} {_short(value)}")
+        for key in value:
+            if key not in SCHEMA[table]:
+                hint = _closest(str(key), SCHEMA[table])
+                if not hint and key in SCHEMA:
+                    hint = f" ([{key}] nested inside [{table}]: it belongs at the top level)"
+                raise ValueError(f"{where}: unknown key {key!r} in [{table}]{hint}; known keys: "
+                                 f"{', '.join(SCHEMA[table])}")
+
+
+def load_config(config: ConfigSource) -> Config:
+    """``config`` (a mapping, the path of a TOML file, or None) checked against :data:`SCHEMA`."""
+    if config is None:
+        return Config()
+    where = "config"
+    if isinstance(config, (str, os.PathLike)):
+        path = Path(config)
+        config = read_file(path)
+        where = f"config file {str(path)!r}"
+    if not isinstance(config, Mapping):
+        raise ValueError(
+            f"{where} must be a table (a mapping) shaped {CONFIG_SHAPE}, or the path of a TOML file holding one; "
+            f"got {type(config).__name__} {_short(config)}")
+    _check_tables(config, where)
+    attention = config.get("attention", {})
+    backend = attention.get("backend")
+    if backend is not None and not isinstance(backend, str):
+        raise ValueError(f"{where}: attention.backend must be a string, got {backend!r} (a backend name or 'auto')")
+    pins = check_pins(attention.get("pins", {}), f"{where}: attention.pins")
+    return Config(backend, pins)
