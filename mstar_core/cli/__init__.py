@@ -1,25 +1,29 @@
-"""The ``mstar`` command: ``demo``, ``generate``, ``backends``, ``bench``, ``warmup``; each sub-command lives in its own module
-exposing ``register(subparsers)``."""
+"""The ``mstar`` command: ``demo``, ``generate``, ``backends``, ``check``, ``new-backend``,
+``bench``, ``warmup``; each sub-command lives in its own module exposing ``register(subparsers)``."""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 
 from .. import first_use
-from . import backends, bench, demo, generate, warmup
+from . import backends, bench, check, demo, generate, new_backend, warmup
 from .progress import Progress
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="mstar", description="Attention backends for an inference engine.")
-    p.add_argument("-v", "--verbose", action="count", default=0, help="log selection and steps (-vv: debug)")
+    p.add_argument("-v", "--verbose", action="count", default=0,
+                   help="log selection and steps, and print an error's traceback (-vv: debug)")
     sub = p.add_subparsers(dest="command", required=True)
     demo.register(sub)
     generate.register(sub)
     backends.register(sub)
+    check.register(sub)
+    new_backend.register(sub)
     bench.register(sub)
     warmup.register(sub)
     return p
@@ -36,9 +40,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return int(args.func(args) or 0)
     except (ValueError, KeyError, RuntimeError) as e:
-        # Configuration mistakes (an unknown backend, a bad shape) are the user's to fix:
-        # one clear line, not a traceback.
-        print(f"mstar {args.command}: error: {e}", file=sys.stderr)
+        # Configuration mistakes (an unknown backend, a bad shape, a plugin failing in strict
+        # mode) are the user's to fix: one clear line, and the notes that say where an error
+        # came from (the backend and wrapper of a kernel's exception); -v adds the traceback.
+        if args.verbose:
+            traceback.print_exception(e, file=sys.stderr)
+        notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", ()))
+        hint = "" if args.verbose else " (mstar -v ... prints the traceback)"
+        print(f"mstar {args.command}: error: {e}{notes}{hint if notes else ''}", file=sys.stderr)
         return 2
     finally:
         first_use.remove_listener(progress)

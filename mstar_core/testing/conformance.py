@@ -59,7 +59,9 @@ class PagedCase:
     head_dim: int
     gqa: int
     q_lens: tuple[int, ...]
-    prefix_lens: tuple[int, ...]  # keys already cached before this step's queries
+    # Keys cached before this step's queries; negative: the row has fewer keys than queries, so
+    # under causal masking its first -p queries see no key (and must return zeros).
+    prefix_lens: tuple[int, ...]
     causal: bool = True
     window_left: int = -1
     num_kv_heads: int = 2
@@ -69,13 +71,16 @@ class PagedCase:
     kv_dtype: str = "auto"
     soft_cap: float | None = None
     sinks: bool = False
+    # A row whose queries are NaN and whose K/V pages hold inf/NaN: every other row must come out
+    # as if it were clean (rows are isolated); that row's output is not checked.
+    poison_row: int | None = None
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
         w = f"-win{self.window_left}" if self.window_left >= 0 else ""
-        s = "-scale" if self.sm_scale is not None else ""
+        s = f"-scale{self.sm_scale:g}" if self.sm_scale is not None else ""
         return (f"ps{self.page_size}-d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}{_feature_tag(self)}"
-                f"-q{'_'.join(map(str, self.q_lens))}")
+                f"-q{'_'.join(map(str, self.q_lens))}-p{'_'.join(map(str, self.prefix_lens))}")
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -94,17 +99,21 @@ class RaggedCase:
     window_left: int = -1
     soft_cap: float | None = None
     sinks: bool = False
+    sm_scale: float | None = None
+    poison_row: int | None = None  # as PagedCase's
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
         w = f"-win{self.window_left}" if self.window_left >= 0 else ""
-        return (f"d{self.head_dim}-gqa{self.gqa}-{c}{w}{_feature_tag(self)}-q{'_'.join(map(str, self.q_lens))}"
+        s = f"-scale{self.sm_scale:g}" if self.sm_scale is not None else ""
+        return (f"d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}{_feature_tag(self)}-q{'_'.join(map(str, self.q_lens))}"
                 f"-p{'_'.join(map(str, self.prefix_lens))}")
 
 
 def _feature_tag(case: PagedCase | RaggedCase) -> str:
     tag = f"-{case.kv_dtype}" if getattr(case, "kv_dtype", "auto") != "auto" else ""
     tag += f"-cap{case.soft_cap:g}" if case.soft_cap is not None else ""
+    tag += f"-poison{case.poison_row}" if case.poison_row is not None else ""
     return tag + ("-sinks" if case.sinks else "")
 
 
@@ -127,6 +136,9 @@ def prefill_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> li
     cases.append(PagedCase(16, 64, 4, (3, 20), (40, 0), causal=True, sm_scale=0.07, seed=200))
     # a prompt over 64 tokens: FlashInfer 0.7.4 runs a plan holding one on fa3, shorter ones on fa2
     cases.append(PagedCase(16, 128, 4, (100, 3), (20, 0), causal=True, seed=210))
+    # a window that bites on every row (each row's first query sits past it), with and without a scale
+    cases.append(PagedCase(16, 128, 4, (3, 8, 17), (12, 20, 9), window_left=4, seed=220))
+    cases.append(PagedCase(16, 128, 4, (3, 8, 17), (12, 20, 9), window_left=4, sm_scale=0.3, seed=221))
     return cases
 
 
@@ -138,6 +150,8 @@ def decode_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> lis
     for i, ps in enumerate(page_sizes):
         q, p = _lens_for(ps, decode=True)
         cases.append(PagedCase(ps, 64, 4, q, p, window_left=7, seed=400 + i))
+    cases.append(PagedCase(16, 128, 4, (1, 1, 1), (20, 3, 41), sm_scale=0.07, seed=410))
+    cases.append(PagedCase(16, 128, 4, (1, 1, 1, 1), (10, 20, 33, 47), window_left=5, seed=420))  # bites on every row
     return cases
 
 
@@ -148,6 +162,8 @@ def mixed_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list
         cases.append(PagedCase(ps, d, g, (1, 9, 1, ps + 1, 1), (12, 0, ps, 2, 1), seed=500 + i))
     cases.append(PagedCase(16, 64, 4, (1, 9, 1, 17), (12, 0, 16, 2), window_left=4, seed=600))
     cases.append(PagedCase(16, 128, 4, (1, 90, 1), (30, 5, 7), seed=610))  # a prompt over 64 tokens (see prefill)
+    cases.append(PagedCase(16, 128, 4, (1, 9, 1), (12, 0, 30), sm_scale=0.07, seed=620))
+    cases.append(PagedCase(16, 128, 4, (1, 9, 1, 17), (12, 7, 16, 6), window_left=4, seed=630))  # bites on every row
     return cases
 
 
@@ -155,6 +171,34 @@ def ragged_cases(head_dims=(64, 128), gqas=(1, 4, 8)) -> list[RaggedCase]:
     cases = []
     for i, (d, g, causal) in enumerate(itertools.product(head_dims, gqas, (True, False))):
         cases.append(RaggedCase(d, g, (1, 9, 16, 33), (0, 7, 16, 1), causal=causal, seed=700 + i))
+    cases.append(RaggedCase(128, 4, (1, 9, 16), (8, 0, 30), sm_scale=0.07, seed=750))
+    # The step's window_left reaches every dense backend (per-layer windows are the feature).
+    cases.append(RaggedCase(128, 4, (1, 9, 16), (8, 7, 16), window_left=5, seed=760))  # bites on every row
+    return cases
+
+
+def window_bites(case: PagedCase | RaggedCase) -> bool:
+    """Whether the case's window removes keys from every row: each row's first query sits more
+    than ``window_left`` positions in (a window case that bites nowhere tests nothing)."""
+    return case.window_left >= 0 and all(p > case.window_left for p in case.prefix_lens)
+
+
+# -- rows that must not affect each other, rows that see no key ----------------------------------
+
+
+def edge_cases(kind: str, head_dim: int = 128, page_size: int = 16) -> list[PagedCase] | list[RaggedCase]:
+    """For ``kind`` ("prefill", "decode", "mixed", "ragged"): a row poisoned with NaN/inf that
+    no other row may notice, and (not decode: one query per row always sees its key) rows
+    with fewer keys than queries, whose first queries see no key and must return zeros."""
+    if kind == "ragged":
+        return [RaggedCase(head_dim, 4, (9, 16, 5), (7, 16, 3), poison_row=1, seed=1000),
+                RaggedCase(head_dim, 4, (6, 4, 9), (-3, 2, -5), seed=1010)]
+    if kind == "decode":
+        return [PagedCase(page_size, head_dim, 4, (1, 1, 1, 1), (20, 3, 41, 16), poison_row=1, seed=1020)]
+    q, p = ((1, 9, 1, 17), (12, 0, 16, 6)) if kind == "mixed" else ((3, 8, 17), (12, 20, 9))
+    cases = [PagedCase(page_size, head_dim, 4, q, p, poison_row=1, seed=1030)]
+    q, p = ((1, 9, 1, 6), (12, -4, 16, 2)) if kind == "mixed" else ((5, 8, 17), (-2, 20, -10))
+    cases.append(PagedCase(page_size, head_dim, 4, q, p, seed=1040))
     return cases
 
 
@@ -275,6 +319,11 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
     qo = [0]
     for n in case.q_lens:
         qo.append(qo[-1] + n)
+    if case.poison_row is not None:  # after the oracle's keys were taken: they stay clean
+        r = case.poison_row
+        own = torch.tensor(indices[indptr[r]:indptr[r + 1]], dtype=torch.long)
+        stored[own, 0], stored[own, 1] = float("inf"), float("nan")
+        q[qo[r]:qo[r + 1]] = float("nan")
     i32 = torch.int32
     return PagedData(
         q=q.to(device, dtype), layer=stored.to(device),
@@ -293,20 +342,36 @@ def paged_oracle(case: PagedCase, data: PagedData, causal: bool, sinks: torch.Te
     return torch.cat(outs)
 
 
-def _assert_close(backend: WrapperSet, what: str, case: object, out: torch.Tensor, ref: torch.Tensor) -> float:
+def _assert_close(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, out: torch.Tensor,
+                  ref: torch.Tensor) -> float:
+    """The output is a tensor shaped like the queries, in their dtype, on their device, and
+    within the dtype's tolerance of the float64 oracle (a poisoned row aside)."""
+    where = f"{backend.name} {what} [{case}]"
+    if not isinstance(out, torch.Tensor):
+        raise AssertionError(f"{where}: run returned {type(out).__name__}, expected a tensor")
     if tuple(out.shape) != tuple(ref.shape):
-        raise AssertionError(f"{backend.name} {what} [{case}]: output shape {tuple(out.shape)}, expected {tuple(ref.shape)}")
+        raise AssertionError(f"{where}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)} "
+                             "(the queries' [tokens, Hq, D])")
+    if out.dtype != backend.dtype:
+        raise AssertionError(f"{where}: output dtype {out.dtype}, expected {backend.dtype} (the queries' dtype)")
+    if out.device.type != torch.device(backend.device).type:
+        raise AssertionError(f"{where}: output on {out.device}, expected {backend.device} (the queries' device)")
+    if case.poison_row is not None:
+        qo = [0, *itertools.accumulate(case.q_lens)]
+        keep = torch.ones(out.shape[0], dtype=torch.bool)
+        keep[qo[case.poison_row]:qo[case.poison_row + 1]] = False
+        out, ref = out[keep.to(out.device)], ref[keep]
     err = rel_error(out, ref)
     tol = TOLERANCE[backend.dtype]
     if not err <= tol:
-        raise AssertionError(f"{backend.name} {what} [{case}]: relative error {err:.3g} > {tol:.3g}")
+        raise AssertionError(f"{where}: relative error {err:.3g} > {tol:.3g}")
     return err
 
 
 def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
     """The plan's keyword arguments: the backend's, the case's sm_scale and features."""
     kw = dict(backend.extra_plan_kwargs)
-    if case.sm_scale is not None:
+    if case.sm_scale is not None:  # a paged plan takes it (and the features) as keywords
         kw["sm_scale"] = case.sm_scale
     if case.soft_cap is not None:
         kw["logits_soft_cap"] = case.soft_cap
@@ -326,11 +391,13 @@ def _run_kwargs(case: PagedCase, sinks: torch.Tensor | None) -> dict[str, Any]:
     return kw
 
 
-def check_prefill(backend: WrapperSet, case: PagedCase) -> float:
+def check_prefill(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> float:
+    """One prefill case through a fresh wrapper (or ``wrapper``, planned again: see
+    :mod:`.reuse`); the relative error, or AssertionError naming the case."""
     data = make_paged(case, backend.device, backend.dtype)
     hq = case.num_kv_heads * case.gqa
-    w = backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
-                        device=torch.device(backend.device))
+    w = wrapper or backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
+                                   device=torch.device(backend.device))
     w.plan(data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
            dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
     sinks = sink_logits(case, backend.device)
@@ -338,12 +405,12 @@ def check_prefill(backend: WrapperSet, case: PagedCase) -> float:
     return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
-def check_decode(backend: WrapperSet, case: PagedCase) -> float:
+def check_decode(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> float:
     assert all(n == 1 for n in case.q_lens), "decode cases have one query per row"
     data = make_paged(case, backend.device, backend.dtype)
     hq = case.num_kv_heads * case.gqa
-    w = backend.decode(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
-                       device=torch.device(backend.device))
+    w = wrapper or backend.decode(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
+                                  device=torch.device(backend.device))
     w.plan(data.kv_indptr, backend.indices(data), data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
            window_left=case.window_left, **_scale_kwargs(backend, case))
     sinks = sink_logits(case, backend.device)
@@ -351,14 +418,15 @@ def check_decode(backend: WrapperSet, case: PagedCase) -> float:
     return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True, sinks))
 
 
-def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None) -> float:
+def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None, wrapper: Any = None
+                ) -> float:
     data = make_paged(case, backend.device, backend.dtype)
     hq = case.num_kv_heads * case.gqa
     rows = len(case.q_lens)
     prompts = sum(1 for n in case.q_lens if n > 1)
-    w = backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
-                      case.page_size, rows, sum(case.q_lens), int(data.kv_indices.numel()) + 1,
-                      max_prefill_rows or max(prompts, 1), torch.device(backend.device))
+    w = wrapper or backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
+                                 case.page_size, rows, sum(case.q_lens), int(data.kv_indices.numel()) + 1,
+                                 max_prefill_rows or max(prompts, 1), torch.device(backend.device))
     w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
            dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
     sinks = sink_logits(case, backend.device)
@@ -366,7 +434,7 @@ def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | No
     return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
-def check_ragged(backend: WrapperSet, case: RaggedCase) -> float:
+def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> float:
     gen = torch.Generator().manual_seed(case.seed)
     hkv, d = case.num_kv_heads, case.head_dim
     hq = hkv * case.gqa
@@ -377,17 +445,23 @@ def check_ragged(backend: WrapperSet, case: RaggedCase) -> float:
     cu_q = torch.tensor([0, *itertools.accumulate(case.q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
     dev, dt = backend.device, backend.dtype
-    w = backend.ragged(hq, hkv, d, torch.device(dev), workspace_buffer=backend.workspace())
+    qd, kd, vd = (t.to(dt).double() for t in (q, k, v))  # the oracle's inputs: clean, even for a poisoned row
+    if case.poison_row is not None:
+        r = case.poison_row
+        q[cu_q[r]:cu_q[r + 1]] = float("nan")
+        k[cu_k[r]:cu_k[r + 1]], v[cu_k[r]:cu_k[r + 1]] = float("inf"), float("nan")
+    w = wrapper or backend.ragged(hq, hkv, d, torch.device(dev), workspace_buffer=backend.workspace())
     plan_kw: dict[str, Any] = {} if case.window_left < 0 else {"window_left": case.window_left}
     if case.soft_cap is not None:
         plan_kw["logits_soft_cap"] = case.soft_cap
+    if case.sm_scale is not None:
+        plan_kw["sm_scale"] = case.sm_scale
     w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt, **plan_kw)
     sinks = sink_logits(case, dev)
     out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), **({} if sinks is None else {"sinks": sinks}))
-    qd, kd, vd = (t.to(dt).double() for t in (q, k, v))
     ref = torch.cat([
         attention_oracle(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], case.causal,
-                         case.window_left, None, case.soft_cap, sinks)
+                         case.window_left, case.sm_scale, case.soft_cap, sinks)
         for i in range(len(case.q_lens))
     ])
     return _assert_close(backend, "ragged", case, out, ref)

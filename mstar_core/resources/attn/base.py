@@ -21,6 +21,9 @@ class AttentionManager(Resource):
     """
 
     name = "attn"
+    # The backend the wrappers come from (set by ``build`` from the selection): named, with the
+    # wrapper, in a note on any exception a wrapper raises.
+    backend_name: str | None = None
 
     @property
     def requires_kv_write(self) -> bool:
@@ -57,3 +60,11 @@ def check_q(q: torch.Tensor, tokens: int, num_qo_heads: int, head_dim: int, dtyp
 def plan_kwargs(**kw: Any) -> dict[str, Any]:
     """Drop None values: wrappers take their own defaults for what the step leaves unset."""
     return {k: v for k, v in kw.items() if v is not None}
+
+
+def blame(e: BaseException, backend: str | None, wrapper: Any, method: str) -> None:
+    """Add a note to ``e`` naming the backend and wrapper method it came from (tracebacks and
+    ``mstar -v`` show it; the exception itself is unchanged)."""
+    cls = type(wrapper)
+    where = f"{cls.__module__}.{cls.__qualname__}.{method}"
+    e.add_note(f"raised in {where} (attention backend {backend!r})" if backend else f"raised in {where}")

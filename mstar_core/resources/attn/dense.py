@@ -40,7 +40,7 @@ from ...step import Step, StepContext
 from ..kv.config import KVConfig
 from ..kv.paged import KVManager
 from ..kv.plan import KVPlan, LabelLayout
-from .base import AttentionManager, check_q, plan_kwargs
+from .base import AttentionManager, blame, check_q, plan_kwargs
 from .prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from .protocols import PrefixedPrefillWrapper
 
@@ -175,6 +175,7 @@ class DenseAttentionManager(AttentionManager):
         if not isinstance(kv, KVManager):
             raise TypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
         wrapper_class = spec.get("wrapper_class")
+        backend_name = None
         if wrapper_class is None:
             from ...registry import select_backend  # the registry imports plugins: keep it lazy
 
@@ -182,10 +183,12 @@ class DenseAttentionManager(AttentionManager):
                 capabilities=(DENSE_CAPABILITY,), requested=spec.get("backend"), device=info.device,
                 dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
             )
-            wrapper_class = sel.classes[DENSE_CAPABILITY]
-        return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
-                   flashinfer_backend=spec.get("flashinfer_backend", "auto"),
-                   max_cached_tokens=spec.get("max_cached_tokens"))
+            wrapper_class, backend_name = sel.classes[DENSE_CAPABILITY], sel.name
+        manager = cls(kv, info.device, info.dtype, kv.config, wrapper_class,
+                      flashinfer_backend=spec.get("flashinfer_backend", "auto"),
+                      max_cached_tokens=spec.get("max_cached_tokens"))
+        manager.backend_name = backend_name
+        return manager
 
     # -- resource identity -------------------------------------------------------------------
     @property
@@ -290,8 +293,12 @@ class DenseAttentionManager(AttentionManager):
                 self._wrappers[key] = w
             self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
             # Host tensors: the wrapper moves them to the device once per step, not per layer.
-            w.plan(cu_q_t, cu_k_t, max_q, max_k, causal=causal, dtype=self.dtype, sm_scale=sm_scale,
-                   window_left=window, **kw)
+            try:
+                w.plan(cu_q_t, cu_k_t, max_q, max_k, causal=causal, dtype=self.dtype, sm_scale=sm_scale,
+                       window_left=window, **kw)
+            except Exception as e:
+                blame(e, self.backend_name, w, "plan")
+                raise
             self._planned[key] = self._serial
             plans.append((window, w, key))
         w = plans[0][1]
@@ -359,7 +366,11 @@ class DenseAttentionManager(AttentionManager):
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx)
         keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
-        return wrapper.run(q, keys, values, **plan_kwargs(sinks=sinks))
+        try:
+            return wrapper.run(q, keys, values, **plan_kwargs(sinks=sinks))
+        except Exception as e:
+            blame(e, self.backend_name, wrapper, "run")
+            raise
 
     def _label_run(self, label: str | None, i: int) -> tuple[_LabelRun, Any]:
         if self.bound_plan() is None and self._current is None:

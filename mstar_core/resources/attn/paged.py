@@ -21,7 +21,7 @@ from ...step import Step, StepContext
 from ..kv.config import KVConfig
 from ..kv.paged import KVManager
 from ..kv.plan import LabelLayout
-from .base import AttentionManager, check_q, plan_kwargs
+from .base import AttentionManager, blame, check_q, plan_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -165,7 +165,9 @@ class PagedAttentionManager(AttentionManager):
         # Multi-token decode rows are captured on the prefill wrapper: it must be capturable too.
         capturable = "paged_decode" in sel.capturable and (
             kv.features.decode_query_tokens == 1 or "paged_prefill" in sel.capturable)
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable, **extra)
+        manager = cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable, **extra)
+        manager.backend_name = sel.name
+        return manager
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
@@ -276,15 +278,19 @@ class PagedAttentionManager(AttentionManager):
 
     def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
                       kw: dict[str, Any]) -> None:
-        if kind == "paged_decode":
-            w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
-                   window_left=window_left, **kw)
-        else:
-            # The mixed split is host arithmetic over the pages: it gets them from the host lists
-            # (no device sync); decode and prefill take the indices gathered on the device.
-            indices = lay.kv_indices_host if kind == "mixed" else lay.kv_indices
-            w.plan(lay.qo_indptr, lay.kv_indptr, indices, lay.kv_last_page_len, causal=causal,
-                   dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
+        try:
+            if kind == "paged_decode":
+                w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
+                       window_left=window_left, **kw)
+            else:
+                # The mixed split is host arithmetic over the pages: it gets them from the host lists
+                # (no device sync); decode and prefill take the indices gathered on the device.
+                indices = lay.kv_indices_host if kind == "mixed" else lay.kv_indices
+                w.plan(lay.qo_indptr, lay.kv_indptr, indices, lay.kv_last_page_len, causal=causal,
+                       dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
+        except Exception as e:
+            blame(e, self.backend_name, w, "plan")
+            raise
 
     def run(
         self,
@@ -328,7 +334,11 @@ class PagedAttentionManager(AttentionManager):
         if sinks is not None:
             self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
             kw = {**kw, "sinks": sinks}
-        return wrapper.run(q, kv_cache_layer, **kw)
+        try:
+            return wrapper.run(q, kv_cache_layer, **kw)
+        except Exception as e:
+            blame(e, self.backend_name, wrapper, "run")
+            raise
 
     @property
     def current(self) -> PagedAttnPlan:

@@ -1,0 +1,251 @@
+"""``mstar check``: the conformance suite against one installed backend, as the registry sees
+it -- every capability it provides, in every dtype and (up to two) head dims it declares, with
+the features it declares -- plus the checks a fresh-wrapper-per-case suite cannot make: one
+wrapper re-planned with different shapes, replayed from a CUDA graph where it is capturable,
+rows poisoned with NaN/inf that no other row may notice, and rows that see no key.
+
+From Python::
+
+    report = check_backend("mykernel", device="cuda")
+    assert report.ok, report.render()
+
+From a plugin's own test suite, in one line (one pytest test per case)::
+
+    from mstar_core.testing.check import conformance_test
+    test_conformance = conformance_test("mykernel")
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..registry.spec import BackendSpec, dtype_name
+from . import conformance as C
+from . import reuse
+
+# Capability -> the suite's name for its kind of case.
+KINDS: dict[str, str] = {"paged_prefill": "prefill", "paged_decode": "decode", "mixed": "mixed",
+                         "prefixed_ragged": "ragged"}
+NOT_COVERED: dict[str, str] = {
+    "bounded": "the bounded kernel has no wrapper protocol yet: tests/bounded checks the built-in one",
+}
+HEAD_DIM_CANDIDATES = (64, 128, 256, 96, 80, 32, 192, 16, 8)
+
+
+@dataclass(frozen=True)
+class Check:
+    """One case of the suite: ``run()`` returns the relative error or raises."""
+
+    capability: str
+    group: str  # plain, features, edge, replan, replay
+    dtype: torch.dtype
+    name: str
+    run: Callable[[], float] = field(repr=False, compare=False)
+
+    @property
+    def id(self) -> str:
+        return f"{self.capability}-{dtype_name(self.dtype)}-{self.group}-{self.name}"
+
+
+@dataclass(frozen=True)
+class Result:
+    capability: str
+    group: str
+    dtype: str
+    name: str
+    passed: bool
+    error: float | None  # relative error vs the float64 oracle (None: it raised)
+    message: str = ""
+    seconds: float = 0.0
+
+
+@dataclass
+class Report:
+    """What ``mstar check`` prints (``render``) or dumps (``as_json``)."""
+
+    backend: str
+    label: str
+    api_version: str
+    device: str
+    results: list[Result]
+    not_covered: dict[str, str]
+
+    @property
+    def failed(self) -> list[Result]:
+        return [r for r in self.results if not r.passed]
+
+    @property
+    def ok(self) -> bool:
+        return bool(self.results) and not self.failed
+
+    def render(self, all_rows: bool = True) -> str:
+        rows = [("capability", "dtype", "group", "case", "result", "rel. error")]
+        for r in self.results:
+            if all_rows or not r.passed:
+                err = f"{r.error:.2e}" if r.error is not None else "-"
+                rows.append((r.capability, r.dtype, r.group, r.name, "pass" if r.passed else "FAIL", err))
+        widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+        lines = [f"mstar check {self.backend} ({self.label}, plugin API {self.api_version}) on {self.device}", ""]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        for r in self.failed:
+            lines += ["", f"FAIL {r.capability} {r.dtype} {r.group} {r.name}:", f"  {r.message}"]
+        for cap, why in self.not_covered.items():
+            lines += ["", f"not covered: {cap}: {why}"]
+        n, bad = len(self.results), len(self.failed)
+        lines += ["", f"{n - bad} of {n} cases passed" + (f"; {bad} failed" if bad else "")]
+        return "\n".join(lines)
+
+    def as_json(self) -> dict[str, Any]:
+        return {"backend": self.backend, "label": self.label, "api_version": self.api_version, "device": self.device,
+                "ok": self.ok, "passed": len(self.results) - len(self.failed), "failed": len(self.failed),
+                "not_covered": self.not_covered, "results": [dataclasses.asdict(r) for r in self.results]}
+
+
+def default_head_dims(spec: BackendSpec) -> tuple[int, ...]:
+    """64 and 128 where declared, else the first declared among common head dims."""
+    ok = [d for d in HEAD_DIM_CANDIDATES if not spec.head_dims.reasons(d)]
+    both = tuple(d for d in (64, 128) if d in ok)
+    return both or tuple(ok[:1])
+
+
+def default_dtypes(spec: BackendSpec) -> tuple[torch.dtype, ...]:
+    """Every declared dtype the suite has a tolerance for."""
+    return tuple(d for d in spec.dtypes if d in C.TOLERANCE)
+
+
+def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
+    """The cases at the allowed head dims (a case at another one moves to the nearest), once each."""
+    out: dict[str, Any] = {}
+    for c in cases:
+        if c.head_dim not in head_dims:
+            c = dataclasses.replace(c, head_dim=min(head_dims, key=lambda d: abs(d - c.head_dim)))
+        out.setdefault(str(c), c)
+    return list(out.values())
+
+
+def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int]) -> list[tuple[str, Any]]:
+    plain = {"prefill": C.prefill_cases, "decode": C.decode_cases, "mixed": C.mixed_cases}
+    if kind == "ragged":
+        base, extra = C.ragged_cases(), C.ragged_feature_cases(features, head_dims[-1])
+    else:
+        base, extra = plain[kind](), C.feature_cases(kind, features, head_dim=head_dims[-1])
+    groups = [("plain", _at(base, head_dims)), ("features", _at(extra, head_dims)),
+              ("edge", _at(C.edge_cases(kind, head_dims[-1]), head_dims))]
+    return [(g, c) for g, cases in groups for c in cases]
+
+
+def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.device | str,
+                dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None) -> list[Check]:
+    """Every check of ``spec``'s capabilities (``classes``: capability -> loaded wrapper) on
+    ``device``; ``dtypes``/``head_dims`` None: the declared ones (:func:`default_dtypes`,
+    :func:`default_head_dims`). Nothing runs until a check's ``run()``."""
+    device = torch.device(device)
+    dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
+    head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
+    if not dtypes or not head_dims:
+        raise ValueError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(dtypes)}, head dims "
+                         f"{list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, head dims "
+                         f"{spec.head_dims}")
+    checks: list[Check] = []
+    for dtype in dtypes:
+        ws = C.WrapperSet(
+            spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
+            classes.get("prefixed_ragged"), device=str(device), dtype=dtype,
+            workspace_bytes=(128 << 20) if device.type == "cuda" else (1 << 20), device_indices=device.type == "cuda")
+        for cap, kind in KINDS.items():
+            if cap not in classes:
+                continue
+            fn = {"prefill": C.check_prefill, "decode": C.check_decode, "mixed": C.check_mixed,
+                  "ragged": C.check_ragged}[kind]
+            for group, case in _cases(kind, spec.supports(cap), head_dims):
+                checks.append(Check(cap, group, dtype, str(case), lambda fn=fn, ws=ws, case=case: fn(ws, case)))
+            d = head_dims[-1]
+            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}", lambda ws=ws, k=kind, d=d: reuse.check_replan(ws, k, d)))
+            if cap in spec.capturable and device.type == "cuda":
+                checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}",
+                                    lambda ws=ws, k=kind, d=d: reuse.check_replay(ws, k, d)))
+    return checks
+
+
+def run_check(check: Check) -> Result:
+    t0 = time.perf_counter()
+    try:
+        err, passed, msg = check.run(), True, ""
+    except Exception as e:  # a failing case is a result, not the end of the run
+        err, passed, msg = None, False, f"{type(e).__name__}: {e}"
+    return Result(check.capability, check.group, dtype_name(check.dtype), check.name, passed, err, msg,
+                  time.perf_counter() - t0)
+
+
+def select_for_check(name: str, device: torch.device | str | None = None, registry: Any = None) -> tuple[Any, torch.device]:
+    """The backend named ``name`` with every wrapper protocol it provides loaded, on ``device``
+    (None: CUDA when usable and the backend runs there, else the CPU). Raises
+    ``BackendUnavailable`` with the reasons when it cannot run there."""
+    from ..registry import get_registry, select_backend
+    from ..registry.device import as_device
+
+    registry = registry or get_registry()
+    spec = registry.get(name)
+    if device is None:
+        cuda = torch.cuda.is_available() and spec is not None and not registry.device_reasons(spec, "cuda")
+        device = "cuda" if cuda else "cpu"
+    device = as_device(device)
+    caps = tuple(c for c in (spec.provides if spec is not None else KINDS) if c in KINDS) or tuple(KINDS)
+    sel = select_backend(capabilities=caps, requested=name, device=device, dtype=None, head_dim=None,
+                         registry=registry, honor_env=False)
+    return sel, device
+
+
+def check_backend(name: str, device: torch.device | str | None = None, dtypes: Sequence[torch.dtype] | None = None,
+                  head_dims: Sequence[int] | None = None, registry: Any = None,
+                  on_result: Callable[[Result], None] | None = None) -> Report:
+    """Run every check of the installed backend ``name`` (see :func:`plan_checks`)."""
+    sel, device = select_for_check(name, device, registry)
+    spec = sel.backend
+    results = []
+    for check in plan_checks(spec, sel.classes, device, dtypes, head_dims):
+        result = run_check(check)
+        results.append(result)
+        if on_result is not None:
+            on_result(result)
+    not_covered = {c: NOT_COVERED[c] for c in spec.provides if c in NOT_COVERED}
+    return Report(name, spec.label, spec.api_version, str(device), results, not_covered)
+
+
+def conformance_test(name: str, *, device: torch.device | str | None = None,
+                     dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None,
+                     skip_unavailable: bool = False) -> Callable[..., None]:
+    """A pytest test function, parametrized with one test per check of backend ``name``::
+
+        test_conformance = conformance_test("mykernel")
+
+    A backend that cannot run here fails collection with the reasons; ``skip_unavailable=True``
+    turns that into one skipped test naming them (a GPU backend's suite on a CPU machine)."""
+    import pytest
+
+    from ..registry import BackendUnavailable
+
+    try:
+        sel, dev = select_for_check(name, device)
+    except BackendUnavailable as e:
+        if not skip_unavailable:
+            raise
+
+        @pytest.mark.skip(reason=str(e))
+        def test_conformance_unavailable() -> None:
+            raise AssertionError("skipped")
+
+        return test_conformance_unavailable
+    checks = plan_checks(sel.backend, sel.classes, dev, dtypes, head_dims)
+
+    @pytest.mark.parametrize("check", checks, ids=[c.id for c in checks])
+    def test_conformance(check: Check) -> None:
+        check.run()
+
+    return test_conformance
