@@ -138,7 +138,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     backends = []
     listed = [(spec, registry.device_reasons(spec, device)) for spec in registry.backends.values()]
     # A name several distributions register: every claimant, none available until pinned.
-    listed += [(spec, [registry.conflict_reason(name)]) for name, claims in registry.conflicts.items() for spec in claims]
+    listed += [(spec, [registry.conflict_reason(name)])
+               for name, claims in registry.conflicts.items() for spec in claims]
     for spec, reasons in sorted(listed, key=lambda x: (x[0].name, x[0].distribution or "")):
         name = spec.name
         backends.append({

@@ -7,6 +7,7 @@ import json
 from dataclasses import asdict
 
 from ..workloads.decode_bench import BenchOptions, run_decode_bench
+from .options import add_config, config_from
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -41,6 +42,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="query tokens per request per step: 1, or 2..8 for multi-token decode rows (speculative "
                    "verification), captured like one-token decode (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_config(p)
     p.set_defaults(func=run)
 
 
@@ -53,6 +55,7 @@ def check_options(o: BenchOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    config_from(args)  # a bad config file fails here, before the model is built
     fields = BenchOptions.__dataclass_fields__
     opts = BenchOptions(**{k: getattr(args, k) for k in fields})  # each count >= 1, context >= 0
     check_options(opts)

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from .options import add_config, config_from
+
 WORKLOADS = ("text", "denoise")
 
 
@@ -21,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and data seed (default: 0)")
+    add_config(p)
     p.set_defaults(func=run)
 
 
@@ -36,10 +39,11 @@ def check_seed(seed: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
+    config = config_from(args)
     if args.workload == "denoise":
         from ..workloads import denoise
 
-        return denoise.main(backend=args.backend, device=args.device, seed=args.seed)
+        return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
     from ..workloads import text
 
-    return text.main(backend=args.backend, device=args.device, seed=args.seed)
+    return text.main(backend=args.backend, device=args.device, seed=args.seed, config=config)

@@ -10,6 +10,7 @@ import time
 from typing import Any
 
 from .demo import check_seed
+from .options import add_config, config_from
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -36,6 +37,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on for CUDA)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_config(p)
     p.set_defaults(func=run)
 
 
@@ -63,6 +65,7 @@ class _Progress:
 
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
+    config = config_from(args)  # before the model loads: a typo fails fast
     if args.max_new_tokens < 1:
         raise ValueError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if importlib.util.find_spec("transformers") is None:
@@ -77,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
     dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else as_dtype(args.dtype)
     model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
     prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
-    options: dict[str, Any] = {"on_step": _Progress()}
+    options: dict[str, Any] = {"on_step": _Progress(), "config": config}
     if args.graphs is not None:
         options["graphs"] = args.graphs
     rep = generate_report(model, prompts, args.max_new_tokens, args.backend, **options)

@@ -99,10 +99,10 @@ class Registry:
                        f"or distribution name (group {discovery.GROUP!r})")
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        for name, claims in sorted(self.conflicts.items()):
-            log.warning("%s", self.conflict_reason(name))
+        for name in self.conflicts:
             if self.strict:
                 raise PluginError(f"strict mode: {self.conflict_reason(name)}")
+            log.warning("%s", self.conflict_reason(name))
         for name, dist in self.pins.items():
             if name in self._claims:  # a pin the user set for a name nobody registers is harmless
                 self.view({name: dist})  # raises when the pinned distribution does not register it
@@ -112,10 +112,10 @@ class Registry:
         text = error if isinstance(error, str) else f"{type(error).__name__}: {error}"
         failure = PluginFailure(ep_name, dist, version, stage, text, tuple(dict.fromkeys(backends)))
         self.failures.append(failure)
-        log.warning("%s", failure)
         if self.strict:
             # One way to fail in strict mode: a PluginError naming the plugin, the cause chained.
             raise PluginError(f"strict mode: {failure}") from (error if isinstance(error, BaseException) else None)
+        log.warning("%s", failure)
 
     def _load_one(self, pm: pluggy.PluginManager, ep, dist: str, version: str) -> None:
         try:
@@ -317,8 +317,8 @@ class Registry:
             with self._lock:
                 self._resolved.setdefault(key, resolved)
             if failed and self.strict:
-                plugin = next((p for p in self.plugins if spec.name in p.backends and p.distribution == spec.distribution),
-                              None)
+                plugin = next((p for p in self.plugins
+                               if spec.name in p.backends and p.distribution == spec.distribution), None)
                 self._fail(plugin.entry_point if plugin else spec.name, spec.distribution or "?", spec.version or "?",
                            "provides", "; ".join(failed.values()), [spec.name])
         classes, failed = resolved

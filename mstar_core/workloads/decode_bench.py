@@ -43,6 +43,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "auto"
     query_tokens: int = 1  # per request per step; 2..8: multi-token decode rows
+    config: str | None = None  # a TOML config file: the backend's name and pins (mstar_core.config)
 
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
@@ -111,7 +112,7 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     t = o.query_tokens
     features = AttentionFeatures(decode_query_tokens=t)
     sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt,
-                         head_dim=o.head_dim, features=features)
+                         head_dim=o.head_dim, features=features, config=o.config)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
     model = TinyDecoder(cfg, dev, dt)
@@ -121,7 +122,7 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     kv = KVManager(kvc, dev, dt, features=features)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
                                  graph_capturable="paged_decode" in sel.capturable,
-                                 max_batch_size=max(o.batch, 1))
+                                 max_batch_size=max(o.batch, 1), backend_name=sel.name)
     node = Node([kv, attn])
 
     def forward(ctx, tokens):

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import Config, ConfigSource
 from ..resources.attn.dense import DENSE_CAPABILITY, DenseAttentionManager
 from ..resources.kv import KVConfig, KVManager
 from ..runner import Node
@@ -193,16 +194,18 @@ def run_denoise(wrapper_class: type, backend: str, device: torch.device | str = 
     return rep
 
 
-def main(backend: str | None = None, device: str = "cpu", seed: int = 0) -> int:
+def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None) -> int:
     """``mstar demo --workload denoise``: pick the dense backend (by name, config, env or auto),
     run, print the report; 0 when every output matched and the cache behaved, else 1."""
-    from ..registry import select_backend  # imports plugins: keep it out of module import
+    from ..registry import (
+        select_backend,  # imports plugins: keep it out of module import
+    )
 
     dev = torch.device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     shape = DenoiseShape()
     sel = select_backend(capabilities=(DENSE_CAPABILITY,), requested=backend, device=dev, dtype=dtype,
-                         head_dim=shape.head_dim)
+                         head_dim=shape.head_dim, config=config)
     cls = sel.classes[DENSE_CAPABILITY]
     report = run_denoise(cls, f"{sel.name} ({cls.__name__})", dev, dtype, seed, shape)
     for line in report.lines():

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from ..config import Config, ConfigSource
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
 from ..resources.kv import KVConfig, KVManager
@@ -88,7 +89,7 @@ def run_text_demo(
     model = TinyDecoder(cfg, device, dtype, seed=seed)
     kv_cfg = KVConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, max_pages, cfg.num_qo_heads)
     kv = KVManager(kv_cfg, device, dtype)
-    attn = PagedAttentionManager(kv, device, dtype, kv_cfg, wrappers)
+    attn = PagedAttentionManager(kv, device, dtype, kv_cfg, wrappers, backend_name=backend_name)
     node = Node([attn, kv])
     pending = make_requests(cfg.vocab_size, seed)
     active: list[Request] = []
@@ -157,14 +158,14 @@ def _check(model: TinyDecoder, r: Request) -> float:
     return float((got - want).abs().max())
 
 
-def main(backend: str | None = None, device: str = "cpu", seed: int = 0) -> int:
+def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None) -> int:
     """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report."""
     from ..registry import select_backend
 
     dev = torch.device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
     sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
-                         head_dim=TinyDecoderConfig().head_dim)
+                         head_dim=TinyDecoderConfig().head_dim, config=config)
     report = run_text_demo(sel.classes, sel.name, device, dtype, seed)
     for line in report.lines():
         print(line)

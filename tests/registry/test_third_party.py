@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -14,79 +15,31 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
+DOC = REPO / "docs" / "PLUGINS.md"
 
-TOY_PYPROJECT = """
+BROKEN_PYPROJECT = """
 [build-system]
 requires = ["setuptools>=61"]
 build-backend = "setuptools.build_meta"
 
 [project]
-name = "mstar-toy"
-version = "0.0.7"
+name = "mstar-broken"
+version = "3.1.4"
 dependencies = ["mstar-core"]
 
 [project.entry-points."mstar.backends"]
-toy = "mstar_toy.plugin"
+broken = "mstar_broken.plugin"
 
 [tool.setuptools]
-packages = ["mstar_toy"]
+packages = ["mstar_broken"]
 """
 
-TOY_PLUGIN = """
-import torch
-from mstar_core.registry import BackendSpec, hookimpl
 
-@hookimpl
-def mstar_register_backends(register):
-    register(BackendSpec(
-        name="toy",
-        provides={
-            "paged_prefill": "mstar_toy.wrappers:ToyPrefillWrapper",
-            "paged_decode": "mstar_toy.wrappers:ToyDecodeWrapper",
-            "mixed": "mstar_toy.wrappers:ToyMixedWrapper",
-            "prefixed_ragged": "mstar_toy.wrappers:ToyRaggedWrapper",
-        },
-        devices=("cpu",),
-        dtypes=(torch.float32, torch.float64),
-        description="a vendor's kernels (here: the reference, subclassed)",
-    ))
-"""
-
-TOY_WRAPPERS = """
-from mstar_core.backends import reference as R
-
-class ToyPrefillWrapper(R.ReferencePrefillWrapper): pass
-class ToyDecodeWrapper(R.ReferenceDecodeWrapper): pass
-class ToyMixedWrapper(R.ReferenceMixedWrapper): pass
-class ToyRaggedWrapper(R.ReferencePrefixedPrefillWrapper): pass
-"""
-
-BROKEN_PYPROJECT = TOY_PYPROJECT.replace("mstar-toy", "mstar-broken").replace('"0.0.7"', '"3.1.4"') \
-    .replace('toy = "mstar_toy.plugin"', 'broken = "mstar_broken.plugin"').replace('["mstar_toy"]', '["mstar_broken"]')
-
-SELECT_AND_CONFORM = """
-import torch
-from mstar_core.registry import select_backend
-from mstar_core.testing import conformance as C
-
-caps = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged")
-sel = select_backend(capabilities=caps, requested="toy", device=torch.device("cpu"), dtype=torch.float32, head_dim=64)
-assert sel.name == "toy" and sel.backend.distribution == "mstar-toy" and sel.backend.version == "0.0.7", sel
-assert all(c.__module__ == "mstar_toy.wrappers" for c in sel.classes.values()), sel.classes
-ws = C.WrapperSet("toy", sel.classes["paged_prefill"], sel.classes["paged_decode"], sel.classes["mixed"],
-                  sel.classes["prefixed_ragged"])
-n = 0
-for case in C.prefill_cases(page_sizes=(16,), head_dims=(64,), gqas=(4,))[:2]:
-    C.check_prefill(ws, case); n += 1
-for case in C.decode_cases(page_sizes=(16,), head_dims=(64,), gqas=(4,))[:1]:
-    C.check_decode(ws, case); n += 1
-for case in C.mixed_cases(page_sizes=(16,), head_dims=(64,), gqas=(4,))[:1]:
-    C.check_mixed(ws, case); n += 1
-for case in C.ragged_cases(head_dims=(64,), gqas=(4,))[:2]:
-    C.check_ragged(ws, case); n += 1
-auto = select_backend(capabilities=("paged_decode",), requested="auto", device="cpu", dtype=torch.float32)
-print("conformance cases passed:", n, "auto:", auto.name)
-"""
+def files_from_doc() -> dict[str, str]:
+    """The example distribution of docs/PLUGINS.md: each fenced block after ``<!-- file: PATH -->``."""
+    files = dict(re.findall(r"<!-- file: (\S+) -->\n```\w*\n(.*?)```", DOC.read_text(), re.S))
+    assert {"pyproject.toml", "plainattn_mstar/plugin.py", "plainattn_mstar/wrappers.py"} <= set(files), sorted(files)
+    return files
 
 
 def _write(root: Path, files: dict[str, str]) -> Path:
@@ -99,10 +52,10 @@ def _write(root: Path, files: dict[str, str]) -> Path:
 
 @pytest.fixture(scope="module")
 def site(tmp_path_factory, build_wheel) -> Path:
-    """An isolated install folder holding mstar-toy and mstar-broken."""
+    """An isolated install folder holding docs/PLUGINS.md's plainattn-mstar, built from that page
+    alone, and mstar-broken."""
     tmp = tmp_path_factory.mktemp("third_party")
-    toy = _write(tmp / "toy", {"pyproject.toml": TOY_PYPROJECT, "mstar_toy/__init__.py": "",
-                               "mstar_toy/plugin.py": TOY_PLUGIN, "mstar_toy/wrappers.py": TOY_WRAPPERS})
+    toy = _write(tmp / "plainattn", files_from_doc())
     broken = _write(tmp / "broken", {"pyproject.toml": BROKEN_PYPROJECT, "mstar_broken/__init__.py": "",
                                      "mstar_broken/plugin.py": "import mstar_kernel_that_is_not_there\n"})
     wheels = [build_wheel(toy, tmp / "wheels"), build_wheel(broken, tmp / "wheels")]
@@ -130,36 +83,48 @@ def test_mstar_backends_lists_the_plugin_and_the_broken_one(site):
     r = _run(site, _cli("--json"))
     assert r.returncode == 0, r.stderr
     data = json.loads(r.stdout)
-    toy = next(b for b in data["backends"] if b["name"] == "toy")
-    assert (toy["distribution"], toy["version"], toy["available"]) == ("mstar-toy", "0.0.7", True)
-    assert toy["provides"] == ["paged_prefill", "paged_decode", "mixed", "prefixed_ragged"]
+    plain = next(b for b in data["backends"] if b["name"] == "plainattn")
+    assert (plain["distribution"], plain["version"], plain["available"]) == ("plainattn-mstar", "0.1.0", True)
+    assert plain["provides"] == ["paged_decode", "prefixed_ragged"] and plain["api_version"] == "1.0"
     (broken,) = [f for f in data["failed_plugins"] if f["entry_point"] == "broken"]
     assert (broken["distribution"], broken["version"], broken["stage"]) == ("mstar-broken", "3.1.4", "load")
     assert "mstar_kernel_that_is_not_there" in broken["error"]
-    assert data["auto"]["paged_decode"]["pick"] == "toy"  # a vendor's plugin goes before the reference
-    assert data["auto"]["bounded"]["pick"] == "reference"  # toy does not provide it
+    # a vendor's plugin goes before the reference, as PLUGINS.md says
+    assert data["auto"]["paged_decode"]["pick"] == "plainattn"
+    assert data["auto"]["prefixed_ragged"]["pick"] == "plainattn"
+    assert data["auto"]["bounded"]["pick"] == "reference"  # plainattn does not provide it
 
     table = _run(site, _cli())
     assert table.returncode == 0, table.stderr
-    assert "toy" in table.stdout and "mstar-toy 0.0.7" in table.stdout
+    assert "plainattn" in table.stdout and "plainattn-mstar 0.1.0" in table.stdout
     assert "plugins that failed to load:" in table.stdout and "broken (mstar-broken 3.1.4) at load" in table.stdout
 
 
 @pytest.mark.slow
-def test_the_plugin_selected_by_name_passes_conformance(site):
-    r = _run(site, ["-c", SELECT_AND_CONFORM])
+def test_the_plugin_passes_mstar_check_and_its_own_pytest_entry(site, tmp_path):
+    r = _run(site, ["-m", "mstar_core.cli", "check", "plainattn"])
     assert r.returncode == 0, r.stdout + r.stderr
-    assert "conformance cases passed: 6 auto: toy" in r.stdout
+    counts = re.search(r"(\d+) of (\d+) cases passed", r.stdout)
+    assert counts and counts[1] == counts[2] and int(counts[1]) > 50, r.stdout
+    for group in ("plain", "edge", "replan"):
+        assert f" {group} " in r.stdout
+    tests = tmp_path / "tests"
+    tests.mkdir()
+    (tests / "test_conformance.py").write_text(files_from_doc()["tests/test_conformance.py"])
+    p = _run(site, ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(tests)])
+    assert p.returncode == 0 and re.search(r"\d+ passed", p.stdout), p.stdout + p.stderr
 
 
 @pytest.mark.slow
 def test_allowlist_and_strict_mode_in_a_fresh_process(site):
-    only_toy = _run(site, _cli("--json"), MSTAR_PLUGINS="toy")
-    data = json.loads(only_toy.stdout)
-    assert data["failed_plugins"] == [] and data["allowlist"] == ["toy"]
-    assert {b["name"] for b in data["backends"]} == {"reference", "toy"}
+    only_plain = _run(site, _cli("--json"), MSTAR_PLUGINS="plainattn")
+    data = json.loads(only_plain.stdout)
+    assert data["failed_plugins"] == [] and data["allowlist"] == ["plainattn"]
+    assert {b["name"] for b in data["backends"]} == {"reference", "plainattn"}
     strict = _run(site, _cli("--json"), MSTAR_STRICT_PLUGINS="1")
-    assert strict.returncode != 0 and "mstar_kernel_that_is_not_there" in strict.stderr
+    assert strict.returncode == 2, strict.stderr
+    assert strict.stderr.startswith("mstar backends: error: strict mode: plugin 'broken' (mstar-broken 3.1.4")
+    assert "mstar_kernel_that_is_not_there" in strict.stderr and "Traceback" not in strict.stderr
 
 
 @pytest.mark.slow
@@ -168,4 +133,29 @@ def test_env_naming_an_unknown_backend_lists_the_known_ones(site):
              MSTAR_ATTENTION_BACKEND="nope")
     assert r.returncode != 0
     assert "BackendUnavailable" in r.stderr and "'nope' (from env MSTAR_ATTENTION_BACKEND) is unknown" in r.stderr
-    assert "reference" in r.stderr and "toy" in r.stderr
+    assert "reference" in r.stderr and "plainattn" in r.stderr
+
+
+# -- mstar new-backend: the skeleton installs and passes as generated ----------------------------
+
+@pytest.mark.slow
+def test_new_backend_skeleton_installs_and_passes_mstar_check(tmp_path, build_wheel):
+    from mstar_core.cli import main
+
+    project = tmp_path / "tpk"
+    assert main(["new-backend", "tpk", str(project)]) == 0
+    assert (project / "tpk_mstar" / "plugin.py").exists() and (project / "tests" / "test_conformance.py").exists()
+    wheel = build_wheel(project, tmp_path / "wheels")
+    site = tmp_path / "site"
+    r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps", "--no-index", "--target", str(site),
+                        str(wheel)], capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(_run(site, _cli("--json")).stdout)
+    (tpk,) = [b for b in listed["backends"] if b["name"] == "tpk"]
+    assert (tpk["distribution"], tpk["available"], tpk["api_version"]) == ("tpk-mstar", True, "1.0")
+    check = _run(site, ["-m", "mstar_core.cli", "check", "tpk"])
+    assert check.returncode == 0, check.stdout + check.stderr
+    counts = re.search(r"(\d+) of (\d+) cases passed", check.stdout)
+    assert counts and counts[1] == counts[2], check.stdout
+    p = _run(site, ["-m", "pytest", "-q", "-p", "no:cacheprovider", str(project / "tests")])
+    assert p.returncode == 0 and re.search(r"\d+ passed", p.stdout), p.stdout + p.stderr

@@ -47,6 +47,8 @@ class EngineOptions:
     graphs: bool | None = None
     buckets: tuple[int, ...] | None = None  # graph batch sizes; None: powers of two up to max_batch_size
     kv_dtype: str = "auto"
+    # The backend's name and pins from a config (a mapping or TOML file; mstar_core.config).
+    config: Any = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
@@ -119,7 +121,7 @@ class Engine:
             features = a.features(o.kv_dtype)
             self.device, self.dtype = a.device, a.dtype
             sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=self.device,
-                                 dtype=self.dtype, head_dim=a.head_dim, features=features)
+                                 dtype=self.dtype, head_dim=a.head_dim, features=features, config=o.config)
             self.backend = sel.name
             log.info("%s on backend %s (%s)", a.describe(), sel.name, features)
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
@@ -129,7 +131,7 @@ class Engine:
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
                 graph_capturable=capturable, max_batch_size=o.max_batch_size,
-                max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features)
+                max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features, backend_name=sel.name)
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
             # One sm_scale for every layer (the probe refuses a model whose layers differ).

@@ -21,8 +21,8 @@ class AttentionManager(Resource):
     """
 
     name = "attn"
-    # The backend the wrappers come from (set by ``build`` from the selection): named, with the
-    # wrapper, in a note on any exception a wrapper raises.
+    # The backend the wrappers come from (the selection's name, given by ``build`` or the
+    # caller): named, with the wrapper, in a note on any exception a wrapper raises.
     backend_name: str | None = None
 
     @property

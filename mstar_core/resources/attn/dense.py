@@ -143,6 +143,7 @@ class DenseAttentionManager(AttentionManager):
         wrapper_class: type | str,
         flashinfer_backend: str = "auto",
         max_cached_tokens: int | None = None,
+        backend_name: str | None = None,
     ) -> None:
         # The model's features are the KV manager's: an FP8 cache is read back here (the gathered
         # prefix dequantised once per stream and layer), so the wrappers see the model dtype.
@@ -154,6 +155,7 @@ class DenseAttentionManager(AttentionManager):
         self.dtype = dtype
         self.kv_config = kv_config
         self.wrapper_class = resolve_class(wrapper_class)
+        self.backend_name = backend_name
         self.flashinfer_backend = flashinfer_backend
         self.max_cached_tokens = max_cached_tokens
         self.prefixes = GatheredPrefixCache(max_cached_tokens)
@@ -184,11 +186,9 @@ class DenseAttentionManager(AttentionManager):
                 dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
             )
             wrapper_class, backend_name = sel.classes[DENSE_CAPABILITY], sel.name
-        manager = cls(kv, info.device, info.dtype, kv.config, wrapper_class,
-                      flashinfer_backend=spec.get("flashinfer_backend", "auto"),
-                      max_cached_tokens=spec.get("max_cached_tokens"))
-        manager.backend_name = backend_name
-        return manager
+        return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
+                   flashinfer_backend=spec.get("flashinfer_backend", "auto"),
+                   max_cached_tokens=spec.get("max_cached_tokens"), backend_name=backend_name)
 
     # -- resource identity -------------------------------------------------------------------
     @property

@@ -99,6 +99,7 @@ class PagedAttentionManager(AttentionManager):
         accelerator_graph: bool = False,
         graph_capturable: bool | None = None,
         features: AttentionFeatures | None = None,
+        backend_name: str | None = None,
     ) -> None:
         missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
         if missing:
@@ -119,6 +120,7 @@ class PagedAttentionManager(AttentionManager):
         self.dtype = dtype
         self.kv_config = kv_config
         self.wrapper_classes = dict(wrappers)
+        self.backend_name = backend_name
         self.flashinfer_backend = flashinfer_backend
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens
@@ -165,9 +167,8 @@ class PagedAttentionManager(AttentionManager):
         # Multi-token decode rows are captured on the prefill wrapper: it must be capturable too.
         capturable = "paged_decode" in sel.capturable and (
             kv.features.decode_query_tokens == 1 or "paged_prefill" in sel.capturable)
-        manager = cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable, **extra)
-        manager.backend_name = sel.name
-        return manager
+        return cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable,
+                   backend_name=sel.name, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:

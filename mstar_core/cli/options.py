@@ -1,0 +1,18 @@
+"""Options several sub-commands share."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..config import Config, load_config
+
+
+def add_config(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--config", default=None, metavar="FILE",
+                   help="a TOML config: [attention] backend = NAME, and [attention.pins] NAME = DISTRIBUTION for a "
+                        "name several distributions register (--backend and $MSTAR_ATTENTION_BACKEND win over it)")
+
+
+def config_from(args: argparse.Namespace) -> Config | None:
+    """The ``--config`` file, read and checked now: a typo fails before anything is built."""
+    return load_config(args.config) if args.config is not None else None
