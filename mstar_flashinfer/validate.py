@@ -194,6 +194,19 @@ def check_paged_plan(
     return top
 
 
+def check_keys_cover_queries(who: str, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool) -> None:
+    """Every segment holds at least as many keys as queries (causal), or some key (not causal):
+    FlashInfer leaves a query that sees no key undefined (0.5.3's sm90 kernel returns the mean
+    of the loaded values), where the contract asks for zeros, so such a plan is refused."""
+    q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
+    short = (q_lens > k_lens) if causal else ((q_lens > 0) & (k_lens == 0))
+    if np.count_nonzero(short):
+        i = _first(short)
+        raise ValueError(f"{who}: segment {i} has {int(q_lens[i])} queries but {int(k_lens[i])} keys, so "
+                         f"{'its first queries see' if causal else 'its queries see'} no key; FlashInfer leaves such "
+                         "queries undefined, so a segment needs at least as many keys as queries")
+
+
 def check_page_range(who: str, indices: np.ndarray, top: int, max_num_pages: int) -> None:
     """Page indices below ``max_num_pages`` (``top``: their maximum, from :func:`check_paged_plan`)."""
     if top >= max_num_pages:

@@ -177,6 +177,22 @@ def ragged_cases(head_dims=(64, 128), gqas=(1, 4, 8)) -> list[RaggedCase]:
     return cases
 
 
+class Refused(Exception):
+    """A wrapper refused, with a ValueError from ``plan``, a case the contract lets it refuse:
+    rows with fewer keys than queries (the managers never plan one; a kernel that cannot return
+    zeros for the queries that see no key refuses them rather than return garbage)."""
+
+
+def _plan(case: PagedCase | RaggedCase, plan: Any) -> None:
+    if all(p >= 0 for p in case.prefix_lens):
+        plan()
+        return
+    try:
+        plan()
+    except ValueError as e:
+        raise Refused(f"refused the plan: {e}") from e
+
+
 def window_bites(case: PagedCase | RaggedCase) -> bool:
     """Whether the case's window removes keys from every row: each row's first query sits more
     than ``window_left`` positions in (a window case that bites nowhere tests nothing)."""
@@ -398,8 +414,9 @@ def check_prefill(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> 
     hq = case.num_kv_heads * case.gqa
     w = wrapper or backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
                                    device=torch.device(backend.device))
-    w.plan(data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
-           dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
+    _plan(case, lambda: w.plan(
+        data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
+        dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
     sinks = sink_logits(case, backend.device)
     out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
     return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
@@ -427,8 +444,9 @@ def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | No
     w = wrapper or backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
                                  case.page_size, rows, sum(case.q_lens), int(data.kv_indices.numel()) + 1,
                                  max_prefill_rows or max(prompts, 1), torch.device(backend.device))
-    w.plan(data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
-           dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case))
+    _plan(case, lambda: w.plan(
+        data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
+        dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
     sinks = sink_logits(case, backend.device)
     out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
     return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
@@ -456,7 +474,7 @@ def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> 
         plan_kw["logits_soft_cap"] = case.soft_cap
     if case.sm_scale is not None:
         plan_kw["sm_scale"] = case.sm_scale
-    w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt, **plan_kw)
+    _plan(case, lambda: w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt, **plan_kw))
     sinks = sink_logits(case, dev)
     out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), **({} if sinks is None else {"sinks": sinks}))
     ref = torch.cat([

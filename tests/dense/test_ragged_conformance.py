@@ -182,3 +182,33 @@ def test_fa3_declares_no_soft_cap_and_its_build_refuses_one(fa3_standin):
     case = C.RaggedCase(64, 4, (3, 5), (2, 0), soft_cap=30.0)
     with pytest.raises(RuntimeError, match="does not support tanh softcapping"):
         C.check_ragged(fa3_set(torch.bfloat16), case)
+
+
+# -- what `mstar check` adds (issue 15), over the stand-ins: rows poisoned or seeing no key, re-planning
+
+from mstar_core.testing import check as K
+
+
+def _extra(spec, cls):
+    return [c for c in K.plan_checks(spec, {"prefixed_ragged": cls}, "cpu", [torch.bfloat16], [128])
+            if c.group in ("edge", "replan")]
+
+
+def test_fa3_edge_rows_and_replanning(fa3_standin_both):
+    from mstar_fa3.plugin import FA3
+    from mstar_fa3.ragged import FA3PrefixedPrefillWrapper
+
+    checks = _extra(FA3, FA3PrefixedPrefillWrapper)
+    assert {c.group for c in checks} == {"edge", "replan"}
+    for c in checks:
+        result = K.run_check(c)
+        assert result.passed and not result.refused, (c.id, result.message)  # FA3 returns zeros: no refusal
+
+
+def test_aiter_edge_rows_and_replanning(aiter_standin):
+    from mstar_rocm.plugin import AITER as ROCM
+    from mstar_rocm.ragged import AiterPrefixedPrefillWrapper
+
+    for c in _extra(ROCM, AiterPrefixedPrefillWrapper):
+        result = K.run_check(c)
+        assert result.passed and not result.refused, (c.id, result.message)

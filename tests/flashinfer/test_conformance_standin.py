@@ -66,3 +66,22 @@ def test_sink_logits_are_refused_not_dropped():
     case = C.PagedCase(16, 64, 4, (1, 1), (3, 20), sinks=True)
     with pytest.raises(NotImplementedError, match="sink logits are not supported by the FlashInfer backend"):
         C.check_decode(FI, case)
+
+
+# -- what `mstar check flashinfer` adds (issue 15): rows poisoned or seeing no key, re-planning ---
+
+from mstar_core.testing import check as K
+
+CLASSES = {"paged_prefill": FlashInferPrefillWrapper, "paged_decode": FlashInferDecodeWrapper,
+           "mixed": FlashInferMixedWrapper, "prefixed_ragged": FlashInferPrefixedPrefillWrapper}
+EXTRA = [c for c in K.plan_checks(FLASHINFER, CLASSES, "cpu", [torch.float32], [64, 128]) if c.group in ("edge", "replan")]
+
+
+@pytest.mark.parametrize("check", EXTRA, ids=lambda c: c.id)
+def test_edge_rows_and_replanning(check):
+    result = K.run_check(check)
+    assert result.passed, result.message
+    # FlashInfer leaves a query that sees no key undefined: the wrappers refuse such rows at plan
+    assert result.refused == ("-p-" in check.name or "_-" in check.name), result.message
+    if result.refused:
+        assert "at least as many keys as queries" in result.message

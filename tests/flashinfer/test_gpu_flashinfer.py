@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mstar_core.testing import conformance as C
+from mstar_core.testing import reuse
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
@@ -80,73 +81,14 @@ def test_ragged(backend, case):
     C.check_ragged(backend, case)
 
 
-# -- CUDA graphs: capture once, replan and replay ------------------------------------------------
-
-PS, HKV, GQA, D = 16, 2, 4, 128
-GRAPH_STEPS = {
-    # short prompts first, then one over 64 tokens (0.7.4 "auto" would keep the first plan's fa2)
-    "prefill": [((5, 40, 1, 17), (0, 30, 16, 2)), ((64,), (100,)), ((1, 2, 3), (0, 15, 16)), ((33, 33, 33, 1), (1, 2, 3, 4)),
-                ((100, 20), (7, 0))],
-    "decode": [((1,) * 8, (0, 15, 16, 40, 3, 99, 7, 1)), ((1,) * 3, (200, 1, 64)), ((1,) * 8, (5,) * 8)],
-    "mixed": [((1, 9, 1, 17, 1, 1), (12, 0, 16, 2, 1, 40)), ((1, 1, 1), (3, 4, 5)), ((30, 1, 2), (3, 100, 0)),
-              ((1, 1, 1, 1, 1, 1, 1, 1), (0, 1, 2, 3, 4, 5, 6, 7)), ((1, 90, 1), (30, 5, 7))],
-}
-BATCH, TOKENS, PAGES = 8, 128, 96
-
-
-def _build(kind):
-    ws = lambda: torch.empty(128 << 20, dtype=torch.uint8, device="cuda")  # noqa: E731
-    cuda = torch.device("cuda")
-    if kind == "prefill":
-        return FlashInferPrefillWrapper(ws(), HKV * GQA, HKV, D, PS, batch_size=4, max_total_tokens=TOKENS,
-                                        max_num_pages=PAGES, device=cuda, accelerator_graph=True)
-    if kind == "decode":
-        return FlashInferDecodeWrapper(ws(), HKV * GQA, HKV, D, PS, batch_size=BATCH, max_num_pages=PAGES,
-                                       device=cuda, accelerator_graph=True)
-    return FlashInferMixedWrapper(ws(), ws(), HKV * GQA, HKV, D, PS, BATCH, TOKENS, PAGES, 2, cuda)
-
-
-def _plan(w, kind, d, on_device=False):
-    # on_device: kv_indices on the GPU, as the paged KV manager passes them (the padding rows'
-    # sink entries are then written on the device too)
-    idx = d.kv_indices.cuda() if on_device else d.kv_indices
-    if kind == "decode":
-        w.plan(d.kv_indptr, idx, d.last_page_len, dtype=BF16, kv_lens=d.kv_lens)
-    else:
-        w.plan(d.qo_indptr, d.kv_indptr, idx, d.last_page_len, causal=True, dtype=BF16, kv_lens=d.kv_lens)
-
+# -- CUDA graphs: capture once, replan and replay (mstar_core.testing.reuse, what `mstar check` runs)
 
 @pytest.mark.parametrize("kind,on_device", [("prefill", False), ("decode", False), ("mixed", False),
                                             ("prefill", True), ("decode", True)])
 def test_graph_replay_with_fresh_plans(real_flashinfer, kind, on_device):
-    w = _build(kind)
-    rows_static = BATCH if kind == "decode" else TOKENS
-    q_static = torch.randn(rows_static, HKV * GQA, D, device="cuda", dtype=BF16)
-    layer = torch.randn(PAGES + 1, 2, PS, HKV, D, device="cuda", dtype=BF16)
-    cases = [C.PagedCase(PS, D, GQA, q, p, num_kv_heads=HKV, seed=900 + i) for i, (q, p) in enumerate(GRAPH_STEPS[kind])]
-    datas = [C.make_paged(c, "cuda", BF16) for c in cases]
-    _plan(w, kind, datas[0])
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up outside capture, as torch.cuda.graphs asks
-        w.run(q_static, layer)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out_static = w.run(q_static, layer)
-    for c, d in zip(cases, datas):
-        n = d.q.shape[0]
-        layer.zero_()
-        layer[: d.layer.shape[0]].copy_(d.layer)
-        q_static.normal_()
-        q_static[:n].copy_(d.q)
-        out_static.fill_(float("nan"))  # poison: a replay that skips rows shows
-        _plan(w, kind, d, on_device)
-        graph.replay()
-        torch.cuda.synchronize()
-        from mstar_core.testing.oracle import rel_error
-        e = rel_error(out_static[:n], C.paged_oracle(c, d, True))
-        assert e <= C.TOLERANCE[BF16], f"{kind} replay [{c}]: relative error {e:.3g}"
+    # on_device: kv_indices on the GPU, as the paged KV manager passes them (the padding rows'
+    # sink entries are then written on the device too)
+    assert reuse.check_replay(REAL_DEVICE_INDICES if on_device else REAL, kind) <= C.TOLERANCE[BF16]
 
 
 # -- the stand-in keeps the real signatures ------------------------------------------------------

@@ -16,7 +16,8 @@ Shared by every wrapper:
   (``logits_soft_cap=c``) then ``c * tanh(score / c)``; softmax over the keys a query sees (with
   ``sink_logits``: ``exp(sinks[h])`` joins the denominator).
 - **Queries that see no key** (a row with fewer keys than queries, under causal masking)
-  return zeros.
+  return zeros; a kernel that cannot guarantee it refuses such a plan with a ValueError (the
+  managers never plan one: a row's keys include its queries).
 - **Output.** A tensor shaped like ``q`` (``[tokens, num_qo_heads, head_dim]``), in ``q``'s
   dtype, on ``q``'s device; rows are isolated: NaN or inf in one row's queries, keys or values
   never reaches another row's output.
