@@ -13,15 +13,24 @@ from mstar_core.testing.check import check_backend
 
 pytestmark = pytest.mark.gpu
 
+# What the real libraries fail, as measured on the H200 (results/h200/issue15): through their sm90
+# ragged kernels, NaN in segment 1's values reaches segment 0's output (its queries, keys and
+# values stay isolated; FlashInfer's fa2 kernel isolates all three: bench/ragged_isolation.py). It
+# fits a last key tile loaded past a segment's end, its masked values multiplied by zero. Listed
+# exactly, so a fix shows as a failure here too.
+RAGGED_LEAK = {("prefixed_ragged", "edge", "d128-gqa4-causal-poison1-q9_16_5-p7_16_3")}
+KNOWN_FAILURES = {"flashinfer": RAGGED_LEAK, "fa3": RAGGED_LEAK}
+
 
 @pytest.mark.parametrize("name,module", [("flashinfer", "flashinfer"), ("fa3", "flash_attn_interface")])
-def test_mstar_check_passes_on_the_gpu(name, module):
+def test_mstar_check_on_the_gpu_fails_only_the_known_leak(name, module):
     if importlib.util.find_spec(module) is None:
         pytest.skip(f"{module} is not installed here")
     reset_registry()
     report = check_backend(name, device="cuda", dtypes=[torch.bfloat16], head_dims=[128])
     print(report.render())
-    assert report.ok, report.render(all_rows=False)
+    failed = {(r.capability, r.group, r.name) for r in report.failed}
+    assert failed == KNOWN_FAILURES[name], report.render(all_rows=False)
     groups = {r.group for r in report.results}
     assert {"plain", "edge", "replan"} <= groups
     if name == "flashinfer":
