@@ -39,7 +39,8 @@ class Config:
     pins: Mapping[str, str] = field(default_factory=dict)
 
 
-def _short(value: Any, limit: int = 80) -> str:
+def short(value: Any, limit: int = 80) -> str:
+    """``repr(value)``, cut to ``limit`` characters for an error message."""
     text = repr(value)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -92,7 +93,7 @@ def _check_tables(config: Mapping[str, Any], where: str) -> None:
                              f"(shape {CONFIG_SHAPE})")
         if not isinstance(value, Mapping):
             raise ValueError(f"{where}: {table!r} must be a table shaped {CONFIG_SHAPE}, got "
-                             f"{type(value).__name__} {_short(value)}")
+                             f"{type(value).__name__} {short(value)}")
         for key in value:
             if key not in SCHEMA[table]:
                 hint = _closest(str(key), SCHEMA[table])
@@ -114,7 +115,7 @@ def load_config(config: ConfigSource) -> Config:
     if not isinstance(config, Mapping):
         raise ValueError(
             f"{where} must be a table (a mapping) shaped {CONFIG_SHAPE}, or the path of a TOML file holding one; "
-            f"got {type(config).__name__} {_short(config)}")
+            f"got {type(config).__name__} {short(config)}")
     _check_tables(config, where)
     attention = config.get("attention", {})
     backend = attention.get("backend")

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from .registry.api import API_VERSION
+from .registry.discovery import RESERVED
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -94,10 +95,11 @@ def mstar_register_backends(register):
 '''
 
 PROBE = '''\
-"""Can the backend run on ``device``? The registry calls this once per device, for any
-device the backend declares, and caches the answer; return the reasons it cannot (empty: it
-can). Check what declared data cannot: the kernel library is installed, new enough, and a
-tiny call works. Never raise: a probe that raises is reported as a reason."""
+"""Can the backend run on ``device``? The registry calls this once per device it judges the
+backend on (kinds the spec does not list included: look at ``device.type`` before calling the
+library) and caches the answer; return the reasons it cannot (empty: it can). Check what
+declared data cannot: the kernel library is installed, new enough, and a tiny call works.
+Never raise: a probe that raises is reported as a reason."""
 
 from __future__ import annotations
 
@@ -177,6 +179,9 @@ def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
         raise ValueError(f"new-backend: backend name {name!r} must start with a lowercase letter and hold only "
                          "lowercase letters, digits and underscores (it names the entry point and the package)")
+    if name in RESERVED:
+        raise ValueError(f"new-backend: backend name {name!r} is reserved for {RESERVED[name]}'s built-in backend; "
+                         "choose another")
     return name
 
 
@@ -200,21 +205,25 @@ def write_skeleton(name: str, directory: str | os.PathLike[str]) -> list[Path]:
     """Write the skeleton into ``directory`` (which must not exist, or be empty); returns the
     files written. All or nothing."""
     files = files_for(name)
-    target = Path(directory)
+    target = Path(directory).absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"new-backend: {str(target)!r} already exists and is not an empty directory; choose a new "
+        raise ValueError(f"new-backend: {str(directory)!r} already exists and is not an empty directory; choose a new "
                          "directory (nothing is overwritten)")
+    created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        staging.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp makes it private)
         for rel, text in files.items():
             path = staging / rel
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text(text)
-        if target.exists():
-            target.rmdir()  # empty, checked above
-        staging.rename(target)
+        os.replace(staging, target)  # replaces an empty directory in one step
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
+        for p in created:  # innermost first: the folders this call made, now empty again
+            p.rmdir()
         raise
     return [target / rel for rel in files]

@@ -55,9 +55,9 @@ def check_options(o: BenchOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    config_from(args)  # a bad config file fails here, before the model is built
     fields = BenchOptions.__dataclass_fields__
-    opts = BenchOptions(**{k: getattr(args, k) for k in fields})  # each count >= 1, context >= 0
+    # each count >= 1, context >= 0; a bad config file fails here, before the model is built
+    opts = BenchOptions(**{k: getattr(args, k) for k in fields if k != "config"}, config=config_from(args))
     check_options(opts)
     res = run_decode_bench(opts)
     if args.json:

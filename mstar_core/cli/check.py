@@ -8,6 +8,7 @@ import json
 import sys
 
 from ..resource import as_dtype
+from .options import add_config, config_from
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -28,6 +29,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--head-dim", action="append", type=int, default=None, metavar="N",
                    help="check only this head dim (repeat for several; default: 64 and 128 where declared)")
     p.add_argument("--failures-only", action="store_true", help="list only the failing cases in the table")
+    add_config(p, pins_only=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
 
@@ -44,6 +46,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json and not result.passed:
             print(f"FAIL {result.capability} {result.dtype} {result.group} {result.name}", file=sys.stderr, flush=True)
 
-    report = check_backend(args.name, args.device, dtypes, args.head_dim, on_result=progress)
+    report = check_backend(args.name, args.device, dtypes, args.head_dim, on_result=progress, config=config_from(args))
     print(json.dumps(report.as_json(), indent=2) if args.json else report.render(all_rows=not args.failures_only))
     return 0 if report.ok else 1

@@ -7,10 +7,12 @@ import argparse
 from ..config import Config, load_config
 
 
-def add_config(p: argparse.ArgumentParser) -> None:
+def add_config(p: argparse.ArgumentParser, pins_only: bool = False) -> None:
+    pins = "[attention.pins] NAME = DISTRIBUTION for a name several distributions register"
     p.add_argument("--config", default=None, metavar="FILE",
-                   help="a TOML config: [attention] backend = NAME, and [attention.pins] NAME = DISTRIBUTION for a "
-                        "name several distributions register (--backend and $MSTAR_ATTENTION_BACKEND win over it)")
+                   help=f"a TOML config whose {pins} is used" if pins_only else
+                   f"a TOML config: [attention] backend = NAME, and {pins} (--backend and $MSTAR_ATTENTION_BACKEND "
+                   "win over its backend)")
 
 
 def config_from(args: argparse.Namespace) -> Config | None:

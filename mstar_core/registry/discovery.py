@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import ast
 import importlib.metadata as md
-import importlib.util
 import os
+import sys
 from dataclasses import dataclass
+from pathlib import Path
+
+from ..config import check_pins
 
 GROUP = "mstar.backends"
 ENV_ALLOWLIST = "MSTAR_PLUGINS"
@@ -91,25 +94,35 @@ def pins_from_env() -> dict[str, str]:
     pins: dict[str, str] = {}
     for part in filter(None, (p.strip() for p in raw.split(","))):
         name, sep, dist = (x.strip() for x in part.partition("="))
-        if not sep or not name or not dist:
+        if not sep:
             raise ValueError(f"{ENV_PINS}={raw!r}: {part!r} is not NAME=DISTRIBUTION (e.g. "
                              f"{ENV_PINS}=fast=fast-kernels,other=other-dist)")
         pins[name] = dist
-    return pins
+    return check_pins(pins, f"{ENV_PINS}={raw!r}")
+
+
+def _source_of(module: str) -> Path | None:
+    """The ``.py`` file of ``module`` on ``sys.path``, found without importing it or its parent
+    packages (``importlib.util.find_spec`` would run their ``__init__``)."""
+    parts = module.split(".")
+    for entry in sys.path:
+        base = Path(entry or ".").joinpath(*parts)
+        for path in (base.with_suffix(".py"), base / "__init__.py"):
+            if path.is_file():
+                return path
+    return None
 
 
 def intended_backends(module: str) -> tuple[str, ...]:
     """The backend names a plugin module's source passes to ``BackendSpec(name=...)`` (or as
-    its first argument), read without executing it: what a plugin that failed to load or
-    register meant to provide, so selecting such a name can say that plugin failed."""
+    its first argument), read without executing any of it: what a plugin that failed to load
+    or register meant to provide, so selecting such a name can say that plugin failed."""
     try:
-        spec = importlib.util.find_spec(module)
-        origin = spec.origin if spec is not None else None
-        if not origin or not origin.endswith(".py"):
+        path = _source_of(module)
+        if path is None:
             return ()
-        with open(origin, encoding="utf-8") as f:
-            tree = ast.parse(f.read(), origin)
-    except Exception:  # a best-effort reading: no names is the answer
+        tree = ast.parse(path.read_text(encoding="utf-8"), str(path))
+    except (OSError, SyntaxError, ValueError, UnicodeDecodeError):  # best effort: no names is the answer
         return ()
     names = []
     for node in ast.walk(tree):

@@ -30,6 +30,8 @@ from .spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")
 T = TypeVar("T")
+# A backend's provides, imported: capability -> wrapper, capability -> why it failed, the failure.
+Resolved = tuple[dict[str, Any], dict[str, str], "PluginFailure | None"]
 
 
 class Registry:
@@ -69,7 +71,7 @@ class Registry:
             pins, "Registry(pins=...)")
         self._probe_cache: dict[tuple[str, str | None, str], tuple[str, ...]] = {}
         # (name, distribution) -> (capability -> loaded wrapper, reasons): provides resolved once.
-        self._resolved: dict[tuple[str, str | None], tuple[dict[str, Any], tuple[str, ...]]] = {}
+        self._resolved: dict[tuple[str, str | None], Resolved] = {}
         # Answers derived from probes (dense_or_flashinfer's selections): they live and die with
         # this registry and are forgotten with the probe cache (see ``derived``).
         self._derived: dict[Any, Any] = {}
@@ -99,9 +101,7 @@ class Registry:
                        f"or distribution name (group {discovery.GROUP!r})")
                 log.warning(msg)
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
-        for name in self.conflicts:
-            if self.strict:
-                raise PluginError(f"strict mode: {self.conflict_reason(name)}")
+        for name in self.conflicts:  # strict mode refuses them where a selection meets them (view)
             log.warning("%s", self.conflict_reason(name))
         for name, dist in self.pins.items():
             if name in self._claims:  # a pin the user set for a name nobody registers is harmless
@@ -122,12 +122,12 @@ class Registry:
             module = ep.load()
             pm.register(module, name=f"{dist}:{ep.name}")
         except Exception as e:
-            self._fail(ep.name, dist, version, "load", e, discovery.intended_backends(ep.value))
+            self._fail(ep.name, dist, version, "load", e, discovery.intended_backends(ep.module))
             return
         impls = [i for i in pm.hook.mstar_register_backends.get_hookimpls() if i.plugin_name == f"{dist}:{ep.name}"]
         if not impls:
             self._fail(ep.name, dist, version, "register", f"{ep.value} defines no @hookimpl mstar_register_backends",
-                       discovery.intended_backends(ep.value))
+                       discovery.intended_backends(ep.module))
             return
         staged: list[BackendSpec] = []
 
@@ -143,7 +143,7 @@ class Registry:
         except Exception as e:
             # Nothing of a plugin whose hook raised is kept: half a registration is worse than none.
             self._fail(ep.name, dist, version, "register", e,
-                       [s.name for s in staged] + list(discovery.intended_backends(ep.value)))
+                       [s.name for s in staged] + list(discovery.intended_backends(ep.module)))
             return
         if problem:
             self._fail(ep.name, dist, version, "register", problem, [s.name for s in staged])
@@ -189,10 +189,12 @@ class Registry:
         return {n: tuple(c) for n, c in sorted(self._claims.items()) if len(c) > 1 and n not in self.pins}
 
     def view(self, pins: Mapping[str, str]) -> dict[str, BackendSpec]:
-        """The backends a selection sees with ``pins`` (a config's ``attention.pins``) on top of
-        the registry's own: each name's one registration, or the pinned distribution's. A pin
-        naming a distribution that does not register that name raises, naming who does."""
-        pins = {**self.pins, **pins}
+        """The backends a selection sees with ``pins`` (a config's ``attention.pins``) under the
+        registry's own (``MSTAR_BACKEND_PINS`` wins, as the environment does over config for the
+        backend's name): each name's one registration, or the pinned distribution's. A pin
+        naming a distribution that does not register that name raises, naming who does; in
+        strict mode a conflict these pins leave unsettled raises :class:`PluginError`."""
+        pins = {**pins, **self.pins}
         out: dict[str, BackendSpec] = {}
         for name in sorted(self._claims):
             claims = self._claims[name]
@@ -200,6 +202,8 @@ class Registry:
             if pinned is None:
                 if len(claims) == 1:
                     out[name] = claims[0]
+                elif self.strict:
+                    raise PluginError(f"strict mode: {self.conflict_reason(name)}")
                 continue
             match = [c for c in claims if c.distribution == pinned]
             if not match:
@@ -306,23 +310,31 @@ class Registry:
         with self._lock:
             resolved = self._resolved.get(key)
         if resolved is None:
-            classes: dict[str, Any] = {}
-            failed: dict[str, str] = {}
-            for cap, ref in spec.provides.items():
-                try:
-                    classes[cap] = load_ref(ref)
-                except Exception as e:  # a wrapper module that fails to import, an attribute that is not there
-                    failed[cap] = f"its {cap} wrapper {ref} cannot be loaded ({type(e).__name__}: {e})"
-            resolved = (classes, failed)
+            resolved = self._resolve(spec)
             with self._lock:
-                self._resolved.setdefault(key, resolved)
-            if failed and self.strict:
-                plugin = next((p for p in self.plugins
-                               if spec.name in p.backends and p.distribution == spec.distribution), None)
-                self._fail(plugin.entry_point if plugin else spec.name, spec.distribution or "?", spec.version or "?",
-                           "provides", "; ".join(failed.values()), [spec.name])
-        classes, failed = resolved
+                resolved = self._resolved.setdefault(key, resolved)
+                if resolved[2] is not None and resolved[2] not in self.failures:
+                    self.failures.append(resolved[2])  # listed by `mstar backends` with the others
+        classes, failed, failure = resolved
+        if failure is not None and self.strict:  # every call, not only the first: the answer is cached
+            raise PluginError(f"strict mode: {failure}")
         return {c: classes[c] for c in capabilities if c in classes}, [failed[c] for c in capabilities if c in failed]
+
+    def _resolve(self, spec: BackendSpec) -> Resolved:
+        classes: dict[str, Any] = {}
+        failed: dict[str, str] = {}
+        for cap, ref in spec.provides.items():
+            try:
+                classes[cap] = load_ref(ref)
+            except Exception as e:  # a wrapper module that fails to import, an attribute that is not there
+                failed[cap] = f"its {cap} wrapper {ref} cannot be loaded ({type(e).__name__}: {e})"
+        if not failed:
+            return classes, failed, None
+        plugin = next((p for p in self.plugins if spec.name in p.backends and p.distribution == spec.distribution),
+                      None)
+        failure = PluginFailure(plugin.entry_point if plugin else spec.name, spec.distribution or "?",
+                                spec.version or "?", "provides", "; ".join(failed.values()), (spec.name,))
+        return classes, failed, failure
 
     def reasons(
         self,

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from ..config import Config, ConfigSource, load_config
+from ..config import short as _short
 from ..features import PLAIN, AttentionFeatures
 from ..step import is_int
 from .device import as_device, describe
@@ -71,11 +72,6 @@ def config_backend(config: ConfigSource) -> str | None:
     """``attention.backend`` from a mapping or a TOML file holding the same table (checked
     strictly: :func:`mstar_core.config.load_config`)."""
     return load_config(config).backend
-
-
-def _short(value: Any, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def resolve_requested(requested: str | None, config: ConfigSource | Config,

@@ -112,10 +112,34 @@ class Report:
 
 
 def default_head_dims(spec: BackendSpec) -> tuple[int, ...]:
-    """64 and 128 where declared, else the first declared among common head dims."""
+    """64 and 128 where declared, else the first declared among common head dims, else the
+    first value the backend lists."""
     ok = [d for d in HEAD_DIM_CANDIDATES if not spec.head_dims.reasons(d)]
     both = tuple(d for d in (64, 128) if d in ok)
-    return both or tuple(ok[:1])
+    return both or tuple(ok[:1]) or tuple((spec.head_dims.values or ())[:1])
+
+
+def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims: Sequence[int] | None
+             ) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
+    """The dtypes and head dims to check: the given ones, each declared by the backend and (a
+    dtype) known to the suite, or the defaults; a bad one raises, naming what is allowed."""
+    usable = default_dtypes(spec)
+    dtypes = tuple(dtypes) if dtypes is not None else usable
+    bad = [dtype_name(d) for d in dtypes if d not in usable]
+    if bad:
+        raise ValueError(f"backend {spec.name!r}: cannot check dtype {', '.join(bad)}; it declares "
+                         f"{', '.join(map(dtype_name, spec.dtypes))}, and the suite checks "
+                         f"{', '.join(map(dtype_name, C.TOLERANCE))}")
+    head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
+    for d in head_dims:
+        why = spec.head_dims.reasons(d)
+        if why:
+            raise ValueError(f"backend {spec.name!r}: cannot check {why[0]}")
+    if not dtypes or not head_dims:
+        raise ValueError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(map(dtype_name, dtypes))}, "
+                         f"head dims {list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, "
+                         f"head dims {spec.head_dims}")
+    return dtypes, head_dims
 
 
 def default_dtypes(spec: BackendSpec) -> tuple[torch.dtype, ...]:
@@ -148,14 +172,11 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
                 dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None) -> list[Check]:
     """Every check of ``spec``'s capabilities (``classes``: capability -> loaded wrapper) on
     ``device``; ``dtypes``/``head_dims`` None: the declared ones (:func:`default_dtypes`,
-    :func:`default_head_dims`). Nothing runs until a check's ``run()``."""
+    :func:`default_head_dims`), others taken as given (a stand-in tested in float32 on a CPU).
+    Nothing runs until a check's ``run()``."""
     device = torch.device(device)
     dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
     head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
-    if not dtypes or not head_dims:
-        raise ValueError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(dtypes)}, head dims "
-                         f"{list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, head dims "
-                         f"{spec.head_dims}")
     checks: list[Check] = []
     for dtype in dtypes:
         ws = C.WrapperSet(
@@ -190,31 +211,39 @@ def run_check(check: Check) -> Result:
                   time.perf_counter() - t0)
 
 
-def select_for_check(name: str, device: torch.device | str | None = None, registry: Any = None) -> tuple[Any, torch.device]:
+def select_for_check(name: str, device: torch.device | str | None = None, registry: Any = None,
+                     config: Any = None) -> tuple[Any, torch.device]:
     """The backend named ``name`` with every wrapper protocol it provides loaded, on ``device``
-    (None: CUDA when usable and the backend runs there, else the CPU). Raises
-    ``BackendUnavailable`` with the reasons when it cannot run there."""
+    (None: CUDA when usable and the backend runs there, else the CPU); ``config``: pins for a
+    name several distributions register. Raises ``BackendUnavailable`` with the reasons when it
+    cannot run there, ValueError when it provides nothing the suite covers."""
+    from ..config import Config, load_config
     from ..registry import get_registry, select_backend
     from ..registry.device import as_device
 
     registry = registry or get_registry()
-    spec = registry.get(name)
+    config = config if isinstance(config, Config) else load_config(config)
+    spec = registry.view(config.pins).get(name)
+    if spec is not None and not any(c in KINDS for c in spec.provides):
+        raise ValueError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "
+                         f"cover: {'; '.join(f'{c}: {NOT_COVERED[c]}' for c in spec.provides if c in NOT_COVERED)}")
     if device is None:
         cuda = torch.cuda.is_available() and spec is not None and not registry.device_reasons(spec, "cuda")
         device = "cuda" if cuda else "cpu"
     device = as_device(device)
-    caps = tuple(c for c in (spec.provides if spec is not None else KINDS) if c in KINDS) or tuple(KINDS)
+    caps = tuple(c for c in (spec.provides if spec is not None else KINDS) if c in KINDS)
     sel = select_backend(capabilities=caps, requested=name, device=device, dtype=None, head_dim=None,
-                         registry=registry, honor_env=False)
+                         registry=registry, honor_env=False, config=config)
     return sel, device
 
 
 def check_backend(name: str, device: torch.device | str | None = None, dtypes: Sequence[torch.dtype] | None = None,
                   head_dims: Sequence[int] | None = None, registry: Any = None,
-                  on_result: Callable[[Result], None] | None = None) -> Report:
+                  on_result: Callable[[Result], None] | None = None, config: Any = None) -> Report:
     """Run every check of the installed backend ``name`` (see :func:`plan_checks`)."""
-    sel, device = select_for_check(name, device, registry)
+    sel, device = select_for_check(name, device, registry, config)
     spec = sel.backend
+    dtypes, head_dims = _checked(spec, dtypes, head_dims)
     results = []
     for check in plan_checks(spec, sel.classes, device, dtypes, head_dims):
         result = run_check(check)
@@ -249,7 +278,7 @@ def conformance_test(name: str, *, device: torch.device | str | None = None,
             raise AssertionError("skipped")
 
         return test_conformance_unavailable
-    checks = plan_checks(sel.backend, sel.classes, dev, dtypes, head_dims)
+    checks = plan_checks(sel.backend, sel.classes, dev, *_checked(sel.backend, dtypes, head_dims))
 
     @pytest.mark.parametrize("check", checks, ids=[c.id for c in checks])
     def test_conformance(check: Check) -> None:

@@ -9,6 +9,7 @@ import logging
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
@@ -43,7 +44,7 @@ class BenchOptions:
     device: str = "cpu"
     dtype: str = "auto"
     query_tokens: int = 1  # per request per step; 2..8: multi-token decode rows
-    config: str | None = None  # a TOML config file: the backend's name and pins (mstar_core.config)
+    config: Any = None  # a Config, a mapping or a TOML file: the backend's name and pins (mstar_core.config)
 
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:

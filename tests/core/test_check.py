@@ -13,7 +13,7 @@ import torch
 
 from mstar_core.backends import reference as R
 from mstar_core.cli import main
-from mstar_core.registry import BackendSpec, Registry, reset_registry
+from mstar_core.registry import BackendSpec, HeadDims, Registry, reset_registry
 from mstar_core.testing import check as K
 from mstar_core.testing import conformance as C
 
@@ -174,3 +174,19 @@ def test_pytest_entry_gives_one_test_per_case(planted, monkeypatch):
         K.conformance_test("nope")
     skipped = K.conformance_test("nope", skip_unavailable=True)
     assert skipped.pytestmark[0].name == "skip" and "unknown" in skipped.pytestmark[0].kwargs["reason"]
+
+
+def test_check_refuses_dtypes_and_head_dims_the_backend_does_not_declare(planted, monkeypatch, capsys):
+    monkeypatch.setattr("mstar_core.registry.registry._default", planted)
+    with pytest.raises(ValueError, match=r"cannot check dtype float16; it declares float32"):
+        K.check_backend("ragged_scale", dtypes=[torch.float16])
+    planted.register(BackendSpec(name="narrow", devices=("cpu",), dtypes=(F32,), head_dims=HeadDims(values=(72,)),
+                                 provides={"prefixed_ragged": "mstar_planted_bugs:honest_ragged"}))
+    assert K.default_head_dims(planted.get("narrow")) == (72,)
+    with pytest.raises(ValueError, match=r"cannot check head_dim 64 is not supported \(supported: 72\)"):
+        K.check_backend("narrow", head_dims=[64])
+    assert K.check_backend("narrow").ok
+    planted.register(BackendSpec(name="only_bounded", devices=("cpu",), dtypes=(F32,),
+                                 provides={"bounded": "mstar_core.kernels.bounded_attention:bounded_attention"}))
+    assert main(["check", "only_bounded"]) == 2
+    assert "provides only bounded, which mstar check does not cover" in capsys.readouterr().err

@@ -142,3 +142,29 @@ def test_the_skeleton_declares_the_current_api_and_its_spec_loads():
     assert 'api_version="1.0"' in files["tpk_mstar/plugin.py"]
     assert 'tpk = "tpk_mstar.plugin"' in files["pyproject.toml"]
     assert 'conformance_test("tpk")' in files["tests/test_conformance.py"]
+
+
+def test_new_backend_refuses_the_reserved_name_and_writes_readable_files(tmp_path):
+    with pytest.raises(ValueError, match="reserved for mstar-core"):
+        files_for("reference")
+    target = tmp_path / "empty"
+    target.mkdir()
+    write_skeleton("tpk", target)  # an empty directory is replaced in one step
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~umask
+    made = tmp_path / "a" / "b" / "c"
+    write_skeleton("tpk", made)
+    assert (made / "pyproject.toml").is_file()
+
+
+def test_a_wrapper_constructor_failure_names_its_backend(boom, monkeypatch, capsys):
+    def broken_init(self, *a, **kw):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(BoomMixed, "__init__", broken_init)
+    assert main(["demo", "--backend", "boom"]) == 2
+    assert "BoomMixed.__init__ (attention backend 'boom')" in capsys.readouterr().err

@@ -46,7 +46,7 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
         ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"), "reference")
     assert "flashinfer" in data["auto"]["paged_decode"]["rejected"]
     assert data["failed_plugins"] == [{"entry_point": "broken", "distribution": "mstar-broken", "version": "9.9",
-                                       "stage": "load", "error": data["failed_plugins"][0]["error"]}]
+                                       "stage": "load", "error": data["failed_plugins"][0]["error"], "backends": []}]
     assert "mstar_broken_plugin_xyz" in data["failed_plugins"][0]["error"]
 
 

@@ -13,8 +13,15 @@ import torch
 
 from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.cli import main
-from mstar_core.registry import BackendSpec, BackendUnavailable, PluginError, Registry, hookimpl, select_backend
-from mstar_core.registry import api
+from mstar_core.registry import (
+    BackendSpec,
+    BackendUnavailable,
+    PluginError,
+    Registry,
+    api,
+    hookimpl,
+    select_backend,
+)
 
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
 CPU, F32 = "cpu", torch.float32
@@ -103,13 +110,16 @@ def test_a_pin_in_env_or_config_picks_one(two_fasts, monkeypatch):
     cfg = {"attention": {"backend": "fast", "pins": {"fast": "fast-kernels"}}}
     sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=Registry(), config=cfg)
     assert (sel.name, sel.backend.distribution, sel.backend.description) == ("fast", "fast-kernels", "real")
+    with pytest.raises(ValueError, match="pinned to distribution 'nobody', which does not register it; registered "
+                                         "by: impostor-kernels 6.6, fast-kernels 1.0"):
+        select_backend(("paged_decode",), device=CPU, dtype=F32, registry=Registry(),
+                       config={"attention": {"pins": {"fast": "nobody"}}})
     monkeypatch.setenv("MSTAR_BACKEND_PINS", "fast=impostor-kernels")
     reg = Registry()
     assert reg.get("fast").distribution == "impostor-kernels" and reg.conflicts == {}
-    with pytest.raises(ValueError, match="pinned to distribution 'nobody', which does not register it; registered "
-                                         "by: impostor-kernels 6.6, fast-kernels 1.0"):
-        select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg,
-                       config={"attention": {"pins": {"fast": "nobody"}}})
+    # the environment wins over config, as it does for the backend's name
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, config=cfg)
+    assert sel.backend.distribution == "impostor-kernels"
     monkeypatch.setenv("MSTAR_BACKEND_PINS", "fast")
     with pytest.raises(ValueError, match="is not NAME=DISTRIBUTION"):
         Registry()
@@ -125,8 +135,14 @@ def test_backends_lists_both_claimants_with_the_conflict(two_fasts, monkeypatch,
 
 
 def test_strict_mode_refuses_an_unpinned_conflict_and_accepts_a_pinned_one(two_fasts, monkeypatch):
+    reg = Registry(strict=True)
     with pytest.raises(PluginError, match="strict mode: backend name 'fast' is registered by 2 distributions"):
-        Registry(strict=True)
+        reg.names()
+    with pytest.raises(PluginError, match="strict mode: backend name 'fast'"):
+        select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
+    # a config's pin settles it for that selection, an env pin for every one
+    cfg = {"attention": {"backend": "fast", "pins": {"fast": "fast-kernels"}}}
+    assert select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, config=cfg).backend.description == "real"
     assert Registry(strict=True, pins={"fast": "fast-kernels"}).get("fast").description == "real"
 
 
@@ -153,9 +169,12 @@ def test_a_missing_provides_class_is_not_available(fake_module, make_ep, fake_en
     (typo,) = [b for b in data["backends"] if b["name"] == "typo"]
     assert typo["available"] is False and "NoSuchWrapper" in typo["reasons"][0]
     assert data["auto"]["paged_decode"]["pick"] == "reference" and "typo" in data["auto"]["paged_decode"]["rejected"]
-    with pytest.raises(PluginError, match=r"strict mode: plugin 'typo' \(typo-kernels 0.1, meant to register 'typo'\) "
-                                          r"failed at provides"):
-        Registry(strict=True).device_reasons("typo", CPU)
+    strict = Registry(strict=True)
+    for _ in range(2):  # every time, though the answer is cached
+        with pytest.raises(PluginError, match=r"strict mode: plugin 'typo' \(typo-kernels 0.1, meant to register "
+                                              r"'typo'\) failed at provides"):
+            strict.device_reasons("typo", CPU)
+    assert [f.stage for f in reg.failures] == ["provides"]  # listed with the other failures
 
 
 # -- failing hooks, named ------------------------------------------------------------------------
@@ -208,4 +227,18 @@ def test_strict_mode_fails_one_way_on_the_cli(kind, fake_module, make_ep, fake_e
     assert main(["backends", "--device", "cpu"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("mstar backends: error: strict mode:") and err.count("\n") == 1
-    assert ("a-kernels" in err and "b-kernels" in err) if kind == "conflict" else f"-kernels 1.0" in err
+    assert ("a-kernels" in err and "b-kernels" in err) if kind == "conflict" else "-kernels 1.0" in err
+
+
+def test_the_names_a_failed_plugin_meant_are_read_without_running_its_package(tmp_path, monkeypatch):
+    from mstar_core.registry.discovery import intended_backends
+
+    pkg = tmp_path / "sideeffect_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("raise SystemExit('the package ran')\n")
+    (pkg / "plugin.py").write_text("from mstar_core.registry import BackendSpec\nS = BackendSpec(name='quiet', "
+                                   "provides={})\nT = BackendSpec('second', {})\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert intended_backends("sideeffect_pkg.plugin") == ("quiet", "second")
+    assert "sideeffect_pkg" not in sys.modules
+    assert intended_backends("no_such_module_anywhere") == ()

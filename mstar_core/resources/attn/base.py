@@ -63,8 +63,9 @@ def plan_kwargs(**kw: Any) -> dict[str, Any]:
 
 
 def blame(e: BaseException, backend: str | None, wrapper: Any, method: str) -> None:
-    """Add a note to ``e`` naming the backend and wrapper method it came from (tracebacks and
-    ``mstar -v`` show it; the exception itself is unchanged)."""
-    cls = type(wrapper)
+    """Add a note to ``e`` naming the backend and wrapper method it came from (``wrapper``: the
+    instance, or the class for its constructor); tracebacks and the CLI show it, and the
+    exception itself is unchanged."""
+    cls = wrapper if isinstance(wrapper, type) else type(wrapper)
     where = f"{cls.__module__}.{cls.__qualname__}.{method}"
     e.add_note(f"raised in {where} (attention backend {backend!r})" if backend else f"raised in {where}")

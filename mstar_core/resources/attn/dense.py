@@ -288,8 +288,12 @@ class DenseAttentionManager(AttentionManager):
             w = self._wrappers.get(key)
             if w is None:
                 c = self.kv_config
-                w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
-                                       backend=self.flashinfer_backend)
+                try:
+                    w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
+                                           backend=self.flashinfer_backend)
+                except Exception as e:
+                    blame(e, self.backend_name, self.wrapper_class, "__init__")
+                    raise
                 self._wrappers[key] = w
             self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
             # Host tensors: the wrapper moves them to the device once per step, not per layer.

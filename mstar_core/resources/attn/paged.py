@@ -178,26 +178,32 @@ class PagedAttentionManager(AttentionManager):
         kind, bucket = key[1], key[3]
         w = self._wrappers.get(key)
         if w is None:
-            c = self.kv_config
             cls = self.wrapper_classes[kind]
-            common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
-            if bucket is not None:
-                # One graph-mode wrapper per (bucket, slot): its static buffers are what the
-                # graph captured for that bucket reads; padding rows add one page each. Multi-token
-                # decode rows run on the prefill wrapper, sized for the bucket's tokens.
-                size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
-                # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
-                # sizes its split-KV scratch for the static maximum).
-                ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if size else 1)
-                w = cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
-                        device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
-            elif kind == "mixed":
-                w = cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
-                        c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
-            else:
-                w = cls(self._ws(), *common, device=self.device, backend=self.flashinfer_backend)
+            try:
+                w = self._build_wrapper(cls, kind, bucket, graph_tokens)
+            except Exception as e:
+                blame(e, self.backend_name, cls, "__init__")
+                raise
             self._wrappers[key] = w
         return w
+
+    def _build_wrapper(self, cls: type, kind: str, bucket: int | None, graph_tokens: int | None) -> Any:
+        c = self.kv_config
+        common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
+        if bucket is not None:
+            # One graph-mode wrapper per (bucket, slot): its static buffers are what the graph
+            # captured for that bucket reads; padding rows add one page each. Multi-token decode
+            # rows run on the prefill wrapper, sized for the bucket's tokens.
+            size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
+            # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
+            # sizes its split-KV scratch for the static maximum).
+            ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if size else 1)
+            return cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
+                       device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
+        if kind == "mixed":
+            return cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
+                       c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
+        return cls(self._ws(), *common, device=self.device, backend=self.flashinfer_backend)
 
     # -- step ----------------------------------------------------------------------------------
     def plan(self, step: Step, ctx: StepContext) -> PagedAttnPlan:
