@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from mstar_core.features import check_soft_cap, refuse_sinks
@@ -71,7 +72,8 @@ class FlashInferPrefixedPrefillWrapper:
             self._dtype_checked = dtype
         q_t, k_t = check_varlen_plan(f"{type(self).__name__}.plan", cu_q, cu_k, max_q, max_k, sm_scale, window_left)
         q_arr, k_arr = q_t.numpy(), k_t.numpy()
-        validate.check_keys_cover_queries(f"{type(self).__name__}.plan", q_arr, k_arr, causal)
+        validate.check_keys_cover_queries(f"{type(self).__name__}.plan", np.diff(q_arr), np.diff(k_arr), causal,
+                                          "segment")
         st = self._staging
         st.begin()
         q_s, k_s = st.put("cu_q", q_arr), st.put("cu_k", k_arr)

@@ -186,25 +186,21 @@ def check_paged_plan(
             raise ValueError(f"{who}: kv_lens[{i}] = {int(kv_lens[i])} disagrees with the row's pages "
                              f"({int(n_pages[i])} pages, last_page_len {int(last[i])}: {int(lens[i])} tokens)")
     if qo is not None:
-        over = check_indptr("qo_indptr", qo, who, rows) > lens
-        if np.count_nonzero(over):
-            i = _first(over)
-            raise ValueError(f"{who}: row {i} has {int(qo[i + 1] - qo[i])} queries but {int(lens[i])} keys; a row's "
-                             "queries are its last keys, so it needs at least as many keys as queries")
+        check_keys_cover_queries(who, check_indptr("qo_indptr", qo, who, rows), lens, True, "row")
     return top
 
 
-def check_keys_cover_queries(who: str, cu_q: np.ndarray, cu_k: np.ndarray, causal: bool) -> None:
-    """Every segment holds at least as many keys as queries (causal), or some key (not causal):
-    FlashInfer leaves a query that sees no key undefined (0.5.3's sm90 kernel returns the mean
-    of the loaded values), where the contract asks for zeros, so such a plan is refused."""
-    q_lens, k_lens = np.diff(cu_q), np.diff(cu_k)
+def check_keys_cover_queries(who: str, q_lens: np.ndarray, k_lens: np.ndarray, causal: bool, unit: str) -> None:
+    """Every row (``unit``: "row" or "segment") holds at least as many keys as queries (causal),
+    or some key (not causal): a row's queries are its last keys, and FlashInfer leaves a query
+    that sees no key undefined (0.5.3's sm90 kernel returns the mean of the loaded values) where
+    the contract asks for zeros, so such a plan is refused."""
     short = (q_lens > k_lens) if causal else ((q_lens > 0) & (k_lens == 0))
     if np.count_nonzero(short):
         i = _first(short)
-        raise ValueError(f"{who}: segment {i} has {int(q_lens[i])} queries but {int(k_lens[i])} keys, so "
-                         f"{'its first queries see' if causal else 'its queries see'} no key; FlashInfer leaves such "
-                         "queries undefined, so a segment needs at least as many keys as queries")
+        raise ValueError(f"{who}: {unit} {i} has {int(q_lens[i])} queries but {int(k_lens[i])} keys; a {unit}'s "
+                         "queries are its last keys and FlashInfer leaves a query that sees no key undefined, so a "
+                         f"{unit} needs at least as many keys as queries")
 
 
 def check_page_range(who: str, indices: np.ndarray, top: int, max_num_pages: int) -> None:

@@ -347,11 +347,11 @@ class Registry:
     ) -> list[str]:
         """Every reason the backend cannot serve this request; empty when it can."""
         spec = self._spec(backend)
+        api = api_reasons(spec.api_version)
+        if api:  # nothing else of an incompatible backend is looked at
+            return api
         provided = [c for c in capabilities if c in spec.provides]
-        device_reasons = self.device_reasons(spec, device, provided)
-        if api_reasons(spec.api_version):
-            return device_reasons
-        return device_reasons + spec.declared_reasons(capabilities, dtype, head_dim, features)
+        return self.device_reasons(spec, device, provided) + spec.declared_reasons(capabilities, dtype, head_dim, features)
 
 
 def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:

@@ -186,8 +186,7 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
         for cap, kind in KINDS.items():
             if cap not in classes:
                 continue
-            fn = {"prefill": C.check_prefill, "decode": C.check_decode, "mixed": C.check_mixed,
-                  "ragged": C.check_ragged}[kind]
+            fn = C.CHECKS[kind]
             for group, case in _cases(kind, spec.supports(cap), head_dims):
                 checks.append(Check(cap, group, dtype, str(case), lambda fn=fn, ws=ws, case=case: fn(ws, case)))
             d = head_dims[-1]
@@ -200,15 +199,15 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
 
 def run_check(check: Check) -> Result:
     t0 = time.perf_counter()
+    err, passed, msg, refused = None, True, "", False
     try:
-        err, passed, msg = check.run(), True, ""
+        err = check.run()
     except C.Refused as e:  # a refusal the contract allows (rows with fewer keys than queries)
-        return Result(check.capability, check.group, dtype_name(check.dtype), check.name, True, None, str(e),
-                      time.perf_counter() - t0, refused=True)
+        msg, refused = str(e), True
     except Exception as e:  # a failing case is a result, not the end of the run
-        err, passed, msg = None, False, f"{type(e).__name__}: {e}"
+        passed, msg = False, f"{type(e).__name__}: {e}"
     return Result(check.capability, check.group, dtype_name(check.dtype), check.name, passed, err, msg,
-                  time.perf_counter() - t0)
+                  time.perf_counter() - t0, refused)
 
 
 def select_for_check(name: str, device: torch.device | str | None = None, registry: Any = None,

@@ -193,6 +193,11 @@ def _plan(case: PagedCase | RaggedCase, plan: Any) -> None:
         raise Refused(f"refused the plan: {e}") from e
 
 
+# The suite's check per kind of case ("prefill", "decode", "mixed", "ragged"); each takes
+# ``(backend, case, wrapper=None)``.
+CHECKS: dict[str, Any] = {}
+
+
 def window_bites(case: PagedCase | RaggedCase) -> bool:
     """Whether the case's window removes keys from every row: each row's first query sits more
     than ``window_left`` positions in (a window case that bites nowhere tests nothing)."""
@@ -483,3 +488,6 @@ def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> 
         for i in range(len(case.q_lens))
     ])
     return _assert_close(backend, "ragged", case, out, ref)
+
+
+CHECKS.update(prefill=check_prefill, decode=check_decode, mixed=check_mixed, ragged=check_ragged)

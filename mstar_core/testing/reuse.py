@@ -13,18 +13,7 @@ from typing import Any
 
 import torch
 
-from .conformance import (
-    TOLERANCE,
-    PagedCase,
-    RaggedCase,
-    WrapperSet,
-    check_decode,
-    check_mixed,
-    check_prefill,
-    check_ragged,
-    make_paged,
-    paged_oracle,
-)
+from .conformance import CHECKS, TOLERANCE, PagedCase, RaggedCase, WrapperSet, make_paged, paged_oracle
 from .oracle import rel_error
 
 PAGE_SIZE, KV_HEADS, GQA = 16, 2, 4
@@ -73,17 +62,10 @@ def check_replan(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     the third with an explicit ``sm_scale`` -- then for the first again; every output checked,
     so a plan that keeps anything of the one before shows. Returns the largest relative error."""
     w = _wrapper(backend, kind, head_dim, graph=False)
-    check = {"prefill": check_prefill, "decode": check_decode, "ragged": check_ragged}.get(kind)
     cases = steps(kind, head_dim)
     cases[1] = dataclasses.replace(cases[1], window_left=6)
     cases[2] = dataclasses.replace(cases[2], sm_scale=0.1)
-    errors = []
-    for case in [*cases, cases[0]]:
-        if check is not None:
-            errors.append(check(backend, case, wrapper=w))
-        else:
-            errors.append(check_mixed(backend, case, wrapper=w))
-    return max(errors)
+    return max(CHECKS[kind](backend, case, wrapper=w) for case in [*cases, cases[0]])
 
 
 def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
