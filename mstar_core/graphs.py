@@ -54,7 +54,9 @@ class Prepared:
     done: bool = False  # launched or discarded: its reservations are spent
 
 
-def _capture(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+def capture_graph(fn: Callable[[], None], device: torch.device) -> Callable[[], None]:
+    """``fn`` captured in a CUDA graph, after one eager run on a side stream; returns the replay
+    (the graph lives as long as it). Off CUDA, ``fn`` itself."""
     if device.type != "cuda":
         return fn
     s = torch.cuda.Stream()
@@ -153,7 +155,7 @@ class GraphRunner:
                 g.out.copy_(out)
 
             with self.node.bound(ctx):  # not inside fn: a replay binds the step it launches
-                g.replay = _capture(fn, self.device)
+                g.replay = capture_graph(fn, self.device)
         finally:
             # The dummies never commit: whatever happened, they leave nothing behind (the step
             # is rolled back first, so a reset does not park its pages for a step that never lands).

@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import asdict
+from dataclasses import asdict, replace
 
+from ..distributed import tensor_parallel
 from ..workloads.decode_bench import BenchOptions, run_decode_bench
-from .options import add_config, config_from
+from .options import add_config, add_tp, config_from
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -18,7 +19,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Time the decode loop of a tiny decoder with random weights: BATCH requests that already hold "
         "CONTEXT tokens each generate one token per step. Prints the median step time, tokens/s, host time per step "
         "and (CUDA, with graphs) the GPU time of one step's kernels replayed back to back. On a CPU it runs on the "
-        "reference backend.",
+        "reference backend. With --tp N (launched by torchrun) the model is sharded over N ranks and rank 0 prints, "
+        "adding the time of the step's all-reduces alone.",
     )
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
     p.add_argument("--qo-heads", type=int, default=d.qo_heads, help=f"query heads (default {d.qo_heads})")
@@ -42,6 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="query tokens per request per step: 1, or 2..8 for multi-token decode rows (speculative "
                    "verification), captured like one-token decode (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    add_tp(p, "bench")
     add_config(p)
     p.set_defaults(func=run)
 
@@ -59,7 +62,10 @@ def run(args: argparse.Namespace) -> int:
     # each count >= 1, context >= 0; a bad config file fails here, before the model is built
     opts = BenchOptions(**{k: getattr(args, k) for k in fields if k != "config"}, config=config_from(args))
     check_options(opts)
-    res = run_decode_bench(opts)
+    with tensor_parallel(opts.tp, opts.device, "bench", opts.tp_timeout) as (tp, dev):
+        res = run_decode_bench(replace(opts, device=str(dev)) if tp is not None else opts, tp=tp)
+        if tp is not None and tp.rank != 0:
+            return 0  # rank 0 prints the table
     if args.json:
         print(json.dumps(asdict(res), indent=2))
     else:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_config, config_from
+from .options import add_config, add_tp, config_from
 
 WORKLOADS = ("text", "denoise")
 
@@ -23,6 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and data seed (default: 0)")
+    add_tp(p, "demo")
     add_config(p)
     p.set_defaults(func=run)
 
@@ -43,7 +44,10 @@ def run(args: argparse.Namespace) -> int:
     if args.workload == "denoise":
         from ..workloads import denoise
 
+        if args.tp != 1:
+            raise ValueError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
         return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
     from ..workloads import text
 
-    return text.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
+    return text.main(backend=args.backend, device=args.device, seed=args.seed, config=config, tp=args.tp,
+                     tp_timeout_s=args.tp_timeout)

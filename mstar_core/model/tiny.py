@@ -1,7 +1,14 @@
 """A tiny decoder with random weights: RMSNorm, GQA attention with rotary positions, a gated
 MLP. Two forwards compute the same function: ``forward_step`` through an attention manager and
 the KV resource (any backend), ``forward_full`` over a whole sequence with no cache at all —
-the demo checks one against the other."""
+the demo checks one against the other.
+
+Given a :class:`~mstar_core.distributed.TensorParallel`, the model is sharded Megatron-style:
+each rank holds its slice of the query and KV heads (column-parallel ``wq``/``wk``/``wv``, a
+row-parallel ``wo``) and of the MLP (column-parallel ``w1``/``w3``, row-parallel ``w2``), and each
+block -- attention, MLP -- ends in one all-reduce of its partial output. Embedding, norms and the
+head are replicated. Every rank draws the full weights from the same seed and keeps its slice,
+so a sharded model computes the function of the unsharded one with the same seed."""
 
 from __future__ import annotations
 
@@ -10,6 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from ..distributed import TensorParallel
 from ..resources.attn.base import AttentionManager
 from ..resources.kv.paged import KVManager
 
@@ -42,23 +50,36 @@ def _rope(x: torch.Tensor, positions: torch.Tensor, theta: float) -> torch.Tenso
 
 class TinyDecoder:
     def __init__(self, cfg: TinyDecoderConfig, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, seed: int = 0) -> None:
+                 dtype: torch.dtype = torch.float32, seed: int = 0, tp: TensorParallel | None = None) -> None:
         self.cfg = cfg
         self.device = torch.device(device)
         self.dtype = dtype
-        g = torch.Generator().manual_seed(seed)
+        self.tp = tp
+        world = tp.world_size if tp is not None else 1
+        # Heads (and MLP width) this rank holds; a world size that does not divide them is refused here.
+        self.num_qo_heads, self.num_kv_heads = (tp.shard_heads(cfg.num_qo_heads, cfg.num_kv_heads) if tp is not None
+                                                else (cfg.num_qo_heads, cfg.num_kv_heads))
+        if cfg.mlp % world:
+            raise ValueError(f"cannot shard the MLP width {cfg.mlp} over {world} ranks: it must be a multiple")
+        # On CUDA the weights are drawn on the device: a bench-sized model drawn on the host takes
+        # seconds per rank. Philox gives the same numbers on every GPU for one seed.
+        gen_dev = self.device if self.device.type == "cuda" else torch.device("cpu")
+        g = torch.Generator(gen_dev).manual_seed(seed)
         h, qd, kd = cfg.hidden, cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
 
-        def w(*shape: int, scale: float) -> torch.Tensor:
-            return (torch.randn(shape, generator=g) * scale).to(self.device, dtype)
+        def w(*shape: int, scale: float, split: int | None = None) -> torch.Tensor:
+            full = torch.randn(shape, generator=g, device=gen_dev) * scale
+            # Every rank draws the whole tensor (same generator state) and keeps its slice.
+            return (tp.shard(full, split) if tp is not None and split is not None else full).to(self.device, dtype)
 
         self.embed = w(cfg.vocab_size, h, scale=1.0)
         self.layers = [
             dict(
-                norm1=torch.ones(h, device=self.device, dtype=dtype), wq=w(h, qd, scale=h ** -0.5),
-                wk=w(h, kd, scale=h ** -0.5), wv=w(h, kd, scale=h ** -0.5), wo=w(qd, h, scale=qd ** -0.5),
-                norm2=torch.ones(h, device=self.device, dtype=dtype), w1=w(h, cfg.mlp, scale=h ** -0.5),
-                w3=w(h, cfg.mlp, scale=h ** -0.5), w2=w(cfg.mlp, h, scale=cfg.mlp ** -0.5),
+                norm1=torch.ones(h, device=self.device, dtype=dtype), wq=w(h, qd, scale=h ** -0.5, split=1),
+                wk=w(h, kd, scale=h ** -0.5, split=1), wv=w(h, kd, scale=h ** -0.5, split=1),
+                wo=w(qd, h, scale=qd ** -0.5, split=0),
+                norm2=torch.ones(h, device=self.device, dtype=dtype), w1=w(h, cfg.mlp, scale=h ** -0.5, split=1),
+                w3=w(h, cfg.mlp, scale=h ** -0.5, split=1), w2=w(cfg.mlp, h, scale=cfg.mlp ** -0.5, split=0),
             )
             for _ in range(cfg.num_layers)
         ]
@@ -68,14 +89,21 @@ class TinyDecoder:
     def _qkv(self, x: torch.Tensor, p: dict, positions: torch.Tensor) -> tuple[torch.Tensor, ...]:
         c = self.cfg
         hn = _rms(x, p["norm1"])
-        q = (hn @ p["wq"]).view(-1, c.num_qo_heads, c.head_dim)
-        k = (hn @ p["wk"]).view(-1, c.num_kv_heads, c.head_dim)
-        v = (hn @ p["wv"]).view(-1, c.num_kv_heads, c.head_dim)
+        q = (hn @ p["wq"]).view(-1, self.num_qo_heads, c.head_dim)
+        k = (hn @ p["wk"]).view(-1, self.num_kv_heads, c.head_dim)
+        v = (hn @ p["wv"]).view(-1, self.num_kv_heads, c.head_dim)
         return _rope(q, positions, c.rope_theta), _rope(k, positions, c.rope_theta), v
+
+    def _reduce(self, partial: torch.Tensor, what: str) -> torch.Tensor:
+        """A row-parallel block's output: the sum of every rank's partial (the block's one all-reduce)."""
+        return self.tp.all_reduce(partial, what) if self.tp is not None else partial
+
+    def _attn_out(self, x: torch.Tensor, o: torch.Tensor, p: dict) -> torch.Tensor:
+        return x + self._reduce(o.reshape(x.shape[0], -1) @ p["wo"], "the attention all-reduce")
 
     def _mlp(self, x: torch.Tensor, p: dict) -> torch.Tensor:
         hn = _rms(x, p["norm2"])
-        return x + (F.silu(hn @ p["w1"]) * (hn @ p["w3"])) @ p["w2"]
+        return x + self._reduce((F.silu(hn @ p["w1"]) * (hn @ p["w3"])) @ p["w2"], "the MLP all-reduce")
 
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVManager,
                      attn: AttentionManager, label: str | None = None) -> torch.Tensor:
@@ -87,12 +115,12 @@ class TinyDecoder:
             if attn.requires_kv_write:
                 kv.write_kv(k, v, layer_idx=i, label=label)
             o = attn.run(q, label, kv.layer_view(i), k=k, v=v, layer_idx=i)
-            x = x + o.reshape(len(tokens), -1) @ p["wo"]
-            x = self._mlp(x, p)
+            x = self._mlp(self._attn_out(x, o, p), p)
         return _rms(x, self.norm) @ self.head
 
     def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits ``[n, vocab]`` of one whole sequence, causal, no cache."""
+        """Logits ``[n, vocab]`` of one whole sequence, causal, no cache (sharded: every rank
+        calls it)."""
         c = self.cfg
         n = len(tokens)
         positions = torch.arange(n, device=self.device)
@@ -102,6 +130,5 @@ class TinyDecoder:
             q, k, v = self._qkv(x, p, positions)
             k, v = k.repeat_interleave(g, 1), v.repeat_interleave(g, 1)
             o = F.scaled_dot_product_attention(q.transpose(0, 1), k.transpose(0, 1), v.transpose(0, 1), is_causal=True)
-            x = x + o.transpose(0, 1).reshape(n, -1) @ p["wo"]
-            x = self._mlp(x, p)
+            x = self._mlp(self._attn_out(x, o.transpose(0, 1), p), p)
         return _rms(x, self.norm) @ self.head

@@ -1,20 +1,23 @@
 """The decode loop ``mstar bench`` times: a tiny decoder over ``batch`` requests that already
 hold ``context`` tokens, one token per request per step (or ``query_tokens``: multi-token decode,
 as speculative verification runs), through a chosen backend, eager or replayed from CUDA graphs,
-with or without pre-planning."""
+with or without pre-planning; over ``tp`` tensor-parallel ranks, every rank running this same
+loop (:mod:`mstar_core.distributed`)."""
 
 from __future__ import annotations
 
 import logging
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 
+from ..distributed import DEFAULT_TIMEOUT_S, StallWatchdog, TensorParallel, shard_heads
 from ..features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
-from ..graphs import GraphRunner
+from ..graphs import GraphRunner, capture_graph
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resource import as_dtype
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
@@ -23,6 +26,7 @@ from ..runner import Node
 from ..step import KVSpan, KVStep, Step
 
 LABEL = "text"
+STALL_GRACE_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -45,17 +49,27 @@ class BenchOptions:
     dtype: str = "auto"
     query_tokens: int = 1  # per request per step; 2..8: multi-token decode rows
     config: Any = None  # a Config, a mapping or a TOML file: the backend's name and pins (mstar_core.config)
+    tp: int = 1  # tensor-parallel ranks, the heads and the MLP sharded over them
+    tp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a rank waits for the others before it fails
 
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise ValueError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
-        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup"):
+        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup", "tp"):
             if getattr(self, name) < 1:
                 raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
             raise ValueError(f"bench: context must be >= 0, got {self.context}")
         if self.qo_heads % self.kv_heads:
             raise ValueError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+        if self.tp > 1:
+            try:
+                shard_heads(self.qo_heads, self.kv_heads, self.tp)
+            except ValueError as e:
+                raise ValueError(f"bench --tp {self.tp}: {e}") from None
+            if (2 * self.hidden) % self.tp:
+                raise ValueError(f"bench --tp {self.tp}: the MLP width (2 x --hidden = {2 * self.hidden}) must be a "
+                                 "multiple of the rank count")
 
 
 @dataclass(frozen=True)
@@ -70,15 +84,24 @@ class BenchResult:
     median_host_ms: float  # host time to admit + plan + launch one step (not waiting for the GPU)
     gpu_step_ms: float | None  # the step's kernels back to back (one graph replayed), CUDA only
     options: dict
+    tp: int = 1  # tensor-parallel ranks; the step times are the slowest rank's medians
+    # The step's all-reduces alone (2 per layer, [rows, hidden]), back to back the way the step
+    # runs them (one graph with --graphs), in ms per step, and their share of the median step.
+    allreduce_ms: float | None = None
+    allreduce_share: float | None = None
 
     def lines(self) -> list[str]:
         gpu = f"{self.gpu_step_ms:.3f} ms" if self.gpu_step_ms is not None else "n/a (no CUDA graph on this device)"
+        tp = [] if self.tp == 1 or self.allreduce_ms is None or self.allreduce_share is None else [
+            f"tensor parallel: {self.tp} ranks (step times: the slowest rank's); the step's all-reduces alone: "
+            f"{self.allreduce_ms:.3f} ms ({self.allreduce_share:.0%} of the median step)"]
         return [
             f"backend: {self.backend} on {self.device} ({self.dtype}); graphs {'on' if self.graphs else 'off'}, "
             f"pre-plan {'on' if self.preplan else 'off'}",
             f"median step time: {self.median_step_ms:.3f} ms ({self.tokens_per_s:.0f} tokens/s)",
             f"median host time per step: {self.median_host_ms:.3f} ms",
             f"GPU time per step: {gpu}",
+            *tp,
         ]
 
 
@@ -101,11 +124,14 @@ class DecodeSetup:
     node: Node
     runner: GraphRunner
     decode: Step
+    tp: TensorParallel | None = None
 
 
-def build_decode_setup(o: BenchOptions) -> DecodeSetup:
+def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> DecodeSetup:
     """Model, KV cache holding ``context`` random tokens per request, attention on the chosen
-    backend, and (with ``graphs``) the captured graphs."""
+    backend, and (with ``graphs``) the captured graphs. With ``tp`` (``o.tp`` ranks) this rank's
+    shard of each; every rank of the group calls this."""
+    _check_tp(o, tp)
     from ..registry import select_backend
 
     dev = torch.device(o.device)
@@ -116,10 +142,10 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
                          head_dim=o.head_dim, features=features, config=o.config)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
-    model = TinyDecoder(cfg, dev, dt)
+    model = TinyDecoder(cfg, dev, dt, tp=tp)
     total = o.context + t * (o.warmup + o.steps + 2)
     pages = o.batch * -(-total // o.page_size) + 2 * o.batch * -(-t // o.page_size) + 2  # + graph dummies, the sink
-    kvc = KVConfig(o.layers, o.kv_heads, o.head_dim, o.page_size, pages, o.qo_heads)
+    kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
     kv = KVManager(kvc, dev, dt, features=features)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
                                  graph_capturable="paged_decode" in sel.capturable,
@@ -141,14 +167,33 @@ def build_decode_setup(o: BenchOptions) -> DecodeSetup:
     fill = Step(KVStep(tuple(KVSpan(r, LABEL, o.context) for r in rids)))
     if not node.step(fill, lambda ctx: None).outcome:
         raise RuntimeError("bench: the KV cache cannot hold the context")
+    node.post_warmup_validate()  # under tensor parallelism: every rank holds the same context
     kv.storage.normal_()
     decode = Step(KVStep(tuple(KVSpan(r, LABEL, t) for r in rids)))
-    return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode)
+    return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode, tp)
 
 
-def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> BenchResult:
-    s = setup or build_decode_setup(o)
-    runner, decode, dev = s.runner, s.decode, s.device
+def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:
+    have = tp.world_size if tp is not None else 1
+    if have != o.tp:
+        raise ValueError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
+                         "given; every rank passes its TensorParallel (mstar_core.distributed.tensor_parallel)")
+
+
+def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None, tp: TensorParallel | None = None) -> BenchResult:
+    """Time the loop. Under tensor parallelism every rank calls this with its ``tp``; a stall
+    watchdog ends a rank whose peers stopped (``o.tp_timeout``) instead of letting it hang."""
+    _check_tp(o, tp)
+    s = setup or build_decode_setup(o, tp)
+    if tp is None:
+        return _timed_loop(o, s, lambda: None)
+    # Later than a collective's own timeout: where one is tracked (eager, gloo), its error comes first.
+    with StallWatchdog(o.tp_timeout + STALL_GRACE_S, f"bench rank {tp.rank} of {tp.world_size}") as dog:
+        return _timed_loop(o, s, dog.pet)
+
+
+def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> BenchResult:
+    runner, decode, dev, tp = s.runner, s.decode, s.device, s.tp
     cuda = dev.type == "cuda"
     tokens = torch.zeros(o.batch * o.query_tokens, dtype=torch.long, device=dev)
 
@@ -175,6 +220,7 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
         if preplan:
             prep = runner.prepare(decode)  # step N+1 planned while step N runs
         host.append(time.perf_counter() - t0)
+        pet()
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
@@ -190,11 +236,19 @@ def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None) -> Bench
         steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup, len(marks))]  # type: ignore[union-attr]
     else:
         steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup, len(marks))]  # type: ignore[operator]
-    step_ms = statistics.median(steps)
+    step_ms, host_ms = statistics.median(steps), statistics.median(host[o.warmup:]) * 1e3
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
+    ar_ms = None
+    if tp is not None:
+        ar_ms = _allreduce_time(tp, o.batch * o.query_tokens, o.hidden, 2 * o.layers, s.dtype, dev, runner.enabled)
+        # Ranks run in lock step; report the slowest rank's figures.
+        step_ms, host_ms, ar_ms = (tp.max(x) for x in (step_ms, host_ms, ar_ms))
+        gpu_ms = tp.max(gpu_ms) if gpu_ms is not None else None
+    pet()
     return BenchResult(
         s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, preplan, step_ms,
-        o.batch * o.query_tokens / (step_ms / 1e3), statistics.median(host[o.warmup:]) * 1e3, gpu_ms, asdict(o),
+        o.batch * o.query_tokens / (step_ms / 1e3), host_ms, gpu_ms, asdict(o), o.tp, ar_ms,
+        ar_ms / step_ms if ar_ms is not None else None,
     )
 
 
@@ -206,6 +260,32 @@ def _gpu_time(runner: GraphRunner, batch: int, reps: int = 20) -> float:
     start.record()
     for _ in range(reps):
         g.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def _allreduce_time(tp: TensorParallel, rows: int, hidden: int, count: int, dtype: torch.dtype,
+                    device: torch.device, graph: bool, reps: int = 20) -> float:
+    """ms for a step's ``count`` all-reduces of ``[rows, hidden]`` alone, back to back: replayed
+    from one captured graph when the step is (``graph``), else launched eagerly."""
+    buf = torch.zeros(rows, hidden, dtype=dtype, device=device)  # zeros: the sums stay finite
+
+    def step() -> None:
+        for _ in range(count):
+            tp.all_reduce(buf)
+
+    run = capture_graph(step, device) if graph else step
+    run()
+    if device.type != "cuda":
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            run()
+        return (time.perf_counter() - t0) * 1e3 / reps
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        run()
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config, ConfigSource
+from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, tensor_parallel
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
 from ..resources.kv import KVConfig, KVManager
@@ -45,6 +46,10 @@ class DemoReport:
     seconds: float
     max_error: float
     tolerance: float
+    tp: int = 1  # ranks the model was sharded over
+    # Each request's generated tokens' logits [tokens, vocab] (float32, CPU): what a sharded run
+    # is compared with.
+    logits: Mapping[str, torch.Tensor] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -53,7 +58,7 @@ class DemoReport:
     def lines(self) -> list[str]:
         kinds = ", ".join(f"{k} {v}" for k, v in self.steps.items())
         return [
-            f"backend: {self.backend}",
+            f"backend: {self.backend}" + (f"; tensor parallel over {self.tp} ranks" if self.tp > 1 else ""),
             f"steps: {sum(self.steps.values())} ({kinds}); admissions deferred for lack of pages: {self.waits}",
             f"tokens: {self.tokens} in {self.seconds:.2f} s ({self.tokens / max(self.seconds, 1e-9):.0f} tokens/s)",
             f"largest |logit error| vs no-cache forward: {self.max_error:.3g} (tolerance {self.tolerance:g}): "
@@ -80,17 +85,33 @@ def run_text_demo(
     page_size: int = 16,
     max_pages: int = 7,
     num_layers: int = 2,
+    tp: TensorParallel | None = None,
 ) -> DemoReport:
     """Serve :func:`make_requests` to completion and compare every generated token's logits.
 
     ``max_pages`` is kept small on purpose so that some admissions are refused for lack of
-    pages and wait for a request to leave: the refusal path runs in every demo."""
+    pages and wait for a request to leave: the refusal path runs in every demo.
+
+    With ``tp`` every rank of the group calls this: the model's heads are sharded, every rank
+    schedules the same requests (the logits after each block's all-reduce are the same on every
+    rank, so are the tokens), each step checks that the ranks admitted the same rows before its
+    forward, and rank 0 checks the tokens against the no-cache forward of the unsharded model;
+    every rank's report carries rank 0's error."""
     cfg = TinyDecoderConfig(num_layers=num_layers)
-    model = TinyDecoder(cfg, device, dtype, seed=seed)
-    kv_cfg = KVConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, page_size, max_pages, cfg.num_qo_heads)
+    model = TinyDecoder(cfg, device, dtype, seed=seed, tp=tp)
+    kv_cfg = KVConfig(cfg.num_layers, model.num_kv_heads, cfg.head_dim, page_size, max_pages, model.num_qo_heads)
     kv = KVManager(kv_cfg, device, dtype)
     attn = PagedAttentionManager(kv, device, dtype, kv_cfg, wrappers, backend_name=backend_name)
     node = Node([attn, kv])
+
+    def forward(batch: list[Request], ctx: StepContext) -> None:
+        if tp is not None:
+            # Before the first collective of the step: ranks that admitted different rows would
+            # otherwise all-reduce tensors of different shapes.
+            n = sum(1 if r.prefilled else len(r.prompt) for r in batch)
+            tp.check_same(f"step {step_no}'s admission", {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
+        _forward(model, kv, attn, batch, ctx, device)
+
     pending = make_requests(cfg.vocab_size, seed)
     active: list[Request] = []
     finished: list[Request] = []
@@ -108,7 +129,7 @@ def run_text_demo(
                 KVSpan(r.rid, LABEL, len(r.prompt) if not r.prefilled else 1) for r in batch
             )
             step = Step(KVStep(spans))
-            res = node.step(step, lambda ctx: _forward(model, kv, attn, batch, ctx, device))
+            res = node.step(step, lambda ctx: forward(batch, ctx))
             if res.outcome:
                 break
             # Refused: the newest request not yet prefilled waits for pages.
@@ -132,9 +153,16 @@ def run_text_demo(
         if step_no > 1000:
             raise RuntimeError("demo did not finish in 1000 steps")
     seconds = time.perf_counter() - t0
-    err = max(_check(model, r) for r in finished)
+    if tp is None:
+        err = max(_check(model, r) for r in finished)
+    else:
+        # Rank 0 checks against the unsharded model (same seed: the function the shards compute
+        # together); an all-reduce hands its error to every rank (the others add zero).
+        mine = max(_check(TinyDecoder(cfg, device, dtype, seed=seed), r) for r in finished) if tp.rank == 0 else 0.0
+        err = float(tp.all_reduce(torch.tensor([mine], dtype=torch.float64, device=device), "the error's all-reduce"))
     tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
-    return DemoReport(backend_name, kinds, waits, tokens, seconds, err, tol)
+    logits = {r.rid: torch.stack(r.logits) for r in finished}
+    return DemoReport(backend_name, kinds, waits, tokens, seconds, err, tol, tp.world_size if tp else 1, logits)
 
 
 def _forward(model: TinyDecoder, kv: KVManager, attn: PagedAttentionManager, batch: list[Request],
@@ -158,15 +186,19 @@ def _check(model: TinyDecoder, r: Request) -> float:
     return float((got - want).abs().max())
 
 
-def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None) -> int:
-    """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report."""
+def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None,
+         tp: int = 1, tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+    """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report. With
+    ``tp`` > 1 this is one rank of a torchrun launch; rank 0 prints."""
     from ..registry import select_backend
 
-    dev = torch.device(device)
-    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
-                         head_dim=TinyDecoderConfig().head_dim, config=config)
-    report = run_text_demo(sel.classes, sel.name, device, dtype, seed)
-    for line in report.lines():
-        print(line)
+    cfg = TinyDecoderConfig()
+    with tensor_parallel(tp, device, "demo", tp_timeout_s, heads=(cfg.num_qo_heads, cfg.num_kv_heads)) as (group, dev):
+        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+        sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
+                             head_dim=cfg.head_dim, config=config)
+        report = run_text_demo(sel.classes, sel.name, str(dev), dtype, seed, tp=group)
+        if group is None or group.rank == 0:
+            for line in report.lines():
+                print(line)
     return 0 if report.ok else 1

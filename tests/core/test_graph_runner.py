@@ -66,7 +66,7 @@ def test_a_capture_that_fails_half_way_leaves_no_graph_and_runs_eagerly(monkeypa
 
     model, kv, node, runner = build()
     captured = []
-    real = graphs_mod._capture
+    real = graphs_mod.capture_graph
 
     def second_fails(fn, device):
         if captured:
@@ -74,7 +74,7 @@ def test_a_capture_that_fails_half_way_leaves_no_graph_and_runs_eagerly(monkeypa
         captured.append(fn)
         return real(fn, device)
 
-    monkeypatch.setattr(graphs_mod, "_capture", second_fails)
+    monkeypatch.setattr(graphs_mod, "capture_graph", second_fails)
     with pytest.raises(RuntimeError, match="stream is capturing"):
         runner.warmup()
     assert captured and not runner.enabled and runner._graphs == {}

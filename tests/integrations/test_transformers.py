@@ -210,7 +210,7 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked
     def fail(fn, device):
         raise RuntimeError("operation not permitted when stream is capturing")
 
-    monkeypatch.setattr(graphs_mod, "_capture", fail)
+    monkeypatch.setattr(graphs_mod, "capture_graph", fail)
     model, ps, want = case("llama")
     import mstar_core.integrations.transformers.engine as engine_mod
 

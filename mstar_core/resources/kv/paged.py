@@ -579,7 +579,7 @@ class KVManager(Resource):
 
     def post_warmup_validate(self) -> None:
         """Page accounting is consistent, and (under tensor parallelism) every rank has the same
-        number of free pages: ranks that disagree would admit different steps."""
+        free pages, streams and tokens held: ranks that disagree would admit different steps."""
         owned = [p for s in (*self.streams.values(), *self._parked.values()) for p in s.pages]
         if self._sink_page is not None:
             owned.append(self._sink_page)
@@ -592,7 +592,8 @@ class KVManager(Resource):
         short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < pages_for(s.length, ps)}
         if short:
             raise RuntimeError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
-        check_same_across_ranks(f"{self.name} free pages", self.pool.num_free)
+        check_same_across_ranks(self.name, {"free pages": self.pool.num_free, "streams": len(self.streams),
+                                            "tokens": sum(s.length for s in self.streams.values())})
 
     def cleanup(self) -> None:
         self.streams.clear()
