@@ -33,6 +33,7 @@ done
 python3 bench/tp_summary.py "$R" | tee "$R/tp_bench.md"
 T 200 failure-graphs python3 bench/tp_failure.py --graphs --timeout 20
 T 200 failure-eager python3 bench/tp_failure.py --timeout 20
-T 400 gpu-tests python3 -m pytest -q -p no:cacheprovider tests/core/test_gpu_tensor_parallel.py tests/core/test_tensor_parallel.py
+T 400 gpu-tests python3 -m pytest -q -p no:cacheprovider tests/core/test_gpu_tensor_parallel.py tests/core/test_tensor_parallel.py \
+    tests/core/test_gpu_runner.py tests/core/test_multi_token_decode.py
 bash .gpu/save-flashinfer-aot.sh >/dev/null 2>&1; ls -la "$OUT"/flashinfer-aot* 2>/dev/null
 exit 0

@@ -41,7 +41,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fail-at", type=int, default=10)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    a, rest = ap.parse_known_args()
+    a = ap.parse_args()
     argv = ["bench", "--tp", "2", "--device", a.device, "--tp-timeout", str(a.timeout), "--steps", "200",
             "--layers", "2", "--hidden", "1024", "--qo-heads", "8", "--kv-heads", "2", "--head-dim", "128",
             *(["--graphs", "--preplan"] if a.graphs else [])]

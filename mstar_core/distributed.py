@@ -3,18 +3,19 @@
 Attention is sharded by heads: each rank holds ``num_kv_heads / world`` KV heads and the query
 heads that read them, so a rank's attention and KV cache are those of a smaller model and every
 backend runs unchanged. Every rank runs the same scheduler over the same requests, so admission
-decisions agree by construction; after warm-up the KV managers check that they do
-(:func:`check_same_across_ranks`) and fail loudly on every rank when not.
+decisions agree by construction; after warm-up a KV manager given the group checks that they do
+(:meth:`TensorParallel.check_same`) and fails loudly on every rank when not.
 
-A rank that fails mid-run must not leave the others waiting forever: every collective here gives
-up after the process group's timeout with a :class:`TensorParallelError` that says so, and
-:class:`StallWatchdog` covers what no collective timeout sees (collectives replayed from a CUDA
-graph are not tracked by PyTorch's NCCL watchdog).
+A rank that fails mid-run must not leave the others waiting forever: every collective here
+gives up after the process group's timeout with a :class:`TensorParallelError` that says so
+where the backend reports it (gloo), and :func:`stall_guard` covers what no collective timeout
+ends: PyTorch's NCCL watchdog does not track collectives replayed from a CUDA graph, and for
+eager ones it logs the timeout and only tears the process down later.
 """
 
 from __future__ import annotations
 
-import logging
+import math
 import os
 import sys
 import threading
@@ -22,73 +23,56 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
-from .step import is_int
+T = TypeVar("T")
 
-log = logging.getLogger(__name__)
-
-# How long a collective waits for the other ranks before it fails (and how long the stall
-# watchdog waits for a step). Long enough for a kernel library compiling on first use on one
-# rank while the other waits (FlashInfer: 20-120 s), short enough that a dead peer is noticed.
+# How long a collective waits for the other ranks before it fails (and, plus STALL_GRACE_S, how
+# long the stall watchdog waits for a step). Long enough for a kernel library compiling on first
+# use on one rank while the other waits (FlashInfer: 20-120 s), short enough that a dead peer is
+# noticed.
 DEFAULT_TIMEOUT_S = 300.0
+# The stall watchdog fires this much later than a collective's own timeout: where a collective's
+# failure is reported (gloo), its error names the collective and comes first.
+STALL_GRACE_S = 10.0
 
 
 class TensorParallelError(RuntimeError):
     """A collective failed or timed out: another rank failed or stalled."""
 
 
+def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: int | None = None) -> None:
+    """Refuse a rank count that does not divide the query heads, the KV heads (and the MLP
+    width), naming the rank counts that would."""
+    sizes = {"query heads": num_qo_heads, "KV heads": num_kv_heads, **({"MLP width": mlp} if mlp else {})}
+    if world_size >= 1 and not any(n % world_size for n in sizes.values()):
+        return
+    g = math.gcd(*sizes.values())
+    named = ", ".join(f"{what} {n}" for what, n in sizes.items())
+    raise ValueError(f"cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
+                     f"(rank counts that divide them all: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
+
+
 def shard_heads(num_qo_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int]:
     """Heads one rank holds: ``(num_qo_heads / world, num_kv_heads / world)``."""
-    if world_size < 1 or num_kv_heads % world_size or num_qo_heads % world_size:
-        raise ValueError(
-            f"cannot shard {num_qo_heads} query / {num_kv_heads} KV heads over {world_size} ranks: "
-            "both must be multiples of the world size"
-        )
+    check_shardable(world_size, num_qo_heads, num_kv_heads)
     return num_qo_heads // world_size, num_kv_heads // world_size
 
 
-def tp_active() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def _collective_device(group: dist.ProcessGroup | None) -> torch.device:
-    # NCCL reduces device tensors only; gloo host tensors.
-    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" else torch.device("cpu")
-
-
-def check_same_across_ranks(what: str, values: int | Mapping[str, int], group: dist.ProcessGroup | None = None) -> None:
-    """Raise on every rank unless ``values`` (one int, or named ints) are identical on all ranks:
-    min == max, by two all-reduces of one small tensor. A no-op without an initialised process
-    group of more than one rank."""
-    if not tp_active():
-        return
-    named = {what: values} if isinstance(values, int) else {f"{what} {k}": v for k, v in values.items()}
-    lo = torch.tensor(list(named.values()), dtype=torch.int64, device=_collective_device(group))
-    hi = lo.clone()
+def _collective(what: str, fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
+    """Run one collective; a failure (gloo: a peer's connection closed, or the group's timeout)
+    becomes a :class:`TensorParallelError` naming ``what`` and saying a peer failed."""
     try:
-        dist.all_reduce(lo, op=dist.ReduceOp.MIN, group=group)
-        dist.all_reduce(hi, op=dist.ReduceOp.MAX, group=group)
+        return fn()
     except (RuntimeError, dist.DistError) as e:
-        raise _peer_failed(f"the check of {what}", dist.get_rank(group), e) from e
-    bad = [
-        f"{name}: rank {dist.get_rank(group)} has {v}, ranks range from {a} to {b}"
-        for (name, v), a, b in zip(named.items(), lo.tolist(), hi.tolist()) if a != b
-    ]
-    if bad:
-        raise RuntimeError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
-
-
-def _peer_failed(what: str, rank: int, cause: BaseException) -> TensorParallelError:
-    first = (str(cause).strip().splitlines() or ["no message"])[0]  # gloo's messages run to many lines
-    return TensorParallelError(
-        f"rank {rank}: {what} failed ({type(cause).__name__}: {first}): "
-        "another rank has failed or stalled (its own output says why); a collective gives up after the process "
-        "group's timeout instead of waiting forever"
-    )
+        first = (str(e).strip().splitlines() or ["no message"])[0]  # gloo's messages run to many lines
+        raise TensorParallelError(
+            f"rank {dist.get_rank(group)}: {what} failed ({type(e).__name__}: {first}): another rank has failed "
+            "or stalled (its own output says why); a collective gives up after the process group's timeout "
+            "instead of waiting forever") from e
 
 
 @dataclass(frozen=True)
@@ -105,7 +89,7 @@ class TensorParallel:
         """This rank in an already initialised process group (an engine's own)."""
         if not (dist.is_available() and dist.is_initialized()):
             raise RuntimeError("tensor parallelism needs an initialised torch.distributed process group "
-                               "(torch.distributed.init_process_group, or mstar's init_tensor_parallel)")
+                               "(torch.distributed.init_process_group, or torchrun and `mstar ... --tp N`)")
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
     def shard_heads(self, num_qo_heads: int, num_kv_heads: int) -> tuple[int, int]:
@@ -118,86 +102,36 @@ class TensorParallel:
             raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} over {self.world_size} ranks")
         return t.chunk(self.world_size, dim)[self.rank].contiguous()
 
-    def all_reduce(self, x: torch.Tensor, what: str = "all-reduce") -> torch.Tensor:
+    @property
+    def _device(self) -> torch.device:
+        # NCCL reduces device tensors only; gloo host tensors.
+        nccl = dist.get_backend(self.group) == "nccl"
+        return torch.device("cuda", torch.cuda.current_device()) if nccl else torch.device("cpu")
+
+    def all_reduce(self, x: torch.Tensor, what: str = "an all-reduce") -> torch.Tensor:
         """Sum ``x`` over the ranks, in place (capturable in a CUDA graph on NCCL)."""
-        try:
-            dist.all_reduce(x, group=self.group)
-        except (RuntimeError, dist.DistError) as e:
-            raise _peer_failed(what, self.rank, e) from e
+        _collective(what, lambda: dist.all_reduce(x, group=self.group), self.group)
         return x
 
-    def max(self, value: float) -> float:
-        """The largest ``value`` over the ranks (every rank gets it)."""
-        dev = _collective_device(self.group)
-        t = torch.tensor([value], dtype=torch.float64, device=dev)
-        try:
-            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group)
-        except (RuntimeError, dist.DistError) as e:
-            raise _peer_failed("a max over the ranks", self.rank, e) from e
-        return float(t)
+    def max(self, *values: float) -> tuple[float, ...]:
+        """The largest of each value over the ranks (every rank gets them), in one all-reduce."""
+        t = torch.tensor(values, dtype=torch.float64, device=self._device)
+        _collective("a max over the ranks", lambda: dist.all_reduce(t, op=dist.ReduceOp.MAX, group=self.group),
+                    self.group)
+        return tuple(t.tolist())
 
-    def check_same(self, what: str, values: int | Mapping[str, int]) -> None:
-        check_same_across_ranks(what, values, self.group)
-
-
-@contextmanager
-def tensor_parallel(size: int, device: str, command: str, timeout_s: float = DEFAULT_TIMEOUT_S,
-                    heads: tuple[int, int] | None = None) -> Iterator[tuple[TensorParallel | None, torch.device]]:
-    """This rank of a CLI run over ``size`` ranks launched by torchrun, and its device: NCCL with
-    one GPU a rank (``cuda:LOCAL_RANK``) on CUDA, gloo on a CPU. Joins the default process group
-    (left again at the end) or reuses one already initialised. ``size`` 1 yields ``(None,
-    device)``. ``heads`` (query, KV) are checked to shard first; ``command`` names the
-    sub-command in errors."""
-    if not is_int(size) or size < 1:
-        raise ValueError(f"{command}: --tp must be a rank count >= 1, got {size!r}")
-    if heads is not None:
-        shard_heads(*heads, size)
-    if size == 1:
-        yield None, torch.device(device)
-        return
-    if timeout_s <= 0:
-        raise ValueError(f"{command}: the tensor-parallel timeout must be > 0 seconds, got {timeout_s}")
-    dev = torch.device(device)
-    if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"{command} --tp {size}: device {device!r}; tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
-    owned = not dist.is_initialized()
-    if owned:
-        world = os.environ.get("WORLD_SIZE")
-        if world is None or "RANK" not in os.environ:
-            raise ValueError(
-                f"{command} --tp {size} runs as {size} processes, one a rank: launch it with torchrun, e.g. "
-                f"`torchrun --nproc-per-node {size} -m mstar_core.cli {command} --tp {size} ...` "
-                "(this process has no RANK/WORLD_SIZE in its environment)")
-        if int(world) != size:
-            raise ValueError(f"{command} --tp {size}: torchrun started {world} processes; start "
-                             f"--nproc-per-node {size}, one rank per shard")
-    if dev.type == "cuda":
-        local = int(os.environ.get("LOCAL_RANK", dist.get_rank() if not owned else 0))
-        have = torch.cuda.device_count()
-        if local >= have:
-            raise ValueError(f"{command} --tp {size}: the rank with LOCAL_RANK {local} has no GPU of its own; this "
-                             f"host shows {have} (each rank needs one)")
-        dev = torch.device("cuda", local)
-        torch.cuda.set_device(dev)
-    if owned:
-        backend = "nccl" if dev.type == "cuda" else "gloo"
-        extra = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **extra)
-        log.info("tensor parallel: rank %d of %d on %s (%s, collectives time out after %g s)",
-                 dist.get_rank(), size, dev, backend, timeout_s)
-    try:
-        tp = TensorParallel.from_group()
-        if tp.world_size != size:
-            raise ValueError(f"{command} --tp {size}: the process group has {tp.world_size} ranks")
-        yield tp, dev
-    except BaseException:
-        # NCCL's destroy waits for the group's kernels, which a failed peer can leave spinning:
-        # after an error the group is left to the process's exit. gloo's does not wait.
-        if owned and dist.is_initialized() and dist.get_backend() == "gloo":
-            dist.destroy_process_group()
-        raise
-    if owned:
-        dist.destroy_process_group()
+    def check_same(self, what: str, values: Mapping[str, int]) -> None:
+        """Raise on every rank unless the named ints are identical on all ranks (min == max, by
+        two all-reduces of one small tensor)."""
+        lo = torch.tensor(list(values.values()), dtype=torch.int64, device=self._device)
+        hi = lo.clone()
+        for t, op in ((lo, dist.ReduceOp.MIN), (hi, dist.ReduceOp.MAX)):
+            _collective(f"the check of {what}", lambda t=t, op=op: dist.all_reduce(t, op=op, group=self.group),
+                        self.group)
+        bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
+               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist()) if a != b]
+        if bad:
+            raise RuntimeError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
 
 
 class StallWatchdog:
@@ -206,12 +140,12 @@ class StallWatchdog:
     A collective replayed from a CUDA graph is not tracked by PyTorch's NCCL watchdog: a rank
     whose peer died would wait in it forever. A loop that pets this once a step turns that hang
     into an error line on stderr and exit status ``exit_code`` (PyTorch's own NCCL watchdog
-    likewise tears the process down on a timeout: the GPU state is unknown, nothing can be
+    likewise tears the process down after a timeout: the GPU state is unknown, nothing can be
     recovered in-process). ``on_stall`` replaces the exit (tests)."""
 
     def __init__(self, timeout_s: float, what: str, exit_code: int = 3,
                  on_stall: Callable[[str], None] | None = None) -> None:
-        if timeout_s <= 0:
+        if not timeout_s > 0:
             raise ValueError(f"StallWatchdog: timeout_s must be > 0, got {timeout_s}")
         self.timeout_s, self.what, self.exit_code = timeout_s, what, exit_code
         self.on_stall = on_stall
@@ -224,7 +158,7 @@ class StallWatchdog:
         self.pets += 1
         self._last = time.monotonic()
 
-    def __enter__(self) -> StallWatchdog:
+    def __enter__(self) -> StallWatchdog:  # noqa: PYI034 - Self needs Python 3.11
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="mstar-stall-watchdog", daemon=True)
         self._thread.start()
@@ -247,3 +181,15 @@ class StallWatchdog:
                     return
                 print(msg, file=sys.stderr, flush=True)
                 os._exit(self.exit_code)
+
+
+@contextmanager
+def stall_guard(tp: TensorParallel | None, timeout_s: float, what: str) -> Iterator[Callable[[], None]]:
+    """Yields the function a loop calls once a step: under tensor parallelism a
+    :class:`StallWatchdog` that fires ``STALL_GRACE_S`` after the collectives' own timeout;
+    without, a no-op."""
+    if tp is None:
+        yield lambda: None
+        return
+    with StallWatchdog(timeout_s + STALL_GRACE_S, f"{what} rank {tp.rank} of {tp.world_size}") as dog:
+        yield dog.pet

@@ -6,9 +6,9 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from ..distributed import tensor_parallel
 from ..workloads.decode_bench import BenchOptions, run_decode_bench
-from .options import add_config, add_tp, config_from
+from .options import add_config, config_from
+from .parallel import add_tp, launched
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -62,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
     # each count >= 1, context >= 0; a bad config file fails here, before the model is built
     opts = BenchOptions(**{k: getattr(args, k) for k in fields if k != "config"}, config=config_from(args))
     check_options(opts)
-    with tensor_parallel(opts.tp, opts.device, "bench", opts.tp_timeout) as (tp, dev):
+    with launched(opts.tp, opts.device, "bench", opts.tp_timeout) as (tp, dev):
         res = run_decode_bench(replace(opts, device=str(dev)) if tp is not None else opts, tp=tp)
         if tp is not None and tp.rank != 0:
             return 0  # rank 0 prints the table

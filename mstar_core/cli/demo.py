@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import argparse
 
-from .options import add_config, add_tp, config_from
+from .options import add_config, config_from
+from .parallel import add_tp, launched
 
 WORKLOADS = ("text", "denoise")
 
@@ -47,7 +48,15 @@ def run(args: argparse.Namespace) -> int:
         if args.tp != 1:
             raise ValueError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
         return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
+    from ..distributed import check_shardable
+    from ..model import TinyDecoderConfig
     from ..workloads import text
 
-    return text.main(backend=args.backend, device=args.device, seed=args.seed, config=config, tp=args.tp,
-                     tp_timeout_s=args.tp_timeout)
+    cfg = TinyDecoderConfig()
+    try:  # before any process group: a rank count that does not shard the model fails on its own
+        check_shardable(args.tp, cfg.num_qo_heads, cfg.num_kv_heads, cfg.mlp)
+    except ValueError as e:
+        raise ValueError(f"demo --tp {args.tp}: {e}") from None
+    with launched(args.tp, args.device, "demo", args.tp_timeout) as (tp, dev):
+        return text.main(backend=args.backend, device=str(dev), seed=args.seed, config=config, tp=tp,
+                         tp_timeout_s=args.tp_timeout)

@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..distributed import TensorParallel
+from ..distributed import TensorParallel, check_shardable
 from ..resources.attn.base import AttentionManager
 from ..resources.kv.paged import KVManager
 
@@ -56,13 +56,12 @@ class TinyDecoder:
         self.dtype = dtype
         self.tp = tp
         world = tp.world_size if tp is not None else 1
-        # Heads (and MLP width) this rank holds; a world size that does not divide them is refused here.
-        self.num_qo_heads, self.num_kv_heads = (tp.shard_heads(cfg.num_qo_heads, cfg.num_kv_heads) if tp is not None
-                                                else (cfg.num_qo_heads, cfg.num_kv_heads))
-        if cfg.mlp % world:
-            raise ValueError(f"cannot shard the MLP width {cfg.mlp} over {world} ranks: it must be a multiple")
+        check_shardable(world, cfg.num_qo_heads, cfg.num_kv_heads, cfg.mlp)
+        # The heads this rank holds (its slice of the MLP likewise).
+        self.num_qo_heads, self.num_kv_heads = cfg.num_qo_heads // world, cfg.num_kv_heads // world
         # On CUDA the weights are drawn on the device: a bench-sized model drawn on the host takes
-        # seconds per rank. Philox gives the same numbers on every GPU for one seed.
+        # seconds per rank. The numbers can depend on the GPU model (the generator's launch shape
+        # follows the SM count), so a sharded model assumes its ranks' GPUs are alike, as TP ranks are.
         gen_dev = self.device if self.device.type == "cuda" else torch.device("cpu")
         g = torch.Generator(gen_dev).manual_seed(seed)
         h, qd, kd = cfg.hidden, cfg.num_qo_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from ..distributed import DEFAULT_TIMEOUT_S, StallWatchdog, TensorParallel, shard_heads
+from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
 from ..features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from ..graphs import GraphRunner, capture_graph
 from ..model import TinyDecoder, TinyDecoderConfig
@@ -26,7 +26,6 @@ from ..runner import Node
 from ..step import KVSpan, KVStep, Step
 
 LABEL = "text"
-STALL_GRACE_S = 10.0
 log = logging.getLogger(__name__)
 
 
@@ -62,14 +61,10 @@ class BenchOptions:
             raise ValueError(f"bench: context must be >= 0, got {self.context}")
         if self.qo_heads % self.kv_heads:
             raise ValueError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        if self.tp > 1:
-            try:
-                shard_heads(self.qo_heads, self.kv_heads, self.tp)
-            except ValueError as e:
-                raise ValueError(f"bench --tp {self.tp}: {e}") from None
-            if (2 * self.hidden) % self.tp:
-                raise ValueError(f"bench --tp {self.tp}: the MLP width (2 x --hidden = {2 * self.hidden}) must be a "
-                                 "multiple of the rank count")
+        try:  # the tiny model's MLP is 2 x hidden wide
+            check_shardable(self.tp, self.qo_heads, self.kv_heads, 2 * self.hidden)
+        except ValueError as e:
+            raise ValueError(f"bench --tp {self.tp}: {e}") from None
 
 
 @dataclass(frozen=True)
@@ -146,7 +141,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     total = o.context + t * (o.warmup + o.steps + 2)
     pages = o.batch * -(-total // o.page_size) + 2 * o.batch * -(-t // o.page_size) + 2  # + graph dummies, the sink
     kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
-    kv = KVManager(kvc, dev, dt, features=features)
+    kv = KVManager(kvc, dev, dt, features=features, tp=tp)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
                                  graph_capturable="paged_decode" in sel.capturable,
                                  max_batch_size=max(o.batch, 1), backend_name=sel.name)
@@ -167,7 +162,8 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     fill = Step(KVStep(tuple(KVSpan(r, LABEL, o.context) for r in rids)))
     if not node.step(fill, lambda ctx: None).outcome:
         raise RuntimeError("bench: the KV cache cannot hold the context")
-    node.post_warmup_validate()  # under tensor parallelism: every rank holds the same context
+    if tp is not None:
+        node.post_warmup_validate()  # every rank holds the same context
     kv.storage.normal_()
     decode = Step(KVStep(tuple(KVSpan(r, LABEL, t) for r in rids)))
     return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode, tp)
@@ -177,19 +173,17 @@ def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:
     have = tp.world_size if tp is not None else 1
     if have != o.tp:
         raise ValueError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
-                         "given; every rank passes its TensorParallel (mstar_core.distributed.tensor_parallel)")
+                         "given; every rank passes its TensorParallel (mstar_core.distributed)")
 
 
 def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None, tp: TensorParallel | None = None) -> BenchResult:
-    """Time the loop. Under tensor parallelism every rank calls this with its ``tp``; a stall
-    watchdog ends a rank whose peers stopped (``o.tp_timeout``) instead of letting it hang."""
+    """Time the loop. Under tensor parallelism every rank calls this with its ``tp``, and a rank
+    whose peers stopped ends itself after ``o.tp_timeout`` (plus a grace) instead of hanging."""
     _check_tp(o, tp)
-    s = setup or build_decode_setup(o, tp)
-    if tp is None:
-        return _timed_loop(o, s, lambda: None)
-    # Later than a collective's own timeout: where one is tracked (eager, gloo), its error comes first.
-    with StallWatchdog(o.tp_timeout + STALL_GRACE_S, f"bench rank {tp.rank} of {tp.world_size}") as dog:
-        return _timed_loop(o, s, dog.pet)
+    with stall_guard(tp, o.tp_timeout, "bench") as pet:
+        s = setup or build_decode_setup(o, tp)
+        pet()
+        return _timed_loop(o, s, pet)
 
 
 def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> BenchResult:
@@ -241,9 +235,9 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
     ar_ms = None
     if tp is not None:
         ar_ms = _allreduce_time(tp, o.batch * o.query_tokens, o.hidden, 2 * o.layers, s.dtype, dev, runner.enabled)
-        # Ranks run in lock step; report the slowest rank's figures.
-        step_ms, host_ms, ar_ms = (tp.max(x) for x in (step_ms, host_ms, ar_ms))
-        gpu_ms = tp.max(gpu_ms) if gpu_ms is not None else None
+        # Ranks run in lock step; report the slowest rank's figures (-1: no GPU time on any).
+        step_ms, host_ms, ar_ms, gpu = tp.max(step_ms, host_ms, ar_ms, -1.0 if gpu_ms is None else gpu_ms)
+        gpu_ms = None if gpu < 0 else gpu
     pet()
     return BenchResult(
         s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, preplan, step_ms,
@@ -252,30 +246,8 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
     )
 
 
-def _gpu_time(runner: GraphRunner, batch: int, reps: int = 20) -> float:
-    """One step's kernels back to back: the captured graph replayed with no host work between."""
-    g = runner._graphs[(runner.bucket_for(batch), 0)]  # noqa: SLF001 - the bench is the runner's own user
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    g.replay()
-    start.record()
-    for _ in range(reps):
-        g.replay()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
-
-
-def _allreduce_time(tp: TensorParallel, rows: int, hidden: int, count: int, dtype: torch.dtype,
-                    device: torch.device, graph: bool, reps: int = 20) -> float:
-    """ms for a step's ``count`` all-reduces of ``[rows, hidden]`` alone, back to back: replayed
-    from one captured graph when the step is (``graph``), else launched eagerly."""
-    buf = torch.zeros(rows, hidden, dtype=dtype, device=device)  # zeros: the sums stay finite
-
-    def step() -> None:
-        for _ in range(count):
-            tp.all_reduce(buf)
-
-    run = capture_graph(step, device) if graph else step
+def _time_ms(run: Callable[[], None], device: torch.device, reps: int = 20) -> float:
+    """ms per call of ``run``, back to back after one untimed call: CUDA events, else the host clock."""
     run()
     if device.type != "cuda":
         t0 = time.perf_counter()
@@ -289,3 +261,22 @@ def _allreduce_time(tp: TensorParallel, rows: int, hidden: int, count: int, dtyp
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / reps
+
+
+def _gpu_time(runner: GraphRunner, batch: int) -> float:
+    """One step's kernels back to back: the captured graph replayed with no host work between."""
+    g = runner._graphs[(runner.bucket_for(batch), 0)]  # noqa: SLF001 - the bench is the runner's own user
+    return _time_ms(g.replay, runner.device)
+
+
+def _allreduce_time(tp: TensorParallel, rows: int, hidden: int, count: int, dtype: torch.dtype,
+                    device: torch.device, graph: bool) -> float:
+    """ms for a step's ``count`` all-reduces of ``[rows, hidden]`` alone, back to back: replayed
+    from one captured graph when the step is (``graph``), else launched eagerly."""
+    buf = torch.zeros(rows, hidden, dtype=dtype, device=device)  # zeros: the sums stay finite
+
+    def step() -> None:
+        for _ in range(count):
+            tp.all_reduce(buf)
+
+    return _time_ms(capture_graph(step, device) if graph else step, device)

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..config import Config, ConfigSource
-from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, tensor_parallel
+from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
 from ..resources.kv import KVConfig, KVManager
@@ -86,6 +86,7 @@ def run_text_demo(
     max_pages: int = 7,
     num_layers: int = 2,
     tp: TensorParallel | None = None,
+    tp_timeout_s: float = DEFAULT_TIMEOUT_S,
 ) -> DemoReport:
     """Serve :func:`make_requests` to completion and compare every generated token's logits.
 
@@ -96,11 +97,12 @@ def run_text_demo(
     schedules the same requests (the logits after each block's all-reduce are the same on every
     rank, so are the tokens), each step checks that the ranks admitted the same rows before its
     forward, and rank 0 checks the tokens against the no-cache forward of the unsharded model;
-    every rank's report carries rank 0's error."""
+    every rank's report carries rank 0's error. A rank that makes no step's progress for
+    ``tp_timeout_s`` (plus a grace) ends itself (:func:`~mstar_core.distributed.stall_guard`)."""
     cfg = TinyDecoderConfig(num_layers=num_layers)
     model = TinyDecoder(cfg, device, dtype, seed=seed, tp=tp)
     kv_cfg = KVConfig(cfg.num_layers, model.num_kv_heads, cfg.head_dim, page_size, max_pages, model.num_qo_heads)
-    kv = KVManager(kv_cfg, device, dtype)
+    kv = KVManager(kv_cfg, device, dtype, tp=tp)
     attn = PagedAttentionManager(kv, device, dtype, kv_cfg, wrappers, backend_name=backend_name)
     node = Node([attn, kv])
 
@@ -117,49 +119,52 @@ def run_text_demo(
     finished: list[Request] = []
     kinds = {"prefill": 0, "mixed": 0, "decode": 0}
     waits, tokens, step_no = 0, 0, 0
-    t0 = time.perf_counter()
-    while pending or active:
-        for r in [r for r in pending if r.arrives <= step_no]:
-            pending.remove(r)
-            node.ingest_request(r.rid)
-            active.append(r)
-        batch = list(active)
-        while batch:
-            spans = tuple(
-                KVSpan(r.rid, LABEL, len(r.prompt) if not r.prefilled else 1) for r in batch
-            )
-            step = Step(KVStep(spans))
-            res = node.step(step, lambda ctx: forward(batch, ctx))
-            if res.outcome:
-                break
-            # Refused: the newest request not yet prefilled waits for pages.
-            waiting = [r for r in batch if not r.prefilled]
-            if not waiting:
-                raise RuntimeError(f"decode step refused with nothing to defer: {res.outcome.reason()}")
-            batch.remove(waiting[-1])
-            waits += 1
-            log.info("request %s waits: %s", waiting[-1].rid, res.outcome.reason())
-        if batch:
-            kind = step_kind(tuple(1 if r.prefilled else len(r.prompt) for r in batch))
-            kinds[{"paged_decode": "decode", "paged_prefill": "prefill", "mixed": "mixed"}[kind]] += 1
-            tokens += sum(1 if r.prefilled else len(r.prompt) for r in batch)
-            for r in batch:
-                r.prefilled = True
-        for r in [r for r in active if r.done]:
-            active.remove(r)
-            node.remove_request(r.rid)
-            finished.append(r)
-        step_no += 1
-        if step_no > 1000:
-            raise RuntimeError("demo did not finish in 1000 steps")
-    seconds = time.perf_counter() - t0
-    if tp is None:
-        err = max(_check(model, r) for r in finished)
-    else:
-        # Rank 0 checks against the unsharded model (same seed: the function the shards compute
-        # together); an all-reduce hands its error to every rank (the others add zero).
-        mine = max(_check(TinyDecoder(cfg, device, dtype, seed=seed), r) for r in finished) if tp.rank == 0 else 0.0
-        err = float(tp.all_reduce(torch.tensor([mine], dtype=torch.float64, device=device), "the error's all-reduce"))
+    with stall_guard(tp, tp_timeout_s, "demo") as pet:
+        t0 = time.perf_counter()
+        while pending or active:
+            for r in [r for r in pending if r.arrives <= step_no]:
+                pending.remove(r)
+                node.ingest_request(r.rid)
+                active.append(r)
+            batch = list(active)
+            while batch:
+                spans = tuple(
+                    KVSpan(r.rid, LABEL, len(r.prompt) if not r.prefilled else 1) for r in batch
+                )
+                step = Step(KVStep(spans))
+                res = node.step(step, lambda ctx: forward(batch, ctx))
+                if res.outcome:
+                    break
+                # Refused: the newest request not yet prefilled waits for pages.
+                waiting = [r for r in batch if not r.prefilled]
+                if not waiting:
+                    raise RuntimeError(f"decode step refused with nothing to defer: {res.outcome.reason()}")
+                batch.remove(waiting[-1])
+                waits += 1
+                log.info("request %s waits: %s", waiting[-1].rid, res.outcome.reason())
+            if batch:
+                kind = step_kind(tuple(1 if r.prefilled else len(r.prompt) for r in batch))
+                kinds[{"paged_decode": "decode", "paged_prefill": "prefill", "mixed": "mixed"}[kind]] += 1
+                tokens += sum(1 if r.prefilled else len(r.prompt) for r in batch)
+                for r in batch:
+                    r.prefilled = True
+            for r in [r for r in active if r.done]:
+                active.remove(r)
+                node.remove_request(r.rid)
+                finished.append(r)
+            step_no += 1
+            pet()
+            if step_no > 1000:
+                raise RuntimeError("demo did not finish in 1000 steps")
+        seconds = time.perf_counter() - t0
+        # Under tensor parallelism rank 0 checks against the unsharded model (same seed: the function
+        # the shards compute together), and an all-reduce hands its error to every rank (others add 0).
+        err = 0.0
+        if tp is None or tp.rank == 0:
+            whole = model if tp is None else TinyDecoder(cfg, device, dtype, seed=seed)
+            err = max(_check(whole, r) for r in finished)
+        if tp is not None:
+            err = float(tp.all_reduce(torch.tensor([err], dtype=torch.float64, device=device), "the error's all-reduce"))
     tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
     logits = {r.rid: torch.stack(r.logits) for r in finished}
     return DemoReport(backend_name, kinds, waits, tokens, seconds, err, tol, tp.world_size if tp else 1, logits)
@@ -187,18 +192,17 @@ def _check(model: TinyDecoder, r: Request) -> float:
 
 
 def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None,
-         tp: int = 1, tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
+         tp: TensorParallel | None = None, tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report. With
-    ``tp`` > 1 this is one rank of a torchrun launch; rank 0 prints."""
+    ``tp`` this is one rank of a tensor-parallel run (``device`` its own); rank 0 prints."""
     from ..registry import select_backend
 
-    cfg = TinyDecoderConfig()
-    with tensor_parallel(tp, device, "demo", tp_timeout_s, heads=(cfg.num_qo_heads, cfg.num_kv_heads)) as (group, dev):
-        dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-        sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
-                             head_dim=cfg.head_dim, config=config)
-        report = run_text_demo(sel.classes, sel.name, str(dev), dtype, seed, tp=group)
-        if group is None or group.rank == 0:
-            for line in report.lines():
-                print(line)
+    dev = torch.device(device)
+    dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
+    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
+                         head_dim=TinyDecoderConfig().head_dim, config=config)
+    report = run_text_demo(sel.classes, sel.name, device, dtype, seed, tp=tp, tp_timeout_s=tp_timeout_s)
+    if tp is None or tp.rank == 0:
+        for line in report.lines():
+            print(line)
     return 0 if report.ok else 1

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core.distributed import STALL_GRACE_S
+
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 ROOT = Path(__file__).resolve().parents[2]
 TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mstar_core.cli"]
@@ -43,7 +45,7 @@ def test_a_rank_failing_during_graph_replays_ends_its_peer_not_a_hang():
     assert not ranks["0"]["hung"] and not ranks["1"]["hung"], ranks
     assert ranks["1"]["exit"] != 0 and "fails on purpose" in " ".join(ranks["1"]["stderr_tail"])
     assert ranks["0"]["exit"] != 0
-    # within the collective timeout plus the watchdog's grace (and start-up), with a line saying why
-    assert ranks["0"]["seconds"] < 120, ranks
+    # the watchdog fires STALL_GRACE_S after the timeout; rank 1 fails some seconds into the run
+    assert ranks["0"]["seconds"] - ranks["1"]["seconds"] < timeout + STALL_GRACE_S + 15, ranks
     said = " ".join(ranks["0"]["stderr_tail"])
     assert "another tensor-parallel rank has failed or stalled" in said or "another rank has failed or stalled" in said, said

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from ...distributed import check_same_across_ranks
+from ...distributed import TensorParallel
 from ...features import PLAIN, AttentionFeatures, quantize
 from ...resource import BuildInfo, Resource, as_dtype, spec_required
 from ...step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
@@ -96,6 +96,7 @@ class KVManager(Resource):
         dtype: torch.dtype = torch.float32,
         name: str = "kv",
         features: AttentionFeatures = PLAIN,
+        tp: TensorParallel | None = None,
     ) -> None:
         if not isinstance(features, AttentionFeatures):
             raise TypeError(f"KVManager: features must be an AttentionFeatures, got {type(features).__name__}")
@@ -111,6 +112,9 @@ class KVManager(Resource):
         self._scales = (tuple(features.scales(i) for i in range(config.num_layers))
                         if features.quantized else None)
         self.name = name
+        # The tensor-parallel group whose ranks must hold the same pages (None: no check). Its
+        # config is this rank's shard (num_kv_heads / world heads).
+        self.tp = tp
         self.storage = torch.zeros(config.shape, dtype=self.kv_dtype, device=self.device)
         self.pool = PagePool(config.max_pages)
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
@@ -578,8 +582,9 @@ class KVManager(Resource):
         return self.pool.num_free
 
     def post_warmup_validate(self) -> None:
-        """Page accounting is consistent, and (under tensor parallelism) every rank has the same
-        free pages, streams and tokens held: ranks that disagree would admit different steps."""
+        """Page accounting is consistent, and (given a tensor-parallel group) every rank of it has
+        the same free pages, streams and tokens held: ranks that disagree would admit different
+        steps."""
         owned = [p for s in (*self.streams.values(), *self._parked.values()) for p in s.pages]
         if self._sink_page is not None:
             owned.append(self._sink_page)
@@ -592,8 +597,9 @@ class KVManager(Resource):
         short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < pages_for(s.length, ps)}
         if short:
             raise RuntimeError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
-        check_same_across_ranks(self.name, {"free pages": self.pool.num_free, "streams": len(self.streams),
-                                            "tokens": sum(s.length for s in self.streams.values())})
+        if self.tp is not None:
+            self.tp.check_same(self.name, {"free pages": self.pool.num_free, "streams": len(self.streams),
+                                           "tokens": sum(s.length for s in self.streams.values())})
 
     def cleanup(self) -> None:
         self.streams.clear()
