@@ -27,9 +27,6 @@ CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}}'
 # Every table and the keys it takes.
 SCHEMA: dict[str, tuple[str, ...]] = {"attention": ("backend", "pins")}
 
-ConfigSource = Mapping[str, Any] | str | os.PathLike[str] | None
-
-
 @dataclass(frozen=True)
 class Config:
     """What a config asks of mstar: ``backend`` (None: not set) and ``pins`` (backend name ->
@@ -37,6 +34,10 @@ class Config:
 
     backend: str | None = None
     pins: Mapping[str, str] = field(default_factory=dict)
+
+
+# What every ``config=`` argument takes: a Config already loaded, a mapping, a TOML file's path.
+ConfigSource = Config | Mapping[str, Any] | str | os.PathLike[str] | None
 
 
 def short(value: Any, limit: int = 80) -> str:
@@ -104,7 +105,10 @@ def _check_tables(config: Mapping[str, Any], where: str) -> None:
 
 
 def load_config(config: ConfigSource) -> Config:
-    """``config`` (a mapping, the path of a TOML file, or None) checked against :data:`SCHEMA`."""
+    """``config`` (a mapping, the path of a TOML file, or None) checked against :data:`SCHEMA`; a
+    :class:`Config` (already checked) as it is."""
+    if isinstance(config, Config):
+        return config
     if config is None:
         return Config()
     where = "config"

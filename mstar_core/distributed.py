@@ -44,15 +44,16 @@ class TensorParallelError(RuntimeError):
     """A collective failed or timed out: another rank failed or stalled."""
 
 
-def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: int | None = None) -> None:
+def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: int | None = None,
+                    who: str = "") -> None:
     """Refuse a rank count that does not divide the query heads, the KV heads (and the MLP
-    width), naming the rank counts that would."""
+    width), naming the rank counts that would; ``who`` (e.g. ``"bench --tp 3"``) leads the error."""
     sizes = {"query heads": num_qo_heads, "KV heads": num_kv_heads, **({"MLP width": mlp} if mlp else {})}
     if world_size >= 1 and not any(n % world_size for n in sizes.values()):
         return
     g = math.gcd(*sizes.values())
     named = ", ".join(f"{what} {n}" for what, n in sizes.items())
-    raise ValueError(f"cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
+    raise ValueError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
                      f"(rank counts that divide them all: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
 
 

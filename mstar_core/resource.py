@@ -63,6 +63,14 @@ def as_dtype(value: torch.dtype | str) -> torch.dtype:
     return _DTYPES[name]
 
 
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """A ``--dtype`` option: ``"auto"`` is bfloat16 on CUDA and float32 elsewhere; any other name
+    goes through :func:`as_dtype`."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return as_dtype(name)
+
+
 class Resource:
     """Base of every step resource. Subclasses override what they need."""
 

@@ -138,8 +138,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     backends = []
     listed = [(spec, registry.device_reasons(spec, device)) for spec in registry.backends.values()]
     # A name several distributions register: every claimant, none available until pinned.
-    listed += [(spec, [registry.conflict_reason(name)])
-               for name, claims in registry.conflicts.items() for spec in claims]
+    conflicts = registry.conflicts  # built on each read
+    listed += [(spec, [registry.conflict_reason(name)]) for name, claims in conflicts.items() for spec in claims]
     for spec, reasons in sorted(listed, key=lambda x: (x[0].name, x[0].distribution or "")):
         name = spec.name
         backends.append({
@@ -147,7 +147,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "distribution": spec.distribution,
             "version": spec.version,
             "api_version": spec.api_version,
-            "conflict": name in registry.conflicts,
+            "conflict": name in conflicts,
             "provides": list(spec.provides),
             "devices": list(spec.devices),
             "archs": list(spec.archs) if spec.archs is not None else None,

@@ -53,10 +53,8 @@ def run(args: argparse.Namespace) -> int:
     from ..workloads import text
 
     cfg = TinyDecoderConfig()
-    try:  # before any process group: a rank count that does not shard the model fails on its own
-        check_shardable(args.tp, cfg.num_qo_heads, cfg.num_kv_heads, cfg.mlp)
-    except ValueError as e:
-        raise ValueError(f"demo --tp {args.tp}: {e}") from None
+    # before any process group: a rank count that does not shard the model fails on its own
+    check_shardable(args.tp, cfg.num_qo_heads, cfg.num_kv_heads, cfg.mlp, who=f"demo --tp {args.tp}")
     with launched(args.tp, args.device, "demo", args.tp_timeout) as (tp, dev):
         return text.main(backend=args.backend, device=str(dev), seed=args.seed, config=config, tp=tp,
                          tp_timeout_s=args.tp_timeout)

@@ -74,10 +74,10 @@ def run(args: argparse.Namespace) -> int:
 
     from ..integrations.transformers import generate_report
     from ..integrations.transformers.local import load
-    from ..resource import as_dtype
+    from ..resource import resolve_dtype
 
     device = torch.device(args.device)
-    dtype = (torch.bfloat16 if device.type == "cuda" else torch.float32) if args.dtype == "auto" else as_dtype(args.dtype)
+    dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
     prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
     options: dict[str, Any] = {"on_step": _Progress(), "config": config}

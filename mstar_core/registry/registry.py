@@ -34,6 +34,11 @@ T = TypeVar("T")
 Resolved = tuple[dict[str, Any], dict[str, str], "PluginFailure | None"]
 
 
+def _stamp(spec: BackendSpec, distribution: str, version: str) -> BackendSpec:
+    """``spec`` with the distribution and version that registered it, where it names none itself."""
+    return replace(spec, distribution=spec.distribution or distribution, version=spec.version or version)
+
+
 class Registry:
     """Every backend this process can see.
 
@@ -103,9 +108,10 @@ class Registry:
                 warnings.warn(msg, RuntimeWarning, stacklevel=3)
         for name in self.conflicts:  # strict mode refuses them where a selection meets them (view)
             log.warning("%s", self.conflict_reason(name))
-        for name, dist in self.pins.items():
-            if name in self._claims:  # a pin the user set for a name nobody registers is harmless
-                self.view({name: dist})  # raises when the pinned distribution does not register it
+        # A pin for a name nobody registers is harmless; view() checks every pin of the registry's
+        # and raises when a pinned distribution does not register its name.
+        if any(name in self._claims for name in self.pins):
+            self.view({})
 
     def _fail(self, ep_name: str, dist: str, version: str, stage: str, error: BaseException | str,
               backends: Sequence[str] = ()) -> None:
@@ -149,8 +155,7 @@ class Registry:
             self._fail(ep.name, dist, version, "register", problem, [s.name for s in staged])
             return
         for spec in staged:
-            self._claims.setdefault(spec.name, []).append(
-                replace(spec, distribution=spec.distribution or dist, version=spec.version or version))
+            self._claims.setdefault(spec.name, []).append(_stamp(spec, dist, version))
         self.plugins.append(LoadedPlugin(ep.name, dist, version, ep.value, tuple(s.name for s in staged)))
 
     def _claim_problem(self, staged: Sequence[BackendSpec], dist: str) -> str | None:
@@ -172,8 +177,7 @@ class Registry:
         """Add a backend by hand (tests, an embedding application). A taken name raises."""
         if spec.name in self._claims:
             raise PluginError(f"backend {spec.name!r} is already registered by {self._claims[spec.name][0].label}")
-        self._claims[spec.name] = [replace(spec, distribution=spec.distribution or distribution,
-                                           version=spec.version or version)]
+        self._claims[spec.name] = [_stamp(spec, distribution, version)]
 
     # -- lookup ------------------------------------------------------------------------------
     @property
@@ -211,10 +215,6 @@ class Registry:
                                  f"registered by: {', '.join(c.label for c in claims)}")
             out[name] = match[0]
         return out
-
-    def claimants(self, name: str) -> tuple[BackendSpec, ...]:
-        """Every registration of ``name`` (one per distribution)."""
-        return tuple(self._claims.get(name, ()))
 
     def conflict_reason(self, name: str) -> str:
         labels = " and ".join(c.label for c in self._claims[name])

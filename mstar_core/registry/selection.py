@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ..config import Config, ConfigSource, load_config
+from ..config import ConfigSource, load_config
 from ..config import short as _short
 from ..features import PLAIN, AttentionFeatures
 from ..step import is_int
@@ -74,7 +74,7 @@ def config_backend(config: ConfigSource) -> str | None:
     return load_config(config).backend
 
 
-def resolve_requested(requested: str | None, config: ConfigSource | Config,
+def resolve_requested(requested: str | None, config: ConfigSource,
                       honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
     the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
@@ -86,7 +86,7 @@ def resolve_requested(requested: str | None, config: ConfigSource | Config,
         configured: str | None = requested.strip()
         where = "argument"
     else:
-        configured, where = (config if isinstance(config, Config) else load_config(config)).backend, "config"
+        configured, where = load_config(config).backend, "config"
         configured = configured.strip() if configured is not None else None
     env = os.environ.get(ENV_BACKEND, "").strip() if honor_env else ""
     if env:
@@ -161,7 +161,7 @@ def select_backend(
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = torch.float32,
     head_dim: int | None = 64,
-    config: ConfigSource | Config = None,
+    config: ConfigSource = None,
     registry: Registry | None = None,
     honor_env: bool = True,
     features: AttentionFeatures | None = None,
@@ -195,7 +195,7 @@ def select_backend(
     registry = registry or get_registry()
     device = as_device(device)
     request = Request(capabilities, device, dtype, head_dim, features or PLAIN)
-    config = config if isinstance(config, Config) else load_config(config)
+    config = load_config(config)
     name, source = resolve_requested(requested, config, honor_env)
     backends = registry.view(config.pins)
     if name == AUTO:
@@ -211,7 +211,7 @@ def _select_named(registry: Registry, name: str, source: str, request: Request,
     if spec is None:
         ok = runnable(registry, request, backends)
         failed = registry.failure_for(name)
-        if registry.claimants(name):
+        if name in registry.conflicts:
             why = registry.conflict_reason(name)
         elif failed:
             why = f"its plugin failed: {failed}"
@@ -240,6 +240,8 @@ def _select_auto(registry: Registry, request: Request, source: str, backends: Ma
     where = str(request)
     capabilities = request.capabilities
     rejected: dict[str, list[str]] = {}
+    # Names several distributions claim and no pin settled: never picked, listed with why.
+    unsettled = {n: [registry.conflict_reason(n)] for n in registry.conflicts if n not in backends}
     for name in auto_order(capabilities, registry, backends):
         spec = backends[name]
         reasons = request.reasons(registry, spec)
@@ -249,18 +251,14 @@ def _select_auto(registry: Registry, request: Request, source: str, backends: Ma
         if reasons:
             rejected[name] = reasons
             continue
-        for other in registry.conflicts:
-            if other not in backends:
-                rejected[other] = [registry.conflict_reason(other)]
+        rejected.update(unsettled)
         passed = format_rejected(rejected) or "none"
         log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
         return Selection(name, spec, classes, rejected, AUTO, source)
     for n, spec in backends.items():
         if n not in rejected:
             rejected[n] = request.reasons(registry, spec) or ["not in the auto order"]
-    for other in registry.conflicts:
-        if other not in backends:
-            rejected[other] = [registry.conflict_reason(other)]
+    rejected.update(unsettled)
     detail = format_rejected(rejected)
     raise BackendUnavailable(
         f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "

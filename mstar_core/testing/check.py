@@ -216,12 +216,12 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
     (None: CUDA when usable and the backend runs there, else the CPU); ``config``: pins for a
     name several distributions register. Raises ``BackendUnavailable`` with the reasons when it
     cannot run there, ValueError when it provides nothing the suite covers."""
-    from ..config import Config, load_config
+    from ..config import load_config
     from ..registry import get_registry, select_backend
     from ..registry.device import as_device
 
     registry = registry or get_registry()
-    config = config if isinstance(config, Config) else load_config(config)
+    config = load_config(config)
     spec = registry.view(config.pins).get(name)
     if spec is not None and not any(c in KINDS for c in spec.provides):
         raise ValueError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "

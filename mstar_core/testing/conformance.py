@@ -184,18 +184,12 @@ class Refused(Exception):
 
 
 def _plan(case: PagedCase | RaggedCase, plan: Any) -> None:
-    if all(p >= 0 for p in case.prefix_lens):
-        plan()
-        return
     try:
         plan()
     except ValueError as e:
+        if all(p >= 0 for p in case.prefix_lens):  # every row sees a key: nothing may be refused
+            raise
         raise Refused(f"refused the plan: {e}") from e
-
-
-# The suite's check per kind of case ("prefill", "decode", "mixed", "ragged"); each takes
-# ``(backend, case, wrapper=None)``.
-CHECKS: dict[str, Any] = {}
 
 
 def window_bites(case: PagedCase | RaggedCase) -> bool:
@@ -363,7 +357,7 @@ def paged_oracle(case: PagedCase, data: PagedData, causal: bool, sinks: torch.Te
     return torch.cat(outs)
 
 
-def _assert_close(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, out: torch.Tensor,
+def assert_close(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, out: torch.Tensor,
                   ref: torch.Tensor) -> float:
     """The output is a tensor shaped like the queries, in their dtype, on their device, and
     within the dtype's tolerance of the float64 oracle (a poisoned row aside)."""
@@ -424,7 +418,7 @@ def check_prefill(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> 
         dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
     sinks = sink_logits(case, backend.device)
     out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return _assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
+    return assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
 def check_decode(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> float:
@@ -437,7 +431,7 @@ def check_decode(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> f
            window_left=case.window_left, **_scale_kwargs(backend, case))
     sinks = sink_logits(case, backend.device)
     out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return _assert_close(backend, "decode", case, out, paged_oracle(case, data, True, sinks))
+    return assert_close(backend, "decode", case, out, paged_oracle(case, data, True, sinks))
 
 
 def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None, wrapper: Any = None
@@ -454,7 +448,7 @@ def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | No
         dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
     sinks = sink_logits(case, backend.device)
     out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return _assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
+    return assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
 
 
 def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> float:
@@ -487,7 +481,9 @@ def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> 
                          case.window_left, case.sm_scale, case.soft_cap, sinks)
         for i in range(len(case.q_lens))
     ])
-    return _assert_close(backend, "ragged", case, out, ref)
+    return assert_close(backend, "ragged", case, out, ref)
 
 
-CHECKS.update(prefill=check_prefill, decode=check_decode, mixed=check_mixed, ragged=check_ragged)
+# The suite's check per kind of case; each takes ``(backend, case, wrapper=None)``.
+CHECKS: dict[str, Any] = {"prefill": check_prefill, "decode": check_decode, "mixed": check_mixed,
+                          "ragged": check_ragged}

@@ -13,8 +13,7 @@ from typing import Any
 
 import torch
 
-from .conformance import CHECKS, TOLERANCE, PagedCase, RaggedCase, WrapperSet, make_paged, paged_oracle
-from .oracle import rel_error
+from .conformance import CHECKS, PagedCase, RaggedCase, WrapperSet, assert_close, make_paged, paged_oracle
 
 PAGE_SIZE, KV_HEADS, GQA = 16, 2, 4
 
@@ -108,9 +107,5 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
         plan(d)
         graph.replay()
         torch.cuda.synchronize()
-        err = rel_error(out_static[:n], paged_oracle(case, d, True))
-        if not err <= TOLERANCE[dt]:
-            raise AssertionError(f"{backend.name} {kind} replay [{case}]: relative error {err:.3g} > "
-                                 f"{TOLERANCE[dt]:.3g}")
-        errors.append(err)
+        errors.append(assert_close(backend, f"{kind} replay", case, out_static[:n], paged_oracle(case, d, True)))
     return max(errors)

@@ -19,8 +19,8 @@ from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, st
 from ..features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from ..graphs import GraphRunner, capture_graph
 from ..model import TinyDecoder, TinyDecoderConfig
-from ..resource import as_dtype
-from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
+from ..resource import resolve_dtype
+from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
 from ..resources.kv import KVConfig, KVManager
 from ..runner import Node
 from ..step import KVSpan, KVStep, Step
@@ -61,10 +61,8 @@ class BenchOptions:
             raise ValueError(f"bench: context must be >= 0, got {self.context}")
         if self.qo_heads % self.kv_heads:
             raise ValueError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
-        try:  # the tiny model's MLP is 2 x hidden wide
-            check_shardable(self.tp, self.qo_heads, self.kv_heads, 2 * self.hidden)
-        except ValueError as e:
-            raise ValueError(f"bench --tp {self.tp}: {e}") from None
+        # the tiny model's MLP is 2 x hidden wide
+        check_shardable(self.tp, self.qo_heads, self.kv_heads, 2 * self.hidden, who=f"bench --tp {self.tp}")
 
 
 @dataclass(frozen=True)
@@ -100,12 +98,6 @@ class BenchResult:
         ]
 
 
-def _dtype(name: str, device: torch.device) -> torch.dtype:
-    if name == "auto":
-        return torch.bfloat16 if device.type == "cuda" else torch.float32
-    return as_dtype(name)
-
-
 @dataclass
 class DecodeSetup:
     """Everything the loop runs, for scripts that time parts of it (bench/runner_bench.py)."""
@@ -130,7 +122,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     from ..registry import select_backend
 
     dev = torch.device(o.device)
-    dt = _dtype(o.dtype, dev)
+    dt = resolve_dtype(o.dtype, dev)
     t = o.query_tokens
     features = AttentionFeatures(decode_query_tokens=t)
     sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt,
@@ -143,7 +135,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
     kv = KVManager(kvc, dev, dt, features=features, tp=tp)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
-                                 graph_capturable="paged_decode" in sel.capturable,
+                                 graph_capturable=decode_capturable(sel.capturable, features),
                                  max_batch_size=max(o.batch, 1), backend_name=sel.name)
     node = Node([kv, attn])
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config, ConfigSource
+from ..config import ConfigSource
 from ..resources.attn.dense import DENSE_CAPABILITY, DenseAttentionManager
 from ..resources.kv import KVConfig, KVManager
 from ..runner import Node
@@ -194,7 +194,7 @@ def run_denoise(wrapper_class: type, backend: str, device: torch.device | str = 
     return rep
 
 
-def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None) -> int:
+def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource = None) -> int:
     """``mstar demo --workload denoise``: pick the dense backend (by name, config, env or auto),
     run, print the report; 0 when every output matched and the cache behaved, else 1."""
     from ..registry import (

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import Config, ConfigSource
+from ..config import ConfigSource
 from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
 from ..model import TinyDecoder, TinyDecoderConfig
 from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
@@ -35,6 +35,11 @@ class Request:
     @property
     def done(self) -> bool:
         return len(self.generated) >= self.max_new
+
+    @property
+    def step_tokens(self) -> list[int]:
+        """The tokens this request runs in its next step: the prompt, then the last generated one."""
+        return self.prompt if not self.prefilled else self.generated[-1:]
 
 
 @dataclass(frozen=True)
@@ -110,7 +115,7 @@ def run_text_demo(
         if tp is not None:
             # Before the first collective of the step: ranks that admitted different rows would
             # otherwise all-reduce tensors of different shapes.
-            n = sum(1 if r.prefilled else len(r.prompt) for r in batch)
+            n = sum(len(r.step_tokens) for r in batch)
             tp.check_same(f"step {step_no}'s admission", {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
         _forward(model, kv, attn, batch, ctx, device)
 
@@ -129,7 +134,7 @@ def run_text_demo(
             batch = list(active)
             while batch:
                 spans = tuple(
-                    KVSpan(r.rid, LABEL, len(r.prompt) if not r.prefilled else 1) for r in batch
+                    KVSpan(r.rid, LABEL, len(r.step_tokens)) for r in batch
                 )
                 step = Step(KVStep(spans))
                 res = node.step(step, lambda ctx: forward(batch, ctx))
@@ -143,9 +148,9 @@ def run_text_demo(
                 waits += 1
                 log.info("request %s waits: %s", waiting[-1].rid, res.outcome.reason())
             if batch:
-                kind = step_kind(tuple(1 if r.prefilled else len(r.prompt) for r in batch))
+                kind = step_kind(tuple(len(r.step_tokens) for r in batch))
                 kinds[{"paged_decode": "decode", "paged_prefill": "prefill", "mixed": "mixed"}[kind]] += 1
-                tokens += sum(1 if r.prefilled else len(r.prompt) for r in batch)
+                tokens += sum(len(r.step_tokens) for r in batch)
                 for r in batch:
                     r.prefilled = True
             for r in [r for r in active if r.done]:
@@ -173,7 +178,7 @@ def run_text_demo(
 def _forward(model: TinyDecoder, kv: KVManager, attn: PagedAttentionManager, batch: list[Request],
              ctx: StepContext, device: str) -> None:
     lay = ctx.plan_results[kv.name].layout(LABEL)
-    toks = [t for r in batch for t in (r.prompt if not r.prefilled else r.generated[-1:])]
+    toks = [t for r in batch for t in r.step_tokens]
     logits = model.forward_step(torch.tensor(toks, device=device), lay.positions, kv, attn, LABEL)
     for r, span in zip(batch, lay.spans):
         last = logits[span.q_start + span.to_compute - 1].float().cpu()
@@ -191,7 +196,7 @@ def _check(model: TinyDecoder, r: Request) -> float:
     return float((got - want).abs().max())
 
 
-def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource | Config = None,
+def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource = None,
          tp: TensorParallel | None = None, tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report. With
     ``tp`` this is one rank of a tensor-parallel run (``device`` its own); rank 0 prints."""

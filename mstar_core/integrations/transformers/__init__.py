@@ -22,7 +22,7 @@ from typing import Any
 
 from ...resources.kv.paged import pages_for
 from .attention import NAME, mstar_attention, register
-from .batching import Generation, StepRecord, check_max_new, check_prompts, run
+from .batching import Generation, StepRecord, check_max_new, check_prompts, run, run_checked
 from .engine import Engine, EngineOptions
 from .probe import LayerAttention, ModelAttention, UnsupportedModel, probe
 
@@ -65,7 +65,7 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
         run_kw["eos_token_id"] = getattr(gen, "eos_token_id", None)
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
-        return run(engine, prompts, max_new_tokens, **run_kw)
+        return run_checked(engine, prompts, max_new_tokens, **run_kw)
 
 
 def _sized(prompts: list[list[int]], max_new_tokens: int, options: dict[str, Any]) -> EngineOptions:

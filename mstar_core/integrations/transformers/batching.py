@@ -156,6 +156,14 @@ def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     Whatever happens, every request is removed from the engine's resources on return."""
     check_max_new(max_new_tokens)
     prompts = check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
+    return run_checked(engine, prompts, max_new_tokens, arrivals, eos_token_id, on_step)
+
+
+def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
+                arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
+                on_step: Callable[[int, int], None] | None = None) -> Generation:
+    """:func:`run` for prompts and ``max_new_tokens`` already checked (``check_prompts``,
+    ``check_max_new``): ``generate`` checks them before it builds the engine."""
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     if len(arrivals) != len(prompts) or any(not is_int(a) or a < 0 for a in arrivals):
         raise ValueError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
@@ -188,6 +196,7 @@ class _Loop:
         self.ingested: set[str] = set()
         self._last_key: list[int] = []
         self._last: tuple[Step, str] | None = None
+        self.produced = 0  # tokens appended to the requests' outputs so far
 
     def run(self) -> Generation:
         e = self.e
@@ -195,6 +204,7 @@ class _Loop:
         inflight: _Launched | None = None
         step_no = 0
         limit = 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000
+        total = sum(r.max_new for r in self.reqs)
         try:
             while self.pending or self.active or inflight:
                 self._arrive(step_no)
@@ -205,7 +215,7 @@ class _Loop:
                 self._leave(inflight.rows if inflight else [])
                 step_no += 1
                 if self.on_step is not None:
-                    self.on_step(sum(len(r.generated) for r in self.reqs), sum(r.max_new for r in self.reqs))
+                    self.on_step(self.produced, total)
                 if step_no > limit:
                     raise RuntimeError(f"generate made no progress in {step_no} steps (a bug: please report it)")
         finally:
@@ -318,6 +328,7 @@ class _Loop:
             if r.stopped:
                 continue  # computed before its end-of-sequence token was seen: dropped
             r.generated.append(t)
+            self.produced += 1
             if r.first_token_s is None:
                 r.first_token_s = now - r.joined_at
             if t in self.eos:

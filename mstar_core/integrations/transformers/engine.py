@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from ...graphs import GraphRunner
-from ...resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
+from ...resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
 from ...resources.kv import KVConfig, KVManager
 from ...runner import Node
 from ...step import AttentionStep, StepContext, is_int
@@ -123,11 +123,11 @@ class Engine:
             sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=self.device,
                                  dtype=self.dtype, head_dim=a.head_dim, features=features, config=o.config)
             self.backend = sel.name
-            log.info("%s on backend %s (%s)", a.describe(), sel.name, features)
+            log.info("%s on backend %s", a.describe(), sel.name)  # describe() names the features
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             self.kv = KVManager(kvc, self.device, self.dtype, features=features)
             graphs = graphs_default(self.device) if o.graphs is None else o.graphs
-            capturable = "paged_decode" in sel.capturable
+            capturable = decode_capturable(sel.capturable, features)
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
                 graph_capturable=capturable, max_batch_size=o.max_batch_size,
@@ -146,9 +146,6 @@ class Engine:
                     self._warmup(explicit=o.graphs is True)
                 else:
                     self.node.post_warmup_validate()
-            if graphs and not self.runner.enabled:
-                log.warning("graphs requested but backend %s cannot capture paged decode here: steps run eagerly",
-                            sel.name)
         except BaseException:
             self.close()
             raise
@@ -166,6 +163,10 @@ class Engine:
             log.warning("graphs off: capturing %s's decode step failed (%s: %s); every step runs eagerly",
                         self.attention.model, type(e).__name__, str(e).splitlines()[0] if str(e) else "")
             self.node.post_warmup_validate()  # the runner holds no graph and runs every step eagerly
+            return
+        if not self.runner.enabled:
+            log.warning("graphs requested but backend %s cannot capture paged decode here: steps run eagerly",
+                        self.backend)
 
     # -- the binding every layer calls ----------------------------------------------------------
     def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,

@@ -9,7 +9,7 @@ overwrites the state a wrapper still holds for step N (seed 000's double-buffer 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,19 +34,36 @@ PAGED_CAPABILITIES = ("paged_prefill", "paged_decode", "mixed")
 WrapperKey = tuple[str, str, int, "int | None", int]
 
 
+def capture_kinds(features: AttentionFeatures) -> tuple[str, ...]:
+    """The wrapper kinds a captured decode step runs: multi-token decode rows are captured on
+    the prefill wrapper, so it must be capturable too."""
+    return ("paged_decode",) if features.decode_query_tokens == 1 else ("paged_decode", "paged_prefill")
+
+
+def decode_capturable(capturable: Iterable[str], features: AttentionFeatures) -> bool:
+    """Whether a backend whose ``capturable`` kinds (its selection's) are these can have its
+    decode steps captured: the ``graph_capturable`` a manager is built with."""
+    have = set(capturable)
+    return all(k in have for k in capture_kinds(features))
+
+
 @dataclass(frozen=True)
 class PagedAttnEntry:
     label: str
     kind: str  # "paged_decode" | "paged_prefill" | "mixed"
-    wrapper: Any  # the first of ``plans``
     num_tokens: int
     # Wrappers hold their plan: ``serial`` is this plan's number, and a wrapper re-planned by a
     # later step (more steps planned ahead than there are slots) is refused at run, not misused.
-    key: WrapperKey = ("", "", 0, None, 0)
-    serial: int = 0
-    # ``(window_left, wrapper, key)`` per distinct window of the step: one, or (per-layer windows,
-    # AttentionFeatures.layer_windows) one per distinct window, which ``run(layer_idx=)`` picks.
-    plans: tuple[tuple[int, Any, WrapperKey], ...] = ()
+    serial: int
+    # ``(window_left, wrapper, key)`` per distinct window of the step (at least one): one, or
+    # (per-layer windows, AttentionFeatures.layer_windows) one per distinct window, which
+    # ``run(layer_idx=)`` picks.
+    plans: tuple[tuple[int, Any, WrapperKey], ...]
+
+    @property
+    def wrapper(self) -> Any:
+        """The first plan's wrapper."""
+        return self.plans[0][1]
 
     @property
     def per_window(self) -> dict[int, tuple[Any, WrapperKey]]:
@@ -164,9 +181,7 @@ class PagedAttentionManager(AttentionManager):
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        # Multi-token decode rows are captured on the prefill wrapper: it must be capturable too.
-        capturable = "paged_decode" in sel.capturable and (
-            kv.features.decode_query_tokens == 1 or "paged_prefill" in sel.capturable)
+        capturable = decode_capturable(sel.capturable, kv.features)
         return cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable,
                    backend_name=sel.name, **extra)
 
@@ -237,8 +252,7 @@ class PagedAttentionManager(AttentionManager):
                 plans.append((window, w, key))
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
                       len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
-            entries.append(PagedAttnEntry(label, kind, plans[0][1], ctx.graph_tokens or lay.num_tokens, plans[0][2],
-                                          self._serial, tuple(plans)))
+            entries.append(PagedAttnEntry(label, kind, ctx.graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
         self._current = PagedAttnPlan(tuple(entries))
         return self._current
 
@@ -271,8 +285,8 @@ class PagedAttentionManager(AttentionManager):
         runner re-runs its closures, which any wrapper supports)."""
         declared = self.graph_capturable
         if declared is None:
-            kinds = ("paged_decode",) if self.features.decode_query_tokens == 1 else ("paged_decode", "paged_prefill")
-            declared = all(getattr(self.wrapper_classes[k], "graph_capturable", True) for k in kinds)
+            declared = all(getattr(self.wrapper_classes[k], "graph_capturable", True)
+                           for k in capture_kinds(self.features))
         return self.accelerator_graph and (self.device.type == "cpu" or declared)
 
     def depends_on(self) -> tuple[str, ...]:
@@ -314,10 +328,12 @@ class PagedAttentionManager(AttentionManager):
         who = type(self).__name__
         e = self.current.entry(label)
         i = 0
+        li: int | None = None  # layer_idx, checked once where something reads it
         if self._layer_plan is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: the features give each layer its window: run needs layer_idx")
-            i = self._layer_plan[self.kv.check_layer(layer_idx)]
+            li = self.kv.check_layer(layer_idx)
+            i = self._layer_plan[li]
         _, wrapper, key = e.plans[i]
         if self._planned.get(key) != e.serial:
             raise RuntimeError(
@@ -330,14 +346,15 @@ class PagedAttentionManager(AttentionManager):
         if kv_cache_layer is None:
             if layer_idx is None:
                 raise ValueError("run needs kv_cache_layer or layer_idx")
-            kv_cache_layer = self.kv.layer_view(layer_idx)
+            li = self.kv.check_layer(layer_idx) if li is None else li
+            kv_cache_layer = self.kv.storage[li]  # layer_view, checked already
         if q.device != kv_cache_layer.device:
             raise ValueError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         kw: dict[str, Any] = {}
         if self._layer_kw is not None:
             if layer_idx is None:
                 raise ValueError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
-            kw = self._layer_kw[self.kv.check_layer(layer_idx)]
+            kw = self._layer_kw[self.kv.check_layer(layer_idx) if li is None else li]
         if sinks is not None:
             self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
             kw = {**kw, "sinks": sinks}
