@@ -29,8 +29,8 @@ from timing import copy_bandwidth, events_ms, host_us, kernel_ms
 from timing import versions as timing_versions
 
 from mstar_core.kernels.bounded_attention import bounded_attention, pick_impl
-from mstar_core.resources.kv import KVConfig
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.kv import KVConfig
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Step, StepContext
 
 DEV = "cuda"

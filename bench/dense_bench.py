@@ -39,10 +39,10 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # timing.py, w
 
 import timing  # noqa: E402
 
-from mstar_core.resources.attn.dense import DenseAttentionManager  # noqa: E402
-from mstar_core.resources.attn.paged import PagedAttentionManager  # noqa: E402
-from mstar_core.resources.kv import KVConfig, KVManager  # noqa: E402
-from mstar_core.runner import Node  # noqa: E402
+from mstar_core.attention.dense import DenseAttentionManager  # noqa: E402
+from mstar_core.attention.paged import PagedAttentionManager  # noqa: E402
+from mstar_core.kv import KVConfig, KVManager  # noqa: E402
+from mstar_core.node import Node  # noqa: E402
 from mstar_core.step import AttentionStep, KVSpan, KVStep, Step  # noqa: E402
 from mstar_core.testing.oracle import attention_oracle, rel_error  # noqa: E402
 

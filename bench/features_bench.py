@@ -25,7 +25,7 @@ Sections (each in its own try/except; a failure is recorded as ``{"error": ...}`
 - ``fa3``: mstar's FA3PrefixedPrefillWrapper vs flash_attn_varlen_func, 8 segments x (1024 prefix
   + 1024 fresh), causal: plain (control), softcap 30, window 512, sinks: <= 1.03x raw each.
 - ``multitoken``: 32-layer decode, 64 rows x 4 query tokens over 8192, CUDA graphs + pre-plan (the
-  loop of mstar_core.workloads.decode_bench, which bench/runner_bench.py times for one token, with
+  loop of mstar_core.demo.decode_bench, which bench/runner_bench.py times for one token, with
   ``AttentionFeatures(decode_query_tokens=4)`` and ``GraphRunner(query_tokens=4)``): step <= 1.10x
   the step's kernels replayed back to back; the same steps eagerly, for scale. Where mstar does not
   capture 4-token rows, the refusal is the result.
@@ -61,7 +61,7 @@ import timing
 from flashinfer_bench import paged_layout, ws
 
 from mstar_core import features
-from mstar_core.resources.attn.varlen import first_output as first
+from mstar_core.backends.varlen import first_output as first
 
 HQ, HKV, D, PS = 32, 8, 128, 16
 BF16 = torch.bfloat16
@@ -529,7 +529,7 @@ def bench_fa3(a: argparse.Namespace, sec: dict) -> None:
 
 
 def _step_loop(runner: Any, step: Any, n_tokens: int, warmup: int, steps: int, preplan: bool) -> tuple[float, float]:
-    """The loop of mstar_core.workloads.decode_bench.run_decode_bench for any step: median step
+    """The loop of mstar_core.demo.decode_bench.run_decode_bench for any step: median step
     time (CUDA events between consecutive steps) and median host time per step, ms."""
     tokens = torch.zeros(n_tokens, dtype=torch.long, device=DEV)
     marks: list[Any] = []
@@ -558,11 +558,11 @@ def _step_loop(runner: Any, step: Any, n_tokens: int, warmup: int, steps: int, p
 
 
 def _multi_setup(a: argparse.Namespace, qt: int, sec: dict) -> tuple[Any, Any, Any, Any]:
-    """The decode loop of mstar_core.workloads.decode_bench (tiny decoder, KV cache of ``context``
+    """The decode loop of mstar_core.demo.decode_bench (tiny decoder, KV cache of ``context``
     random tokens per row, FlashInfer through the registry, captured graphs) with ``qt`` query
     tokens per decode row. Room for this section's two loops (graphs, then eager). Returns
     (node, runner, kv, step)."""
-    from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup
+    from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup
 
     o = BenchOptions(layers=a.mt_layers, qo_heads=HQ, kv_heads=HKV, head_dim=D, hidden=a.mt_hidden, batch=a.mt_batch,
                      context=a.mt_context, page_size=PS, backend=a.mt_backend, graphs=True, preplan=True,

@@ -6,7 +6,7 @@
 #   fi2  (as fi, after the FP8 prefill fix): the feature GPU tests again, then bench/features_bench.py's FlashInfer
 #        sections (fp8, softcap, window, multitoken); compiled modules back
 #   fi3  (as fi): the FP8 manager test and multi-token decode after the fixes (short-row graph prefill on fa2)
-#   final (as fi): after features_bench's multi-token loop moved onto mstar_core.workloads.decode_bench: that
+#   final (as fi): after features_bench's multi-token loop moved onto mstar_core.demo.decode_bench: that
 #        section again, and `mstar bench --query-tokens 1|4` (64 x 8192, 32 layers, graphs + pre-plan)
 #   review (as fi): after the review commit: the FlashInfer feature and conformance GPU tests
 #   fa3  carry .gpu/fa3 .gpu/env.sh: the dense path's feature GPU tests on the real FA3 (and FlashInfer's ragged

@@ -29,7 +29,7 @@ import torch
 from timing import paired_host_us, versions
 
 from mstar_core.step import StepContext
-from mstar_core.workloads.decode_bench import (
+from mstar_core.demo.decode_bench import (
     BenchOptions,
     build_decode_setup,
     run_decode_bench,

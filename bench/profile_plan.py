@@ -54,7 +54,7 @@ for rows, kv in ((256, 2048), (64, 8192)):
 
 
 # GraphRunner.prepare of a graph decode step (admit + KV plan + attention plan), as host_bench times it
-from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup  # noqa: E402
+from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup  # noqa: E402
 
 for rows, kv in ((8, 512), (64, 8192)):
     o = BenchOptions(layers=1, qo_heads=HQ, kv_heads=HKV, head_dim=D, hidden=256, batch=rows, context=kv,

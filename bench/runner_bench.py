@@ -17,7 +17,7 @@ import torch
 from timing import copy_bandwidth, events_ms
 
 from mstar_core.step import StepContext
-from mstar_core.workloads.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
+from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
 
 
 def main() -> int:

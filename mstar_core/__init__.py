@@ -9,8 +9,8 @@ if importlib.util.find_spec("numpy") is None:
     # message is silenced, and only when numpy really is missing.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
-from .resource import BuildInfo, Resource
-from .step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Shortage, Step, StepContext
+from mstar_core.resource import BuildInfo, Resource
+from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Shortage, Step, StepContext
 
 __version__ = "0.1.0"
 

@@ -13,6 +13,7 @@ user cannot see.
 """
 
 from __future__ import annotations
+from mstar_core.errors import ConfigError
 
 import difflib
 import os
@@ -54,10 +55,10 @@ def _closest(word: str, known: tuple[str, ...]) -> str:
 def check_pins(pins: object, where: str) -> dict[str, str]:
     """``{backend name: distribution}``, both non-empty strings."""
     if not isinstance(pins, Mapping):
-        raise ValueError(f"{where} must map backend names to distribution names, got {type(pins).__name__} {pins!r}")
+        raise ConfigError(f"{where} must map backend names to distribution names, got {type(pins).__name__} {pins!r}")
     for name, dist in pins.items():
         if not isinstance(name, str) or not name or not isinstance(dist, str) or not dist.strip():
-            raise ValueError(f"{where}: {name!r} = {dist!r}: a pin maps a backend name to the distribution that "
+            raise ConfigError(f"{where}: {name!r} = {dist!r}: a pin maps a backend name to the distribution that "
                              "serves it, both strings (e.g. {\"fast\": \"fast-kernels\"})")
     return {name: dist.strip() for name, dist in pins.items()}
 
@@ -68,19 +69,19 @@ def read_file(path: Path) -> Mapping[str, Any]:
         with path.open("rb") as f:
             data = f.read()
     except FileNotFoundError:
-        raise ValueError(f"config file {str(path)!r} does not exist") from None
+        raise ConfigError(f"config file {str(path)!r} does not exist") from None
     except OSError as e:  # a directory, no permission, ...
-        raise ValueError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+        raise ConfigError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise ValueError(
+        raise ConfigError(
             f"config file {str(path)!r} is not UTF-8 text (TOML files must be UTF-8): byte "
             f"{data[e.start:e.start + 1]!r} at offset {e.start} cannot be decoded ({e.reason})") from None
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {str(path)!r} is not valid TOML: {e}") from None
+        raise ConfigError(f"config file {str(path)!r} is not valid TOML: {e}") from None
 
 
 def _check_tables(config: Mapping[str, Any], where: str) -> None:
@@ -90,17 +91,17 @@ def _check_tables(config: Mapping[str, Any], where: str) -> None:
             if not hint and isinstance(value, Mapping) and set(value) & set(SCHEMA):
                 inner = min(set(value) & set(SCHEMA))
                 hint = f" (it holds [{inner}]: nested one table too deep? [{inner}] belongs at the top level)"
-            raise ValueError(f"{where}: unknown table {table!r}{hint}; known tables: {', '.join(SCHEMA)} "
+            raise ConfigError(f"{where}: unknown table {table!r}{hint}; known tables: {', '.join(SCHEMA)} "
                              f"(shape {CONFIG_SHAPE})")
         if not isinstance(value, Mapping):
-            raise ValueError(f"{where}: {table!r} must be a table shaped {CONFIG_SHAPE}, got "
+            raise ConfigError(f"{where}: {table!r} must be a table shaped {CONFIG_SHAPE}, got "
                              f"{type(value).__name__} {short(value)}")
         for key in value:
             if key not in SCHEMA[table]:
                 hint = _closest(str(key), SCHEMA[table])
                 if not hint and key in SCHEMA:
                     hint = f" ([{key}] nested inside [{table}]: it belongs at the top level)"
-                raise ValueError(f"{where}: unknown key {key!r} in [{table}]{hint}; known keys: "
+                raise ConfigError(f"{where}: unknown key {key!r} in [{table}]{hint}; known keys: "
                                  f"{', '.join(SCHEMA[table])}")
 
 
@@ -117,13 +118,13 @@ def load_config(config: ConfigSource) -> Config:
         config = read_file(path)
         where = f"config file {str(path)!r}"
     if not isinstance(config, Mapping):
-        raise ValueError(
+        raise ConfigError(
             f"{where} must be a table (a mapping) shaped {CONFIG_SHAPE}, or the path of a TOML file holding one; "
             f"got {type(config).__name__} {short(config)}")
     _check_tables(config, where)
     attention = config.get("attention", {})
     backend = attention.get("backend")
     if backend is not None and not isinstance(backend, str):
-        raise ValueError(f"{where}: attention.backend must be a string, got {backend!r} (a backend name or 'auto')")
+        raise ConfigError(f"{where}: attention.backend must be a string, got {backend!r} (a backend name or 'auto')")
     pins = check_pins(attention.get("pins", {}), f"{where}: attention.pins")
     return Config(backend, pins)

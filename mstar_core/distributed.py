@@ -14,7 +14,9 @@ eager ones it logs the timeout and only tears the process down later.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
+from mstar_core.errors import TensorParallelError
 import math
 import os
 import sys
@@ -40,10 +42,6 @@ DEFAULT_TIMEOUT_S = 300.0
 STALL_GRACE_S = 10.0
 
 
-class TensorParallelError(RuntimeError):
-    """A collective failed or timed out: another rank failed or stalled."""
-
-
 def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: int | None = None,
                     who: str = "") -> None:
     """Refuse a rank count that does not divide the query heads, the KV heads (and the MLP
@@ -53,7 +51,7 @@ def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: 
         return
     g = math.gcd(*sizes.values())
     named = ", ".join(f"{what} {n}" for what, n in sizes.items())
-    raise ValueError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
+    raise InputError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
                      f"(rank counts that divide them all: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
 
 
@@ -89,7 +87,7 @@ class TensorParallel:
     def from_group(cls, group: dist.ProcessGroup | None = None) -> TensorParallel:
         """This rank in an already initialised process group (an engine's own)."""
         if not (dist.is_available() and dist.is_initialized()):
-            raise RuntimeError("tensor parallelism needs an initialised torch.distributed process group "
+            raise StateError("tensor parallelism needs an initialised torch.distributed process group "
                                "(torch.distributed.init_process_group, or torchrun and `mstar ... --tp N`)")
         return cls(dist.get_rank(group), dist.get_world_size(group), group)
 
@@ -100,7 +98,7 @@ class TensorParallel:
         """This rank's contiguous ``1/world`` slice of ``t`` along ``dim`` (a column- or
         row-parallel weight); ``dim``'s size must divide evenly."""
         if t.shape[dim] % self.world_size:
-            raise ValueError(f"cannot split dimension {dim} of size {t.shape[dim]} over {self.world_size} ranks")
+            raise InputError(f"cannot split dimension {dim} of size {t.shape[dim]} over {self.world_size} ranks")
         return t.chunk(self.world_size, dim)[self.rank].contiguous()
 
     @property
@@ -132,7 +130,7 @@ class TensorParallel:
         bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
                for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist()) if a != b]
         if bad:
-            raise RuntimeError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
+            raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
 
 
 class StallWatchdog:
@@ -147,7 +145,7 @@ class StallWatchdog:
     def __init__(self, timeout_s: float, what: str, exit_code: int = 3,
                  on_stall: Callable[[str], None] | None = None) -> None:
         if not timeout_s > 0:
-            raise ValueError(f"StallWatchdog: timeout_s must be > 0, got {timeout_s}")
+            raise InputError(f"StallWatchdog: timeout_s must be > 0, got {timeout_s}")
         self.timeout_s, self.what, self.exit_code = timeout_s, what, exit_code
         self.on_stall = on_stall
         self.pets = 0

@@ -21,6 +21,7 @@ reason naming it, as it does for head dims and dtypes.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -28,7 +29,7 @@ from typing import Any
 
 import torch
 
-from .step import check_window_and_scale, is_int, is_positive_finite
+from mstar_core.step import check_window_and_scale, is_int, is_positive_finite
 
 # KV storage dtypes by name; "auto" is the model dtype.
 KV_DTYPES: dict[str, torch.dtype | None] = {
@@ -67,7 +68,7 @@ Scales = float | tuple[float, ...]
 
 def _check_scale(value: Any, what: str) -> float:
     if not is_positive_finite(value):
-        raise ValueError(f"AttentionFeatures: {what} must be a finite float > 0, got {value!r}")
+        raise InputError(f"AttentionFeatures: {what} must be a finite float > 0, got {value!r}")
     return float(value)
 
 
@@ -76,7 +77,7 @@ def _scales(value: Any, what: str) -> Scales:
         value = value.tolist()
     if isinstance(value, Sequence) and not isinstance(value, str):
         if not value:
-            raise ValueError(f"AttentionFeatures: {what} must be a float > 0 or one per layer, got an empty sequence")
+            raise InputError(f"AttentionFeatures: {what} must be a float > 0 or one per layer, got an empty sequence")
         return tuple(_check_scale(v, f"{what}[{i}]") for i, v in enumerate(value))
     return _check_scale(value, what)
 
@@ -96,26 +97,26 @@ class AttentionFeatures:
 
     def __post_init__(self) -> None:
         if self.kv_dtype not in KV_DTYPES:
-            raise ValueError(f"AttentionFeatures: kv_dtype {self.kv_dtype!r} is not supported; "
+            raise InputError(f"AttentionFeatures: kv_dtype {self.kv_dtype!r} is not supported; "
                              f"choose one of {list(KV_DTYPES)}")
         object.__setattr__(self, "k_scale", _scales(self.k_scale, "k_scale"))
         object.__setattr__(self, "v_scale", _scales(self.v_scale, "v_scale"))
         if self.soft_cap is not None:
             object.__setattr__(self, "soft_cap", _check_scale(self.soft_cap, "soft_cap"))
         if not isinstance(self.sink_logits, bool):
-            raise TypeError(f"AttentionFeatures: sink_logits must be a bool, got {self.sink_logits!r}")
+            raise InputTypeError(f"AttentionFeatures: sink_logits must be a bool, got {self.sink_logits!r}")
         if self.layer_windows is not None:
             windows = tuple(self.layer_windows)
             for i, w in enumerate(windows):
                 if not is_int(w) or w < -1:
-                    raise ValueError(f"AttentionFeatures: layer_windows[{i}] must be an int >= 0, or -1 for a full "
+                    raise InputError(f"AttentionFeatures: layer_windows[{i}] must be an int >= 0, or -1 for a full "
                                      f"layer; got {w!r}")
             if not windows:
-                raise ValueError("AttentionFeatures: layer_windows must name one window per layer, got none")
+                raise InputError("AttentionFeatures: layer_windows must name one window per layer, got none")
             object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows))
         t = self.decode_query_tokens
         if not is_int(t) or not 1 <= t <= MAX_DECODE_QUERY_TOKENS:
-            raise ValueError(f"AttentionFeatures: decode_query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS}, "
+            raise InputError(f"AttentionFeatures: decode_query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS}, "
                              f"got {t!r}")
 
     # -- what is asked --------------------------------------------------------------------------
@@ -163,7 +164,7 @@ class AttentionFeatures:
         for what, value in (("k_scale", self.k_scale), ("v_scale", self.v_scale),
                             ("layer_windows", self.layer_windows)):
             if isinstance(value, tuple) and len(value) != num_layers:
-                raise ValueError(f"{who}: features.{what} has {len(value)} entries, the model {num_layers} layers; "
+                raise InputError(f"{who}: features.{what} has {len(value)} entries, the model {num_layers} layers; "
                                  f"give one per layer (or one {'scale' if what != 'layer_windows' else 'window'} "
                                  "for all)")
 
@@ -194,7 +195,7 @@ class AttentionFeatures:
         if sinks is None:
             return
         if not self.sink_logits:
-            raise ValueError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
+            raise InputError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
                              "AttentionFeatures(sink_logits=True) so selection picks a backend that supports them")
         check_sinks(sinks, num_qo_heads, device, who)
 
@@ -203,15 +204,15 @@ def check_sinks(sinks: torch.Tensor, num_qo_heads: int, device: torch.device, wh
     """A sink-logit tensor: float ``[num_qo_heads]`` on ``device``. Values are not read (that
     would synchronise with the device)."""
     if not isinstance(sinks, torch.Tensor):
-        raise TypeError(f"{who}: sinks must be a float tensor [num_qo_heads={num_qo_heads}], got "
+        raise InputTypeError(f"{who}: sinks must be a float tensor [num_qo_heads={num_qo_heads}], got "
                         f"{type(sinks).__name__}")
     if tuple(sinks.shape) != (num_qo_heads,):
-        raise ValueError(f"{who}: sinks has shape {tuple(sinks.shape)}, expected ({num_qo_heads},) "
+        raise InputError(f"{who}: sinks has shape {tuple(sinks.shape)}, expected ({num_qo_heads},) "
                          "(one logit per query head)")
     if not sinks.is_floating_point():
-        raise TypeError(f"{who}: sinks must be a float tensor, got dtype {sinks.dtype}")
+        raise InputTypeError(f"{who}: sinks must be a float tensor, got dtype {sinks.dtype}")
     if sinks.device.type != torch.device(device).type:
-        raise ValueError(f"{who}: sinks is on {sinks.device}, the cache on {device}")
+        raise InputError(f"{who}: sinks is on {sinks.device}, the cache on {device}")
 
 
 def check_soft_cap(value: Any, who: str) -> float | None:
@@ -219,14 +220,14 @@ def check_soft_cap(value: Any, who: str) -> float | None:
     if value is None:
         return None
     if not is_positive_finite(value):
-        raise ValueError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
+        raise InputError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
     return float(value)
 
 
 def check_scale(value: Any, name: str, who: str) -> None:
     """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0."""
     if value is not None and not is_positive_finite(value):
-        raise ValueError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
+        raise InputError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
 
 
 # A paged plan's keyword arguments (FlashInfer's names, seed 001's ``**kwargs``).
@@ -238,11 +239,11 @@ def check_plan_kwargs(kwargs: dict[str, Any], who: str) -> tuple[float | None, f
     and bad values before the plan changes anything."""
     unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
     if unknown:
-        raise TypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
+        raise InputTypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
     sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
     check_window_and_scale(f"{who}.plan", -1, sm_scale)
     if kv_dtype is not None and (not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point):
-        raise ValueError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
+        raise InputError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
                          f"{' / '.join(str(d) for d in KV_DTYPES.values() if d is not None)} for an FP8 cache), "
                          f"got {kv_dtype!r}")
     return sm_scale, check_soft_cap(cap, f"{who}.plan"), kv_dtype
@@ -271,7 +272,7 @@ def parse_kv_dtype(name: str) -> str:
     """A CLI/config kv dtype name (``fp8_e4m3``, ``fp8-e4m3``, ``auto``) as :data:`KV_DTYPES` names it."""
     key = name.strip().lower().replace("-", "_")
     if key not in KV_DTYPES:
-        raise ValueError(f"kv dtype {name!r} is not supported; choose one of {list(KV_DTYPES)}")
+        raise InputError(f"kv dtype {name!r} is not supported; choose one of {list(KV_DTYPES)}")
     return key
 
 

@@ -17,6 +17,7 @@ same static buffers — a functional check of the in-place discipline, not a spe
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import logging
 from collections.abc import Callable, Sequence
@@ -24,9 +25,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .features import MAX_DECODE_QUERY_TOKENS
-from .runner import Node
-from .step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS
+from mstar_core.node import Node
+from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
@@ -77,15 +78,15 @@ class GraphRunner:
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
                  attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
         if not buckets or min(buckets) < 1:
-            raise ValueError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
+            raise InputError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
         if not is_int(query_tokens) or not 1 <= query_tokens <= MAX_DECODE_QUERY_TOKENS:
-            raise ValueError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
+            raise InputError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
                              f"per decode row), got {query_tokens!r}")
         if slots < 1:
-            raise ValueError(f"GraphRunner: slots must be >= 1, got {slots}")
+            raise InputError(f"GraphRunner: slots must be >= 1, got {slots}")
         double = [r.name for r in node.resources if r.force_double_buffer]
         if double and slots < 2:
-            raise ValueError(
+            raise InputError(
                 f"GraphRunner: slots={slots}; resources {double} force double-buffered staging, so at least 2")
         self.node = node
         self.forward = forward
@@ -144,7 +145,7 @@ class GraphRunner:
                 self.node.ingest_request(d)
             outcome = self.node.admit(step, ctx)
             if not outcome:
-                raise RuntimeError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
+                raise StateError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
             self.node.plan(step, ctx)
             g = _Graph(ctx, torch.zeros(bucket * self.query_tokens, dtype=torch.long, device=self.device))
 
@@ -180,7 +181,7 @@ class GraphRunner:
         bucket = self.bucket_for(rows) if (self.enabled and decode) else None
         if bucket is not None and self._next_slot in self._pending:
             # Checked before the admit: refusing here leaves nothing to undo.
-            raise RuntimeError(
+            raise StateError(
                 f"GraphRunner.prepare: staging slot {self._next_slot} still holds a prepared step that was "
                 f"neither launched nor discarded; at most {self.slots} graph steps may be prepared ahead "
                 "(launch or discard the oldest first)"
@@ -212,14 +213,14 @@ class GraphRunner:
         (a view of the graph's static output: read it before this slot's next replay). A step
         launches once; an exception in its forward rolls its admit back."""
         if not prep.outcome:
-            raise RuntimeError(f"launch of a refused step: {prep.outcome.reason()}")
+            raise StateError(f"launch of a refused step: {prep.outcome.reason()}")
         if prep.done:
-            raise RuntimeError("launch of a step that was already launched or discarded")
+            raise StateError("launch of a step that was already launched or discarded")
         want = sum(s.num_tokens for s in prep.step.kv.spans)
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 1 or tokens.numel() != want:
             # Refused before anything runs: the step stays prepared (launch it again, or discard it).
             got = tuple(tokens.shape) if isinstance(tokens, torch.Tensor) else type(tokens).__name__
-            raise ValueError(f"GraphRunner.launch: tokens must be a 1-D tensor of the step's {want} tokens, got {got}")
+            raise InputError(f"GraphRunner.launch: tokens must be a 1-D tensor of the step's {want} tokens, got {got}")
         self._finish(prep)
         g = prep.graph
         try:

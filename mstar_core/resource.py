@@ -7,6 +7,7 @@ refused. The defaults here are right for a resource that needs no such hook.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -14,8 +15,8 @@ from typing import Any
 
 import torch
 
-from .features import PLAIN, AttentionFeatures
-from .step import AdmitOutcome, Step, StepContext
+from mstar_core.features import PLAIN, AttentionFeatures
+from mstar_core.step import AdmitOutcome, Step, StepContext
 
 
 @dataclass(frozen=True)
@@ -39,7 +40,7 @@ class BuildInfo:
         try:
             return self.built[name]
         except KeyError:
-            raise ValueError(f"{owner}.build: needs resource {name!r} built first; built so far: {sorted(self.built)}") from None
+            raise InputError(f"{owner}.build: needs resource {name!r} built first; built so far: {sorted(self.built)}") from None
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
@@ -48,7 +49,7 @@ _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.
 def spec_required(spec: Mapping[str, Any], key: str, owner: str) -> Any:
     """``spec[key]``, or an error naming the missing key and the keys given."""
     if key not in spec:
-        raise ValueError(f"{owner}.build: spec needs {key!r}; got keys {sorted(spec)}")
+        raise InputError(f"{owner}.build: spec needs {key!r}; got keys {sorted(spec)}")
     return spec[key]
 
 
@@ -59,7 +60,7 @@ def as_dtype(value: torch.dtype | str) -> torch.dtype:
         return value
     name = str(value).removeprefix("torch.")
     if name not in _DTYPES:
-        raise ValueError(f"dtype {value!r} is not supported; choose one of {sorted(_DTYPES)}")
+        raise InputError(f"dtype {value!r} is not supported; choose one of {sorted(_DTYPES)}")
     return _DTYPES[name]
 
 

@@ -7,6 +7,7 @@ failure leaves nothing half-written.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import os
 import re
@@ -14,8 +15,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .registry.api import API_VERSION
-from .registry.discovery import RESERVED
+from mstar_core.registry.api import API_VERSION
+from mstar_core.registry.discovery import RESERVED
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
 
@@ -112,7 +113,7 @@ def probe(device: torch.device) -> list[str]:
 '''
 
 RAGGED = '''\
-"""The ``prefixed_ragged`` wrapper (mstar_core.resources.attn.protocols.PrefixedPrefillWrapper):
+"""The ``prefixed_ragged`` wrapper (mstar_core.attention.protocols.PrefixedPrefillWrapper):
 segment i's queries ``q[cu_q[i]:cu_q[i+1]]`` attend its keys ``k[cu_k[i]:cu_k[i+1]]`` (a frozen
 prefix, then the fresh tokens), causal masks aligned bottom-right. Plain PyTorch, one segment at
 a time: replace ``run``'s body with the kernel."""
@@ -128,7 +129,7 @@ class PrefixedPrefillWrapper:
     def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
                  workspace_buffer: torch.Tensor | None = None, backend: str = "auto") -> None:
         if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({{num_qo_heads}}) must be a multiple of num_kv_heads ({{num_kv_heads}})")
+            raise InputError(f"num_qo_heads ({{num_qo_heads}}) must be a multiple of num_kv_heads ({{num_kv_heads}})")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self._plan: tuple | None = None
@@ -142,7 +143,7 @@ class PrefixedPrefillWrapper:
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._plan is None:
-            raise RuntimeError("PrefixedPrefillWrapper.run before plan")
+            raise StateError("PrefixedPrefillWrapper.run before plan")
         bounds, causal, scale, window_left = self._plan
         group = self.num_qo_heads // self.num_kv_heads  # query head h reads KV head h // group
         out = torch.zeros_like(q)  # the queries' shape, dtype and device
@@ -177,10 +178,10 @@ test_conformance = conformance_test("{name}")
 
 def check_name(name: str) -> str:
     if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise ValueError(f"new-backend: backend name {name!r} must start with a lowercase letter and hold only "
+        raise InputError(f"new-backend: backend name {name!r} must start with a lowercase letter and hold only "
                          "lowercase letters, digits and underscores (it names the entry point and the package)")
     if name in RESERVED:
-        raise ValueError(f"new-backend: backend name {name!r} is reserved for {RESERVED[name]}'s built-in backend; "
+        raise InputError(f"new-backend: backend name {name!r} is reserved for {RESERVED[name]}'s built-in backend; "
                          "choose another")
     return name
 
@@ -207,7 +208,7 @@ def write_skeleton(name: str, directory: str | os.PathLike[str]) -> list[Path]:
     files = files_for(name)
     target = Path(directory).absolute()
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
-        raise ValueError(f"new-backend: {str(directory)!r} already exists and is not an empty directory; choose a new "
+        raise InputError(f"new-backend: {str(directory)!r} already exists and is not an empty directory; choose a new "
                          "directory (nothing is overwritten)")
     created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
     target.parent.mkdir(parents=True, exist_ok=True)

@@ -6,6 +6,7 @@ runner never looks inside them.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 import math
 import numbers
@@ -23,9 +24,9 @@ def as_count(value: Any, what: str) -> int:
     tensor is refused (a 0-d tensor would make lengths tensors; ``2.0`` would reach the page
     pool half-way through an admit)."""
     if not is_int(value):
-        raise TypeError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
+        raise InputTypeError(f"{what} must be an int >= 0, got {value!r} ({type(value).__name__})")
     if value < 0:
-        raise ValueError(f"{what} must be >= 0, got {value}")
+        raise InputError(f"{what} must be >= 0, got {value}")
     return int(value)
 
 
@@ -39,14 +40,14 @@ def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
     """A step's mask parameters, checked where they enter (``AttentionStep``, the wrappers'
     ``plan``): ``window_left`` an int >= -1, ``sm_scale`` None or a finite float > 0."""
     if not is_int(window_left) or window_left < -1:
-        raise ValueError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
+        raise InputError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
     if sm_scale is not None and not is_positive_finite(sm_scale):
-        raise ValueError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
+        raise InputError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
 
 
 def _check_str(value: Any, what: str) -> None:
     if not isinstance(value, str):
-        raise TypeError(f"{what} must be a str, got {value!r} ({type(value).__name__})")
+        raise InputTypeError(f"{what} must be a str, got {value!r} ({type(value).__name__})")
 
 
 @dataclass(frozen=True)
@@ -69,7 +70,7 @@ class KVSpan:
         who = f"KVSpan({self.request_id!r}, {self.label!r})"
         object.__setattr__(self, "num_tokens", as_count(self.num_tokens, f"{who}: num_tokens"))
         if not isinstance(self.commit, bool):
-            raise TypeError(f"{who}: commit must be a bool, got {self.commit!r}")
+            raise InputTypeError(f"{who}: commit must be a bool, got {self.commit!r}")
 
 
 @dataclass(frozen=True)
@@ -83,11 +84,11 @@ class KVStep:
         seen: set[tuple[str, str]] = set()
         for s in self.spans:
             if not isinstance(s, KVSpan):
-                raise TypeError(f"KVStep: spans must be KVSpan, got {s!r} ({type(s).__name__})")
+                raise InputTypeError(f"KVStep: spans must be KVSpan, got {s!r} ({type(s).__name__})")
             key = (s.request_id, s.label)
             if key in seen:
                 # One span per stream per step keeps `length` and `to_compute` unambiguous.
-                raise ValueError(f"KVStep: stream {key} appears in more than one span")
+                raise InputError(f"KVStep: stream {key} appears in more than one span")
             seen.add(key)
 
     @property
@@ -123,7 +124,7 @@ class AttentionStep:
 
     def __post_init__(self) -> None:
         if not isinstance(self.causal, bool):
-            raise TypeError(f"AttentionStep: causal must be a bool, got {self.causal!r}")
+            raise InputTypeError(f"AttentionStep: causal must be a bool, got {self.causal!r}")
         check_window_and_scale("AttentionStep", self.window_left, self.sm_scale)
         object.__setattr__(self, "window_left", int(self.window_left))
         if self.sm_scale is not None:

@@ -14,6 +14,7 @@ plain PyTorch).
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 import math
 from collections.abc import Sequence
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .registry.device import as_device
-from .registry.spec import dtype_name, load_ref
-from .step import is_int
+from mstar_core.registry.device import as_device
+from mstar_core.registry.spec import dtype_name, load_ref
+from mstar_core.step import is_int
 
 # What an engine's attention uses, in the groups a build selects a backend for: the paged manager
 # (prefill, decode and mixed steps) and the dense path (prefixed ragged prefill).
@@ -49,23 +50,23 @@ class WarmupConfig:
 
     def __post_init__(self) -> None:
         if not isinstance(self.dtype, torch.dtype):
-            raise TypeError(f"dtype must be a torch.dtype, e.g. torch.bfloat16; got {self.dtype!r}")
+            raise InputTypeError(f"dtype must be a torch.dtype, e.g. torch.bfloat16; got {self.dtype!r}")
         for name in ("head_dim", "page_size", "num_qo_heads", "num_kv_heads"):
             v = getattr(self, name)
             if not is_int(v) or v < 1:
-                raise ValueError(f"WarmupConfig.{name} must be a positive integer, got {v!r}")
+                raise InputError(f"WarmupConfig.{name} must be a positive integer, got {v!r}")
         if self.num_qo_heads % self.num_kv_heads:
-            raise ValueError(f"WarmupConfig: num_qo_heads {self.num_qo_heads} is not a multiple of num_kv_heads "
+            raise InputError(f"WarmupConfig: num_qo_heads {self.num_qo_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
         windows = tuple(self.windows)
         if not windows or any(not is_int(w) or w < -1 for w in windows):
-            raise ValueError(f"WarmupConfig.windows must hold window_left values, each -1 (full attention) or >= 0; "
+            raise InputError(f"WarmupConfig.windows must hold window_left values, each -1 (full attention) or >= 0; "
                              f"got {self.windows!r}")
         object.__setattr__(self, "windows", tuple(sorted(set(windows))))
         cap = self.soft_cap
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
                                 or cap <= 0):
-            raise ValueError(f"WarmupConfig.soft_cap must be a positive finite number or None, got {cap!r}")
+            raise InputError(f"WarmupConfig.soft_cap must be a positive finite number or None, got {cap!r}")
 
     def describe(self) -> str:
         parts = [dtype_name(self.dtype), f"head_dim {self.head_dim}", f"page {self.page_size}",
@@ -116,13 +117,13 @@ def warmup(
     """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) selects as a
     build would, per group (paged steps; the dense path); a name warms that backend alone.
     ``capabilities`` limits what is warmed (default: all the selected backends provide)."""
-    from .registry import BackendUnavailable, get_registry, resolve_requested, select_backend  # plugins load here
+    from mstar_core.registry import BackendUnavailable, get_registry, resolve_requested, select_backend  # plugins load here
 
     dev = as_device(device)
     wanted = tuple(capabilities) if capabilities is not None else WARMABLE
     bad = [c for c in wanted if c not in WARMABLE]
     if bad or not wanted:
-        raise ValueError(f"capabilities to warm must be a non-empty subset of {list(WARMABLE)} (bounded compiles "
+        raise InputError(f"capabilities to warm must be a non-empty subset of {list(WARMABLE)} (bounded compiles "
                          f"nothing on first use: PyTorch, or Triton's own cache), got {list(wanted)}")
     name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
     auto = name == "auto"
@@ -151,6 +152,6 @@ def warmup(
         for item in fn(config, dev, caps):
             (notes if isinstance(item, str) else kernels).append(item)
     if named is not None and not kernels and not notes:
-        raise ValueError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
+        raise InputError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
                          f"{', '.join(named.provides)})")
     return WarmupReport(config, str(dev), tuple(kernels), tuple(notes))

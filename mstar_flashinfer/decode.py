@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from .jit_notice import plan_first_use
-from .library import flashinfer
-from .paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
+from mstar_flashinfer.jit_notice import plan_first_use
+from mstar_flashinfer.library import flashinfer
+from mstar_flashinfer.paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
 
 # FlashInfer's tensor-core decode (its prefill kernel with one query per row) wins once a KV head
 # serves several query heads; below that its CUDA-core decode kernel is the faster one.

@@ -8,6 +8,7 @@ is built instead.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import torch
 
@@ -23,7 +24,7 @@ def check_flashinfer_head_dim(head_dim: int, device: torch.device | str | None =
     if device is not None and torch.device(device).type != "cuda":
         return
     if head_dim not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(
+        raise InputError(
             f"FlashInfer cannot compute head_dim={head_dim}: its paged attention kernels exist for "
             f"head_dim in {SUPPORTED_HEAD_DIMS}"
         )

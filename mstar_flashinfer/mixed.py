@@ -1,19 +1,20 @@
 """FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans (seed 001)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 from typing import Any
 
 import torch
 
-from . import compat, validate
-from .decode import FlashInferDecodeWrapper
-from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
-from .mixed_layout import split_mixed
-from .nvtx import Nvtx
-from .paged_base import PlanState, check_run_cache, plan_extras, run_extras
-from .prefill import FlashInferPrefillWrapper
-from .staging import Staging
+from mstar_flashinfer import compat, validate
+from mstar_flashinfer.decode import FlashInferDecodeWrapper
+from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from mstar_flashinfer.mixed_layout import split_mixed
+from mstar_flashinfer.nvtx import Nvtx
+from mstar_flashinfer.paged_base import PlanState, check_run_cache, plan_extras, run_extras
+from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+from mstar_flashinfer.staging import Staging
 
 
 class FlashInferMixedWrapper:
@@ -117,15 +118,15 @@ class FlashInferMixedWrapper:
             lens = kv_lens_from_pages(indptr, last, self.page_size).astype("int32") if given is None else given
             rows, n = qo.shape[0] - 1, int(qo[-1])
             if rows > self.batch_size:
-                raise ValueError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size}")
+                raise InputError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size}")
             if not 0 < n <= self.max_total_tokens:
-                raise ValueError(f"{name}.plan: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
+                raise InputError(f"{name}.plan: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
             if indices.shape[0] > self.max_num_pages:
-                raise ValueError(f"{name}.plan: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
+                raise InputError(f"{name}.plan: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
             validate.check_page_range(who, indices, max_page, self.max_num_pages)
             lay = split_mixed(qo, indptr, indices, last, lens, self.SINK_PAGE, self.batch_size)
             if lay.prompt_rows > self.max_prefill_rows:
-                raise ValueError(
+                raise InputError(
                     f"{name}.plan: {lay.prompt_rows} prompt rows (rows of more than one token) exceed "
                     f"max_prefill_rows={self.max_prefill_rows}; plan such a step with the prefill wrapper"
                 )
@@ -156,10 +157,10 @@ class FlashInferMixedWrapper:
         extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
         st = self._state
         if st is None:
-            raise RuntimeError(f"{type(self).__name__}.run before plan")
+            raise StateError(f"{type(self).__name__}.run before plan")
         n = q.shape[0]
         if n != st.tokens and n != self.max_total_tokens:
-            raise ValueError(
+            raise InputError(
                 f"{type(self).__name__}.run: q has {n} rows, expected {st.tokens} (planned) or "
                 f"{self.max_total_tokens} (static)")
         check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
@@ -187,7 +188,7 @@ class FlashInferMixedWrapper:
         """Where this plan's tokens are written in the paged cache, in packed order."""
         st = self._state
         if st is None:
-            raise RuntimeError(f"{type(self).__name__}.kv_write_locations before plan")
+            raise StateError(f"{type(self).__name__}.kv_write_locations before plan")
         if st.locations is None:
             pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
             st.locations = to_device(pages, offs, self.device)

@@ -8,6 +8,7 @@ wrote. The same wrapper object must be used at capture and at every replay.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import contextlib
 from collections.abc import Iterator
@@ -19,10 +20,10 @@ import torch
 
 from mstar_core.features import check_plan_kwargs, check_scale, refuse_sinks
 
-from . import validate
-from .kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
-from .nvtx import Nvtx
-from .staging import Staging
+from mstar_flashinfer import validate
+from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from mstar_flashinfer.nvtx import Nvtx
+from mstar_flashinfer.staging import Staging
 
 
 def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
@@ -177,15 +178,15 @@ class PagedWrapperBase:
         name = type(self).__name__
         assert self.batch_size is not None and self.max_num_pages is not None
         if rows > self.batch_size:
-            raise ValueError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size} of the static buffers")
+            raise InputError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size} of the static buffers")
         pad = self.batch_size - rows
         if pages + pad > self.max_num_pages:
-            raise ValueError(
+            raise InputError(
                 f"{name}.plan: {pages} pages (+{pad} padding rows) exceed max_num_pages={self.max_num_pages} "
                 "of the static buffers"
             )
         if self.max_total_tokens is not None and tokens > self.max_total_tokens:
-            raise ValueError(
+            raise InputError(
                 f"{name}.plan: {tokens} tokens exceed max_total_tokens={self.max_total_tokens} of the static buffers"
             )
         if isinstance(indices, np.ndarray):
@@ -252,7 +253,7 @@ class PagedWrapperBase:
         of each row), computed on first request from the plan's host arrays."""
         st = self._state
         if st is None:
-            raise RuntimeError(f"{type(self).__name__}.kv_write_locations before plan")
+            raise StateError(f"{type(self).__name__}.kv_write_locations before plan")
         if st.locations is None:
             indices = st.kv_indices
             if isinstance(indices, torch.Tensor):  # given on the device: read back once, on request
@@ -264,7 +265,7 @@ class PagedWrapperBase:
     @property
     def planned_tokens(self) -> int:
         if self._state is None:
-            raise RuntimeError(f"{type(self).__name__} has no plan yet")
+            raise StateError(f"{type(self).__name__} has no plan yet")
         return self._state.tokens
 
     def _out(self, q: torch.Tensor) -> torch.Tensor:
@@ -275,12 +276,12 @@ class PagedWrapperBase:
     def _check_run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> None:
         st = self._state
         if st is None:
-            raise RuntimeError(f"{type(self).__name__}.run before plan")
+            raise StateError(f"{type(self).__name__}.run before plan")
         n = q.shape[0]
         if n != self._static_q and (n != st.tokens or self._static_only):
             want = (f"{self._static_q} (static)" if self._static_only else f"{st.tokens}" if self._static_q is None
                     else f"{st.tokens} (planned) or {self._static_q} (static)")
-            raise ValueError(f"{type(self).__name__}.run: q has {n} rows, expected {want}")
+            raise InputError(f"{type(self).__name__}.run: q has {n} rows, expected {want}")
         check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
                         self.num_kv_heads, self.head_dim)
 
@@ -292,12 +293,12 @@ def check_run_cache(name: str, device: torch.device, q: torch.Tensor, kv_cache_l
     who = f"{name}.run"
     validate.check_same_device(who, device, kv_cache_layer=kv_cache_layer, q=q)
     if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != page_size:
-        raise ValueError(
+        raise InputError(
             f"{who}: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
             f"[max_pages, 2, {page_size}, {num_kv_heads}, {head_dim}]"
         )
     if max_page >= kv_cache_layer.shape[0]:
-        raise ValueError(
+        raise InputError(
             f"{who}: the plan reads page {max_page} but kv_cache_layer has {kv_cache_layer.shape[0]} pages "
             f"(page indices must be < {kv_cache_layer.shape[0]}); plan with this cache's page indices"
         )

@@ -1,6 +1,7 @@
 """FlashInferPrefillWrapper: batched prefill over a paged KV cache (seed 001)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from typing import Any
 
@@ -8,10 +9,10 @@ import torch
 
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS
 
-from . import compat
-from .jit_notice import plan_first_use
-from .library import flashinfer
-from .paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
+from mstar_flashinfer import compat
+from mstar_flashinfer.jit_notice import plan_first_use
+from mstar_flashinfer.library import flashinfer
+from mstar_flashinfer.paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
 
 
 class FlashInferPrefillWrapper(PagedWrapperBase):
@@ -57,7 +58,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         self.short_rows = short_rows
         self._bufs: dict[str, torch.Tensor] | None = None
         if self.accelerator_graph:
-            from . import validate
+            from mstar_flashinfer import validate
 
             self._bufs = self._graph_buffers(with_qo=True)
             self._static_q = validate.require("max_total_tokens", max_total_tokens,
@@ -113,7 +114,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         if kv_dtype == q_dtype or self.device.type != "cuda":
             return self._inners[self._short_rows_backend(self.backend)]
         if self.backend == "fa3":
-            raise ValueError(f"{type(self).__name__}.plan: FlashInfer's fa3 prefill kernels need q and K/V in one "
+            raise InputError(f"{type(self).__name__}.plan: FlashInfer's fa3 prefill kernels need q and K/V in one "
                              f"dtype; a {kv_dtype} cache under {q_dtype} queries needs backend 'auto' or 'fa2'")
         return self._make_inner("fa2" if self.backend == "auto" else self.backend)
 

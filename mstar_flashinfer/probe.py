@@ -16,7 +16,7 @@ import torch
 
 from mstar_core.registry.probing import installed_version, module_missing, version_too_old, version_tuple
 
-from .compat import VERIFIED
+from mstar_flashinfer.compat import VERIFIED
 
 log = logging.getLogger("mstar.flashinfer")
 

@@ -2,19 +2,20 @@
 ``BatchPrefillWithRaggedKVCacheWrapper`` -- used where FA3 has no kernel for the GPU."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import numpy as np
 import torch
 
 from mstar_core.features import check_soft_cap, refuse_sinks
-from mstar_core.resources.attn.varlen import check_same_device, check_varlen_plan
+from mstar_core.backends.varlen import check_same_device, check_varlen_plan
 
-from . import validate
-from .jit_notice import plan_first_use
-from .library import flashinfer
-from .nvtx import Nvtx
-from .paged_base import NO_SINKS
-from .staging import Staging
+from mstar_flashinfer import validate
+from mstar_flashinfer.jit_notice import plan_first_use
+from mstar_flashinfer.library import flashinfer
+from mstar_flashinfer.nvtx import Nvtx
+from mstar_flashinfer.paged_base import NO_SINKS
+from mstar_flashinfer.staging import Staging
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -92,11 +93,11 @@ class FlashInferPrefixedPrefillWrapper:
         Sink logits are refused (``paged_base.NO_SINKS``)."""
         refuse_sinks(sinks, type(self).__name__, NO_SINKS)
         if self._tokens is None:
-            raise RuntimeError("FlashInferPrefixedPrefillWrapper.run before plan")
+            raise StateError("FlashInferPrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens
         check_same_device(f"{type(self).__name__}.run", self.device, q=q, k=k, v=v)
         if q.shape[0] != tq or k.shape[0] != tk or v.shape[0] != tk:
-            raise ValueError(
+            raise InputError(
                 f"{type(self).__name__}.run: q/k/v have {q.shape[0]}/{k.shape[0]}/{v.shape[0]} tokens, the plan has "
                 f"{tq} queries and {tk} keys (cu_q[-1], cu_k[-1])"
             )

@@ -19,6 +19,7 @@ provoke the race on a CPU (tests/flashinfer/test_staging_race.py).
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from collections.abc import Sequence
 
@@ -67,7 +68,7 @@ class Staging:
 
     def __init__(self, device: torch.device, slots: int = 2) -> None:
         if slots < 1:
-            raise ValueError(f"slots must be >= 1, got {slots}")
+            raise InputError(f"slots must be >= 1, got {slots}")
         self.device = device
         self.pinned = device.type == "cuda" and torch.cuda.is_available()
         self._bufs: list[dict[str, _Buf]] = [{} for _ in range(slots)]

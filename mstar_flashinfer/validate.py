@@ -5,16 +5,17 @@ head-dim checks are skipped so the wrappers can be driven in float32.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 from typing import Any
 
 import numpy as np
 import torch
 
-from mstar_core.resources.attn.varlen import check_same_device, check_window_and_scale
+from mstar_core.backends.varlen import check_same_device, check_window_and_scale
 
-from .head_dim import check_flashinfer_head_dim
-from .staging import host_i32
+from mstar_flashinfer.head_dim import check_flashinfer_head_dim
+from mstar_flashinfer.staging import host_i32
 
 __all__ = ["check_same_device", "check_window_and_scale"]  # re-exported for the wrappers
 
@@ -29,20 +30,20 @@ def is_cuda(device: torch.device) -> bool:
 def check_dtype(dtype: torch.dtype, device: torch.device) -> None:
     if is_cuda(device) and dtype not in SUPPORTED_DTYPES:
         names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise ValueError(f"FlashInfer cannot compute in {dtype}: its attention kernels take {names}")
+        raise InputError(f"FlashInfer cannot compute in {dtype}: its attention kernels take {names}")
 
 
 def check_page_size(page_size: int) -> None:
     # Any positive page size is a kernel parameter, not a compiled variant; zero or a float is a bug.
     if not isinstance(page_size, int) or isinstance(page_size, bool) or page_size < 1:
-        raise ValueError(f"page_size must be a positive int (FlashInfer takes any page size >= 1), got {page_size!r}")
+        raise InputError(f"page_size must be a positive int (FlashInfer takes any page size >= 1), got {page_size!r}")
 
 
 def check_geometry(num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
     if head_dim < 1:
-        raise ValueError(f"head_dim must be >= 1, got {head_dim}")
+        raise InputError(f"head_dim must be >= 1, got {head_dim}")
     if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
-        raise ValueError(
+        raise InputError(
             f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})"
         )
     check_flashinfer_head_dim(head_dim, device)
@@ -51,7 +52,7 @@ def check_geometry(num_qo_heads: int, num_kv_heads: int, head_dim: int, device: 
 def require(name: str, value: int | None, why: str) -> int:
     """A constructor argument that graph mode needs: static buffers are sized from it."""
     if value is None or value < 1:
-        raise ValueError(f"{name} is required {why} (static buffers are sized from it), got {value!r}")
+        raise InputError(f"{name} is required {why} (static buffers are sized from it), got {value!r}")
     return int(value)
 
 
@@ -69,25 +70,25 @@ def host_index(name: str, value: Any, who: str) -> np.ndarray:
         return value.numpy()  # the common case, what the KV manager passes: no copy, no other check
     if isinstance(value, torch.Tensor):
         if value.dtype == torch.bool or value.is_floating_point() or value.is_complex():
-            raise TypeError(f"{who}: {name} must hold integers (int32), got dtype {value.dtype}")
+            raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {value.dtype}")
         if value.dim() != 1:
-            raise ValueError(f"{who}: {name} must be 1-D, got shape {tuple(value.shape)}")
+            raise InputError(f"{who}: {name} must be 1-D, got shape {tuple(value.shape)}")
         if value.dtype == torch.int32:
             return host_i32(value)
         arr = value.cpu().numpy()
     else:
         arr = np.asarray(value)
         if arr.ndim != 1:
-            raise ValueError(f"{who}: {name} must be 1-D, got shape {arr.shape}")
+            raise InputError(f"{who}: {name} must be 1-D, got shape {arr.shape}")
         if arr.size == 0:
             return np.zeros(0, dtype=np.int32)
         if arr.dtype.kind not in "iu":
-            raise TypeError(f"{who}: {name} must hold integers (int32), got dtype {arr.dtype}")
+            raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {arr.dtype}")
         if arr.dtype == np.int32:
             return arr
     if arr.size and (int(arr.min()) < _INT32.min or int(arr.max()) > _INT32.max):
         bad = int(arr.max()) if int(arr.max()) > _INT32.max else int(arr.min())
-        raise ValueError(f"{who}: {name} holds {bad}, outside int32")
+        raise InputError(f"{who}: {name} holds {bad}, outside int32")
     return arr.astype(np.int32)
 
 
@@ -99,15 +100,15 @@ def check_indptr(name: str, indptr: np.ndarray, who: str, rows: int | None = Non
     """At least one entry, starting at 0, non-decreasing; ``rows + 1`` entries when given.
     Returns the row lengths (``np.diff``)."""
     if indptr.shape[0] < 1:
-        raise ValueError(f"{who}: {name} must have at least one entry ([0] for no rows), got an empty array")
+        raise InputError(f"{who}: {name} must have at least one entry ([0] for no rows), got an empty array")
     if rows is not None and indptr.shape[0] != rows + 1:
-        raise ValueError(f"{who}: {name} has {indptr.shape[0]} entries, expected {rows + 1} (rows + 1)")
+        raise InputError(f"{who}: {name} has {indptr.shape[0]} entries, expected {rows + 1} (rows + 1)")
     if indptr[0] != 0:
-        raise ValueError(f"{who}: {name} must start at 0, got {name}[0] = {int(indptr[0])}")
+        raise InputError(f"{who}: {name} must start at 0, got {name}[0] = {int(indptr[0])}")
     lengths = indptr[1:] - indptr[:-1]
     if np.count_nonzero(lengths < 0):
         i = _first(lengths < 0)
-        raise ValueError(f"{who}: {name} must be non-decreasing, got {name}[{i}] = {int(indptr[i])} > "
+        raise InputError(f"{who}: {name} must be non-decreasing, got {name}[{i}] = {int(indptr[i])} > "
                          f"{name}[{i + 1}] = {int(indptr[i + 1])}")
     return lengths
 
@@ -117,9 +118,9 @@ def device_indices(value: torch.Tensor, device: torch.device, who: str) -> torch
     dtype, rank and device are checked; the values are not, since reading them would wait for
     the device. A plan from them reads whatever pages they name."""
     if value.dtype != torch.int32:
-        raise TypeError(f"{who}: kv_indices on {value.device} must be int32, got {value.dtype}")
+        raise InputTypeError(f"{who}: kv_indices on {value.device} must be int32, got {value.dtype}")
     if value.dim() != 1:
-        raise ValueError(f"{who}: kv_indices must be 1-D, got shape {tuple(value.shape)}")
+        raise InputError(f"{who}: kv_indices must be 1-D, got shape {tuple(value.shape)}")
     check_same_device(who, device, kv_indices=value)
     return value
 
@@ -154,23 +155,23 @@ def check_paged_plan(
     rows = n_pages.shape[0]
     used = int(indptr[-1])
     if used > indices.shape[0]:
-        raise ValueError(f"{who}: kv_indptr[-1] = {used} exceeds len(kv_indices) = {indices.shape[0]}; "
+        raise InputError(f"{who}: kv_indptr[-1] = {used} exceeds len(kv_indices) = {indices.shape[0]}; "
                          "the rows would read page indices past the end of kv_indices")
     if last.shape[0] != rows:
-        raise ValueError(f"{who}: last_page_len has {last.shape[0]} entries, expected {rows} (one per row of kv_indptr)")
+        raise InputError(f"{who}: last_page_len has {last.shape[0]} entries, expected {rows} (one per row of kv_indptr)")
     has = n_pages > 0
     # in 0..page_size (a negative one, seen as uint32, is above it), and 0 exactly where no pages
     if np.count_nonzero(last.view(np.uint32) > page_size) or np.count_nonzero((last > 0) != has):
         i = _first(np.where(has, (last < 1) | (last > page_size), last != 0))
         allowed = f"1..{page_size} (page_size)" if has[i] else "0 (the row has no pages)"
-        raise ValueError(f"{who}: last_page_len[{i}] = {int(last[i])} for a row with {int(n_pages[i])} pages; "
+        raise InputError(f"{who}: last_page_len[{i}] = {int(last[i])} for a row with {int(n_pages[i])} pages; "
                          f"allowed: {allowed}")
     top = -1
     if isinstance(indices, np.ndarray) and indices.shape[0]:
         top = int(indices.view(np.uint32).max())  # a negative index, seen as uint32, is the largest
         if top > _INT32.max:
             i = _first(indices < 0)
-            raise ValueError(f"{who}: kv_indices[{i}] = {int(indices[i])} is negative; page indices must be >= 0")
+            raise InputError(f"{who}: kv_indices[{i}] = {int(indices[i])} is negative; page indices must be >= 0")
         if max_num_pages is not None:
             check_page_range(who, indices, top, max_num_pages)
     if kv_lens is None and qo is None:
@@ -179,11 +180,11 @@ def check_paged_plan(
     lens = (n_pages - has) * page_size + last
     if kv_lens is not None:
         if kv_lens.shape[0] != rows:
-            raise ValueError(f"{who}: kv_lens has {kv_lens.shape[0]} entries, expected {rows} (one per row)")
+            raise InputError(f"{who}: kv_lens has {kv_lens.shape[0]} entries, expected {rows} (one per row)")
         off = kv_lens != lens
         if np.count_nonzero(off):
             i = _first(off)
-            raise ValueError(f"{who}: kv_lens[{i}] = {int(kv_lens[i])} disagrees with the row's pages "
+            raise InputError(f"{who}: kv_lens[{i}] = {int(kv_lens[i])} disagrees with the row's pages "
                              f"({int(n_pages[i])} pages, last_page_len {int(last[i])}: {int(lens[i])} tokens)")
     if qo is not None:
         check_keys_cover_queries(who, check_indptr("qo_indptr", qo, who, rows), lens, True, "row")
@@ -198,7 +199,7 @@ def check_keys_cover_queries(who: str, q_lens: np.ndarray, k_lens: np.ndarray, c
     short = (q_lens > k_lens) if causal else ((q_lens > 0) & (k_lens == 0))
     if np.count_nonzero(short):
         i = _first(short)
-        raise ValueError(f"{who}: {unit} {i} has {int(q_lens[i])} queries but {int(k_lens[i])} keys; a {unit}'s "
+        raise InputError(f"{who}: {unit} {i} has {int(q_lens[i])} queries but {int(k_lens[i])} keys; a {unit}'s "
                          "queries are its last keys and FlashInfer leaves a query that sees no key undefined, so a "
                          f"{unit} needs at least as many keys as queries")
 
@@ -207,5 +208,5 @@ def check_page_range(who: str, indices: np.ndarray, top: int, max_num_pages: int
     """Page indices below ``max_num_pages`` (``top``: their maximum, from :func:`check_paged_plan`)."""
     if top >= max_num_pages:
         i = _first(indices >= max_num_pages)
-        raise ValueError(f"{who}: kv_indices[{i}] = {int(indices[i])} is out of range; page indices must be "
+        raise InputError(f"{who}: kv_indices[{i}] = {int(indices[i])} is out of range; page indices must be "
                          f"< max_num_pages={max_num_pages}")

@@ -18,11 +18,11 @@ import torch
 from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmedKernel, WarmupConfig
 
-from .decode import FlashInferDecodeWrapper
-from .jit_notice import SHORT_QUERY, built_since, describe, jit_dir
-from .mixed import FlashInferMixedWrapper
-from .prefill import FlashInferPrefillWrapper
-from .ragged import FlashInferPrefixedPrefillWrapper
+from mstar_flashinfer.decode import FlashInferDecodeWrapper
+from mstar_flashinfer.jit_notice import SHORT_QUERY, built_since, describe, jit_dir
+from mstar_flashinfer.mixed import FlashInferMixedWrapper
+from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
 WORKSPACE = 128 << 20  # what FlashInfer recommends per wrapper (split-KV scratch)
 QUERIES = {"short": (1, 8), "long": (1, SHORT_QUERY + 16)}  # per-row query lengths of a tiny plan

@@ -9,9 +9,9 @@ import sys
 import traceback
 from collections.abc import Sequence
 
-from .. import first_use
-from . import backends, bench, check, demo, generate, new_backend, warmup
-from .progress import Progress
+from mstar_core import first_use
+from mstar_core.cli import backends, bench, check, demo, generate, new_backend, warmup
+from mstar_core.cli.progress import Progress
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -1,5 +1,5 @@
 import sys
 
-from . import main
+from mstar_core.cli import main
 
 sys.exit(main())

@@ -6,6 +6,7 @@ the reason every other backend was passed over -- and every plugin that failed t
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import argparse
 import json
@@ -78,7 +79,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         try:
             kv_dtype = parse_kv_dtype(args.kv_dtype)
         except ValueError:
-            raise ValueError(f"backends: --kv-dtype {args.kv_dtype!r} is not supported; choose one of "
+            raise InputError(f"backends: --kv-dtype {args.kv_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_DTYPES)} (fp8-e4m3 / fp8-e5m2 spellings also accepted)") from None
     soft_cap = None
     if getattr(args, "soft_cap", None) is not None:
@@ -87,7 +88,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         except ValueError:
             soft_cap = math.nan
         if not math.isfinite(soft_cap) or soft_cap <= 0:
-            raise ValueError(f"backends: --soft-cap {args.soft_cap!r} must be a finite float > 0 (the logit "
+            raise InputError(f"backends: --soft-cap {args.soft_cap!r} must be a finite float > 0 (the logit "
                              "soft-cap, e.g. 30); leave it out for no cap")
     windows = None
     if getattr(args, "layer_windows", None) is not None:
@@ -100,7 +101,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
             except ValueError:
                 value = None
             if value is None or value < -1:
-                raise ValueError(f"backends: --layer-windows {text!r}: entry {i} ({w!r}) must be an int >= 0, or -1 "
+                raise InputError(f"backends: --layer-windows {text!r}: entry {i} ({w!r}) must be an int >= 0, or -1 "
                                  "for a full layer (comma-separated, one per layer, e.g. 4096,-1)")
             parsed.append(value)
         windows = tuple(parsed)
@@ -111,7 +112,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         except ValueError:
             tokens = 0
         if not 1 <= tokens <= MAX_DECODE_QUERY_TOKENS:
-            raise ValueError(f"backends: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
+            raise InputError(f"backends: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
                              f"1..{MAX_DECODE_QUERY_TOKENS} (query tokens per decode row; 2..{MAX_DECODE_QUERY_TOKENS} "
                              "for speculative verification)")
     return AttentionFeatures(kv_dtype=kv_dtype, soft_cap=soft_cap, layer_windows=windows, decode_query_tokens=tokens,
@@ -127,7 +128,7 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype:
         return torch.float32 if device.type == "cpu" else torch.bfloat16
     dt = getattr(torch, name.removeprefix("torch."), None)
     if not isinstance(dt, torch.dtype):
-        raise ValueError(f"--dtype {name!r} is not a torch dtype (e.g. float32, bfloat16)")
+        raise InputError(f"--dtype {name!r} is not a torch dtype (e.g. float32, bfloat16)")
     return dt
 
 
@@ -252,7 +253,7 @@ def render(data: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.head_dim < 1:
-        raise ValueError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
+        raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
     features = features_from_args(args)
     device = as_device(args.device) if args.device else _default_device()
     data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)

@@ -1,14 +1,15 @@
 """``mstar bench``: time the tiny decoder's decode loop on a backend."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import argparse
 import json
 from dataclasses import asdict, replace
 
-from ..workloads.decode_bench import BenchOptions, run_decode_bench
-from .options import add_config, config_from
-from .parallel import add_tp, launched
+from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
+from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.parallel import add_tp, launched
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -53,7 +54,7 @@ def check_options(o: BenchOptions) -> None:
     """What the tiny model itself needs beyond BenchOptions' own checks, refused before anything
     is built (the model would otherwise fail deep inside its first forward)."""
     if o.head_dim % 2:
-        raise ValueError(f"bench: --head-dim {o.head_dim} is odd; the tiny model's rotary embedding rotates pairs "
+        raise InputError(f"bench: --head-dim {o.head_dim} is odd; the tiny model's rotary embedding rotates pairs "
                          "of dimensions, so the head dim must be even (e.g. 64)")
 
 

@@ -2,13 +2,14 @@
 :mod:`mstar_core.testing.check`); a table of cases, exit 1 on any failure."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import argparse
 import json
 import sys
 
-from ..resource import as_dtype
-from .options import add_config, config_from
+from mstar_core.resource import as_dtype
+from mstar_core.cli.options import add_config, config_from
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -35,12 +36,12 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..testing.check import check_backend
+    from mstar_core.testing.check import check_backend
 
     dtypes = [as_dtype(d) for d in args.dtype] if args.dtype else None
     for d in args.head_dim or ():
         if d < 1:
-            raise ValueError(f"check: --head-dim {d} must be >= 1")
+            raise InputError(f"check: --head-dim {d} must be >= 1")
 
     def progress(result) -> None:  # a long run (a GPU compiling kernels) shows it is moving
         if not args.json and not result.passed:

@@ -1,11 +1,12 @@
 """``mstar demo``: run a workload end to end and check it against a no-cache reference."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import argparse
 
-from .options import add_config, config_from
-from .parallel import add_tp, launched
+from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.parallel import add_tp, launched
 
 WORKLOADS = ("text", "denoise")
 
@@ -35,7 +36,7 @@ SEED_MAX = 2**64 - 1
 
 def check_seed(seed: int) -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise ValueError(f"demo: --seed {seed} is out of range; a torch seed is an integer from 0 to {SEED_MAX} "
+        raise InputError(f"demo: --seed {seed} is out of range; a torch seed is an integer from 0 to {SEED_MAX} "
                          "(2**64 - 1)")
 
 
@@ -43,14 +44,14 @@ def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     config = config_from(args)
     if args.workload == "denoise":
-        from ..workloads import denoise
+        from mstar_core.demo import denoise
 
         if args.tp != 1:
-            raise ValueError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
+            raise InputError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
         return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
-    from ..distributed import check_shardable
-    from ..model import TinyDecoderConfig
-    from ..workloads import text
+    from mstar_core.distributed import check_shardable
+    from mstar_core.demo import TinyDecoderConfig
+    from mstar_core.demo import text
 
     cfg = TinyDecoderConfig()
     # before any process group: a rank count that does not shard the model fails on its own

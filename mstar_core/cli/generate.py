@@ -1,6 +1,7 @@
 """``mstar generate``: a local transformers model's greedy generation through mstar."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import argparse
 import importlib.util
@@ -9,8 +10,8 @@ import sys
 import time
 from typing import Any
 
-from .demo import check_seed
-from .options import add_config, config_from
+from mstar_core.cli.demo import check_seed
+from mstar_core.cli.options import add_config, config_from
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -46,7 +47,7 @@ def _prompt_ids(text: str, tokenizer: Any) -> list[int]:
     if parts and all(x.lstrip("-").isdigit() for x in parts):
         return [int(x) for x in parts]
     if tokenizer is None:
-        raise ValueError(f"prompt {text!r} is not token ids (\"1,2,3\") and the model directory has no tokenizer")
+        raise InputError(f"prompt {text!r} is not token ids (\"1,2,3\") and the model directory has no tokenizer")
     return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
@@ -67,14 +68,14 @@ def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     config = config_from(args)  # before the model loads: a typo fails fast
     if args.max_new_tokens < 1:
-        raise ValueError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
+        raise InputError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if importlib.util.find_spec("transformers") is None:
-        raise RuntimeError("mstar generate needs transformers: pip install 'mstar-core[transformers]'")
+        raise StateError("mstar generate needs transformers: pip install 'mstar-core[transformers]'")
     import torch
 
-    from ..integrations.transformers import generate_report
-    from ..integrations.transformers.local import load
-    from ..resource import resolve_dtype
+    from mstar_core.integrations.transformers import generate_report
+    from mstar_core.integrations.transformers.local import load
+    from mstar_core.resource import resolve_dtype
 
     device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)

@@ -21,7 +21,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..scaffold import write_skeleton
+    from mstar_core.scaffold import write_skeleton
 
     files = write_skeleton(args.name, args.dir)
     print(f"wrote the {args.name} plugin distribution to {args.dir}:")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..config import Config, load_config
+from mstar_core.config import Config, load_config
 
 
 def add_config(p: argparse.ArgumentParser, pins_only: bool = False) -> None:

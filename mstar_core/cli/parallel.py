@@ -2,6 +2,7 @@
 torchrun, whose environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) says where it sits."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import argparse
 import logging
@@ -14,7 +15,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from ..distributed import DEFAULT_TIMEOUT_S, STALL_GRACE_S, TensorParallel
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, STALL_GRACE_S, TensorParallel
 
 log = logging.getLogger(__name__)
 
@@ -65,15 +66,15 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         return
     dev = torch.device(device)
     if dev.type not in ("cuda", "cpu"):
-        raise ValueError(f"{command} --tp {size}: device {device!r}; tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
+        raise InputError(f"{command} --tp {size}: device {device!r}; tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
     owned = not dist.is_initialized()
     if owned and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
-        raise ValueError(
+        raise InputError(
             f"{command} --tp {size} runs as {size} processes, one a rank: launch it with torchrun, e.g. "
             f"`torchrun --nproc-per-node {size} -m mstar_core.cli {command} --tp {size} ...` "
             "(this process has no RANK/WORLD_SIZE in its environment)")
     if owned and world != size:
-        raise ValueError(f"{command} --tp {size}: torchrun started {world} processes; start "
+        raise InputError(f"{command} --tp {size}: torchrun started {world} processes; start "
                          f"--nproc-per-node {size}, one rank per shard")
     if dev.type == "cuda":
         have = torch.cuda.device_count()
@@ -81,7 +82,7 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         if local < 0:
             local = dist.get_rank() % max(have, 1) if not owned else 0
         if local >= have:
-            raise ValueError(f"{command} --tp {size}: the rank with LOCAL_RANK {local} has no GPU of its own; this "
+            raise InputError(f"{command} --tp {size}: the rank with LOCAL_RANK {local} has no GPU of its own; this "
                              f"host shows {have} (each rank needs one)")
         dev = torch.device("cuda", local)
         torch.cuda.set_device(dev)
@@ -96,7 +97,7 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
     try:
         tp = TensorParallel.from_group()
         if tp.world_size != size:
-            raise ValueError(f"{command} --tp {size}: the process group has {tp.world_size} ranks")
+            raise InputError(f"{command} --tp {size}: the process group has {tp.world_size} ranks")
         yield tp, dev
     except BaseException:
         # NCCL's destroy waits for the group's kernels, which a failed peer can leave spinning:

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
-from ..warmup import WARMABLE, WarmupConfig, warmup
+from mstar_core.warmup import WARMABLE, WarmupConfig, warmup
 
 DTYPES = ("bfloat16", "float16", "float32")
 

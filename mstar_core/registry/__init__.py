@@ -7,10 +7,10 @@ entry points; selection picks one by name or by probing, and says why it passed 
     sel.name, sel.classes["paged_decode"], sel.rejected
 """
 
-from .discovery import GROUP, LoadedPlugin, PluginError, PluginFailure
-from .hookspecs import hookimpl, hookspec
-from .registry import Registry, get_registry, reset_registry
-from .selection import (
+from mstar_core.registry.discovery import GROUP, LoadedPlugin, PluginError, PluginFailure
+from mstar_core.registry.hookspecs import hookimpl, hookspec
+from mstar_core.registry.registry import Registry, get_registry, reset_registry
+from mstar_core.registry.selection import (
     AUTO_PRIORITY,
     ENV_BACKEND,
     BackendUnavailable,
@@ -20,7 +20,7 @@ from .selection import (
     resolve_requested,
     select_backend,
 )
-from .spec import CAPABILITIES, DEVICE_KINDS, BackendSpec, HeadDims
+from mstar_core.registry.spec import CAPABILITIES, DEVICE_KINDS, BackendSpec, HeadDims
 
 __all__ = [
     "AUTO_PRIORITY",

@@ -18,6 +18,7 @@ spec or picked.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import re
 
@@ -30,7 +31,7 @@ def parse_api_version(value: object, who: str = "api_version") -> tuple[int, int
     """``"1.2"`` -> ``(1, 2)``; anything else raises, naming the value and the format."""
     match = _FORMAT.fullmatch(value) if isinstance(value, str) else None
     if match is None:
-        raise ValueError(f"{who} must be a 'MAJOR.MINOR' string such as {API_VERSION!r} (the plugin contract "
+        raise InputError(f"{who} must be a 'MAJOR.MINOR' string such as {API_VERSION!r} (the plugin contract "
                          f"version the backend was written for), got {value!r}")
     return int(match.group(1)), int(match.group(2))
 

@@ -3,7 +3,9 @@ loaded in isolation so one broken install never hides the others (pluggy's own
 ``load_setuptools_entrypoints`` stops at the first failure)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
+from mstar_core.errors import PluginError
 import ast
 import importlib.metadata as md
 import os
@@ -11,7 +13,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from ..config import check_pins
+from mstar_core.config import check_pins
 
 GROUP = "mstar.backends"
 ENV_ALLOWLIST = "MSTAR_PLUGINS"
@@ -57,11 +59,6 @@ class LoadedPlugin:
     backends: tuple[str, ...]
 
 
-class PluginError(RuntimeError):
-    """A plugin failure in strict mode (the message names the plugin; the cause, if any, is
-    chained), or a hand registration of a taken name."""
-
-
 # The values a boolean environment variable may take (case-insensitive; unset or empty is off).
 TRUE_VALUES: tuple[str, ...] = ("1", "true", "yes", "on")
 FALSE_VALUES: tuple[str, ...] = ("0", "false", "no", "off", "")
@@ -79,7 +76,7 @@ def env_flag(name: str) -> bool:
         return True
     if value in FALSE_VALUES:
         return False
-    raise ValueError(
+    raise InputError(
         f"{name}={raw!r} is not a boolean: use one of {', '.join(TRUE_VALUES)} (on) or "
         f"{', '.join(v for v in FALSE_VALUES if v)} or empty (off), in any case")
 
@@ -95,7 +92,7 @@ def pins_from_env() -> dict[str, str]:
     for part in filter(None, (p.strip() for p in raw.split(","))):
         name, sep, dist = (x.strip() for x in part.partition("="))
         if not sep:
-            raise ValueError(f"{ENV_PINS}={raw!r}: {part!r} is not NAME=DISTRIBUTION (e.g. "
+            raise InputError(f"{ENV_PINS}={raw!r}: {part!r} is not NAME=DISTRIBUTION (e.g. "
                              f"{ENV_PINS}=fast=fast-kernels,other=other-dist)")
         pins[name] = dist
     return check_pins(pins, f"{ENV_PINS}={raw!r}")

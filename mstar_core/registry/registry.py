@@ -2,6 +2,7 @@
 run here, and if not why" with probe results cached per device."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import logging
 import threading
@@ -13,11 +14,11 @@ from typing import Any, TypeVar
 import pluggy
 import torch
 
-from ..config import check_pins
-from ..features import AttentionFeatures
-from . import discovery, hookspecs
-from .api import api_reasons
-from .device import (
+from mstar_core.config import check_pins
+from mstar_core.features import AttentionFeatures
+from mstar_core.registry import discovery, hookspecs
+from mstar_core.registry.api import api_reasons
+from mstar_core.registry.device import (
     as_device,
     compute_capability,
     device_arch,
@@ -25,8 +26,8 @@ from .device import (
     device_key,
     device_kind,
 )
-from .discovery import LoadedPlugin, PluginError, PluginFailure
-from .spec import BackendSpec, load_ref
+from mstar_core.registry.discovery import LoadedPlugin, PluginError, PluginFailure
+from mstar_core.registry.spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")
 T = TypeVar("T")
@@ -64,11 +65,11 @@ class Registry:
         self.failures: list[PluginFailure] = []
         self.plugins: list[LoadedPlugin] = []
         if strict is not None and not isinstance(strict, bool):
-            raise TypeError(f"Registry(strict=...) takes True, False or None (read {discovery.ENV_STRICT}), "
+            raise InputTypeError(f"Registry(strict=...) takes True, False or None (read {discovery.ENV_STRICT}), "
                             f"got {strict!r}")
         self.strict = discovery.strict_from_env() if strict is None else strict
         if isinstance(allowlist, str):
-            raise TypeError(f"Registry(allowlist=...) takes an iterable of plugin names, got the string {allowlist!r} "
+            raise InputTypeError(f"Registry(allowlist=...) takes an iterable of plugin names, got the string {allowlist!r} "
                             f"(write [{allowlist!r}])")
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
@@ -139,7 +140,7 @@ class Registry:
 
         def register(spec: BackendSpec) -> None:
             if not isinstance(spec, BackendSpec):
-                raise TypeError(f"register() takes a BackendSpec, got {type(spec).__name__}")
+                raise InputTypeError(f"register() takes a BackendSpec, got {type(spec).__name__}")
             staged.append(spec)
 
         try:
@@ -211,7 +212,7 @@ class Registry:
                 continue
             match = [c for c in claims if c.distribution == pinned]
             if not match:
-                raise ValueError(f"backend {name!r} is pinned to distribution {pinned!r}, which does not register it; "
+                raise InputError(f"backend {name!r} is pinned to distribution {pinned!r}, which does not register it; "
                                  f"registered by: {', '.join(c.label for c in claims)}")
             out[name] = match[0]
         return out
@@ -239,7 +240,7 @@ class Registry:
             return backend
         spec = self.get(backend)
         if spec is None:
-            raise KeyError(f"no usable backend {backend!r}: "
+            raise UnknownName(f"no usable backend {backend!r}: "
                            + (self.conflict_reason(backend) if backend in self.conflicts else
                               f"known: {', '.join(self.names())}"))
         return spec

@@ -3,7 +3,9 @@
 one error that says why not and which backends can run here."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
+from mstar_core.errors import BackendUnavailable
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -12,13 +14,13 @@ from typing import Any
 
 import torch
 
-from ..config import ConfigSource, load_config
-from ..config import short as _short
-from ..features import PLAIN, AttentionFeatures
-from ..step import is_int
-from .device import as_device, describe
-from .registry import Registry, get_registry
-from .spec import CAPABILITIES, BackendSpec, dtype_name
+from mstar_core.config import ConfigSource, load_config
+from mstar_core.config import short as _short
+from mstar_core.features import PLAIN, AttentionFeatures
+from mstar_core.step import is_int
+from mstar_core.registry.device import as_device, describe
+from mstar_core.registry.registry import Registry, get_registry
+from mstar_core.registry.spec import CAPABILITIES, BackendSpec, dtype_name
 
 log = logging.getLogger("mstar.registry")
 
@@ -37,18 +39,6 @@ AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "bounded": ("reference",),
 }
 FALLBACK = "reference"
-
-
-class BackendUnavailable(ValueError):
-    """The requested backend does not exist or cannot run this request here."""
-
-    def __init__(self, message: str, *, requested: str, reasons: Mapping[str, Sequence[str]] | None = None,
-                 available: Sequence[str] = (), known: Sequence[str] = ()) -> None:
-        super().__init__(message)
-        self.requested = requested
-        self.reasons = {k: list(v) for k, v in (reasons or {}).items()}
-        self.available = list(available)
-        self.known = list(known)
 
 
 @dataclass(frozen=True)
@@ -81,7 +71,7 @@ def resolve_requested(requested: str | None, config: ConfigSource,
     the log says what it overrode; without it the argument wins, then config, then "auto"."""
     if requested is not None:
         if not isinstance(requested, str):
-            raise TypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
+            raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
                             f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
         configured: str | None = requested.strip()
         where = "argument"
@@ -173,25 +163,25 @@ def select_backend(
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
     if isinstance(capabilities, str):
-        raise TypeError(f"capabilities must be a sequence of capability names, got the string {capabilities!r} "
+        raise InputTypeError(f"capabilities must be a sequence of capability names, got the string {capabilities!r} "
                         f"(write ({capabilities!r},)); known: {list(CAPABILITIES)}")
     if requested is not None and not isinstance(requested, str):
-        raise TypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
+        raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
                         f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
+        raise InputTypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
                         f"{_short(dtype)}")
     if head_dim is not None and not is_int(head_dim):
-        raise TypeError(f"head_dim must be an int or None, got {type(head_dim).__name__} {_short(head_dim)}")
+        raise InputTypeError(f"head_dim must be an int or None, got {type(head_dim).__name__} {_short(head_dim)}")
     if registry is not None and not isinstance(registry, Registry):
-        raise TypeError(f"registry must be a Registry or None, got {type(registry).__name__}")
+        raise InputTypeError(f"registry must be a Registry or None, got {type(registry).__name__}")
     if features is not None and not isinstance(features, AttentionFeatures):
-        raise TypeError(f"features must be an AttentionFeatures or None, got {type(features).__name__} "
+        raise InputTypeError(f"features must be an AttentionFeatures or None, got {type(features).__name__} "
                         f"{_short(features)}")
     capabilities = tuple(capabilities)
     unknown = [c for c in capabilities if c not in CAPABILITIES]
     if unknown or not capabilities:
-        raise ValueError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(capabilities)}")
+        raise InputError(f"capabilities must be a non-empty subset of {list(CAPABILITIES)}, got {list(capabilities)}")
     registry = registry or get_registry()
     device = as_device(device)
     request = Request(capabilities, device, dtype, head_dim, features or PLAIN)

@@ -3,6 +3,7 @@ wrapper references), the devices, architectures, dtypes and head dims it runs, a
 Capabilities are data, refusals are reasons (lists of strings, empty = can run)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
@@ -11,9 +12,9 @@ from typing import Any, Union
 
 import torch
 
-from ..features import FEATURES, AttentionFeatures
-from ..step import is_int
-from .api import parse_api_version
+from mstar_core.features import FEATURES, AttentionFeatures
+from mstar_core.step import is_int
+from mstar_core.registry.api import parse_api_version
 
 # The capability names other parts of mstar rely on; each names one wrapper protocol.
 CAPABILITIES: tuple[str, ...] = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded")
@@ -28,7 +29,7 @@ def load_ref(ref: str) -> Any:
     """Import ``"package.module:attr"`` and return the attribute (dotted attrs allowed)."""
     module_name, sep, attr = ref.partition(":")
     if not sep or not module_name or not attr:
-        raise ValueError(f"expected a 'module:attr' reference, got {ref!r}")
+        raise InputError(f"expected a 'module:attr' reference, got {ref!r}")
     obj: Any = importlib.import_module(module_name)
     for part in attr.split("."):
         obj = getattr(obj, part)
@@ -117,33 +118,33 @@ class BackendSpec:
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
-            raise ValueError(f"backend name must be a non-empty identifier, got {self.name!r}")
+            raise InputError(f"backend name must be a non-empty identifier, got {self.name!r}")
         parse_api_version(self.api_version, f"backend {self.name!r}: api_version")
         if not is_int(self.priority):
-            raise TypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
+            raise InputTypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
                             f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
-            raise ValueError(f"backend {self.name!r} provides unknown capabilities {unknown}; known: {list(CAPABILITIES)}")
+            raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; known: {list(CAPABILITIES)}")
         for cap, ref in self.provides.items():
             if not isinstance(ref, str) or ":" not in ref:
-                raise ValueError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
+                raise InputError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
         bad = sorted(set(self.devices) - set(DEVICE_KINDS))
         if bad:
-            raise ValueError(f"backend {self.name!r}: unknown devices {bad}; known: {list(DEVICE_KINDS)}")
+            raise InputError(f"backend {self.name!r}: unknown devices {bad}; known: {list(DEVICE_KINDS)}")
         bad = sorted(set(self.capturable) - set(self.provides))
         if bad:
-            raise ValueError(f"backend {self.name!r}: capturable names capabilities it does not provide: {bad}")
+            raise InputError(f"backend {self.name!r}: capturable names capabilities it does not provide: {bad}")
         bad = sorted(set(self.features) - set(self.provides))
         if bad:
-            raise ValueError(f"backend {self.name!r}: features names capabilities it does not provide: {bad}")
+            raise InputError(f"backend {self.name!r}: features names capabilities it does not provide: {bad}")
         for cap, names in self.features.items():
             if isinstance(names, str):
-                raise TypeError(f"backend {self.name!r}: features[{cap!r}] must be a tuple of feature names, got "
+                raise InputTypeError(f"backend {self.name!r}: features[{cap!r}] must be a tuple of feature names, got "
                                  f"the string {names!r}")
             unknown = sorted(set(names) - set(FEATURES))
             if unknown:
-                raise ValueError(f"backend {self.name!r}: features[{cap!r}] names unknown features {unknown}; known: "
+                raise InputError(f"backend {self.name!r}: features[{cap!r}] names unknown features {unknown}; known: "
                                  f"{list(FEATURES)}")
         # Plain copies so a plugin's later mutation cannot change them.
         object.__setattr__(self, "provides", dict(self.provides))
@@ -152,7 +153,7 @@ class BackendSpec:
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
         if capability not in self.provides:
-            raise KeyError(f"backend {self.name!r} does not provide {capability!r}; it provides {list(self.provides)}")
+            raise UnknownName(f"backend {self.name!r} does not provide {capability!r}; it provides {list(self.provides)}")
         return load_ref(self.provides[capability])
 
     def supports(self, capability: str) -> tuple[str, ...]:

@@ -16,6 +16,7 @@ From a plugin's own test suite, in one line (one pytest test per case)::
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import dataclasses
 import time
@@ -25,9 +26,9 @@ from typing import Any
 
 import torch
 
-from ..registry.spec import BackendSpec, dtype_name
-from . import conformance as C
-from . import reuse
+from mstar_core.registry.spec import BackendSpec, dtype_name
+from mstar_core.testing import conformance as C
+from mstar_core.testing import reuse
 
 # Capability -> the suite's name for its kind of case.
 KINDS: dict[str, str] = {"paged_prefill": "prefill", "paged_decode": "decode", "mixed": "mixed",
@@ -127,16 +128,16 @@ def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims:
     dtypes = tuple(dtypes) if dtypes is not None else usable
     bad = [dtype_name(d) for d in dtypes if d not in usable]
     if bad:
-        raise ValueError(f"backend {spec.name!r}: cannot check dtype {', '.join(bad)}; it declares "
+        raise InputError(f"backend {spec.name!r}: cannot check dtype {', '.join(bad)}; it declares "
                          f"{', '.join(map(dtype_name, spec.dtypes))}, and the suite checks "
                          f"{', '.join(map(dtype_name, C.TOLERANCE))}")
     head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
     for d in head_dims:
         why = spec.head_dims.reasons(d)
         if why:
-            raise ValueError(f"backend {spec.name!r}: cannot check {why[0]}")
+            raise InputError(f"backend {spec.name!r}: cannot check {why[0]}")
     if not dtypes or not head_dims:
-        raise ValueError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(map(dtype_name, dtypes))}, "
+        raise InputError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(map(dtype_name, dtypes))}, "
                          f"head dims {list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, "
                          f"head dims {spec.head_dims}")
     return dtypes, head_dims
@@ -216,15 +217,15 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
     (None: CUDA when usable and the backend runs there, else the CPU); ``config``: pins for a
     name several distributions register. Raises ``BackendUnavailable`` with the reasons when it
     cannot run there, ValueError when it provides nothing the suite covers."""
-    from ..config import load_config
-    from ..registry import get_registry, select_backend
-    from ..registry.device import as_device
+    from mstar_core.config import load_config
+    from mstar_core.registry import get_registry, select_backend
+    from mstar_core.registry.device import as_device
 
     registry = registry or get_registry()
     config = load_config(config)
     spec = registry.view(config.pins).get(name)
     if spec is not None and not any(c in KINDS for c in spec.provides):
-        raise ValueError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "
+        raise InputError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "
                          f"cover: {'; '.join(f'{c}: {NOT_COVERED[c]}' for c in spec.provides if c in NOT_COVERED)}")
     if device is None:
         cuda = torch.cuda.is_available() and spec is not None and not registry.device_reasons(spec, "cuda")
@@ -264,7 +265,7 @@ def conformance_test(name: str, *, device: torch.device | str | None = None,
     turns that into one skipped test naming them (a GPU backend's suite on a CPU machine)."""
     import pytest
 
-    from ..registry import BackendUnavailable
+    from mstar_core.registry import BackendUnavailable
 
     try:
         sel, dev = select_for_check(name, device)

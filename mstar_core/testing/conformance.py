@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from ..features import KV_DTYPES, quantize
-from .oracle import attention_oracle, rel_error
+from mstar_core.features import KV_DTYPES, quantize
+from mstar_core.testing.oracle import attention_oracle, rel_error
 
 # Largest relative error (vs float64) a wrapper may show, by the dtype it computes in.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}

@@ -8,6 +8,7 @@ layer (Mistral), alternating sliding and full layers (Gemma 2, gpt-oss), logit s
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from typing import Any
 
@@ -47,9 +48,9 @@ def config(arch: str, size: str = "tiny", **overrides: Any) -> Any:
     import transformers
 
     if arch not in _SPECS:
-        raise ValueError(f"unknown architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
+        raise InputError(f"unknown architecture {arch!r}; choose one of {list(ARCHITECTURES)}")
     if size not in ("tiny", "gpu"):
-        raise ValueError(f"unknown size {size!r}; choose 'tiny' or 'gpu'")
+        raise InputError(f"unknown size {size!r}; choose 'tiny' or 'gpu'")
     cfg_name, _, own = _SPECS[arch]
     if size == "tiny":
         # initializer_range 0.2: random logits peaked enough that greedy ties are vanishingly rare.

@@ -7,13 +7,14 @@ its first plan passes it; these checks do not.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import dataclasses
 from typing import Any
 
 import torch
 
-from .conformance import CHECKS, PagedCase, RaggedCase, WrapperSet, assert_close, make_paged, paged_oracle
+from mstar_core.testing.conformance import CHECKS, PagedCase, RaggedCase, WrapperSet, assert_close, make_paged, paged_oracle
 
 PAGE_SIZE, KV_HEADS, GQA = 16, 2, 4
 
@@ -72,7 +73,7 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     then for every step a fresh plan and a replay of that graph; the replayed output checked
     (it is poisoned with NaN before each replay, so a replay that skips rows shows)."""
     if torch.device(backend.device).type != "cuda":
-        raise ValueError(f"check_replay needs a CUDA device, got {backend.device!r}")
+        raise InputError(f"check_replay needs a CUDA device, got {backend.device!r}")
     w = _wrapper(backend, kind, head_dim, graph=True)
     dev, dt = backend.device, backend.dtype
     cases = steps(kind, head_dim)

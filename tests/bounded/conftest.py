@@ -14,7 +14,7 @@ import pytest
 import torch
 
 import mstar_core.kernels.bounded_attention as ba
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Step, StepContext
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Step, StepContext
 
 CFG = BoundedKVConfig(num_layers=1, max_slots=4, rows=1, num_heads=2, head_dim=8, sink=1, window=3)

@@ -10,7 +10,7 @@ import torch
 
 from mstar_core.kernels.bounded_attention import bounded_attention, bounded_write, pick_impl
 from mstar_core.kernels.bounded_attention import table as tb
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Step, StepContext
 
 pytestmark = pytest.mark.gpu

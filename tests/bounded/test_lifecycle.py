@@ -7,7 +7,7 @@ import torch
 
 from mstar_core.kernels.bounded_attention import table as tb
 from mstar_core.resource import BuildInfo
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedPlan, BoundedStep, StreamPosition
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedPlan, BoundedStep, StreamPosition
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
 
 CFG = BoundedKVConfig(num_layers=1, max_slots=3, rows=2, num_heads=2, head_dim=8, sink=1, window=3)
@@ -231,7 +231,7 @@ def test_build_refuses_attention_features_the_bounded_kernels_lack(features, nam
     reason naming it (not computed without it). Per-layer windows are the paged/dense path's."""
     from mstar_core.features import AttentionFeatures
     from mstar_core.resource import BuildInfo
-    from mstar_core.resources.kv.bounded import BoundedKVManager
+    from mstar_core.kv.bounded import BoundedKVManager
 
     info = BuildInfo(torch.device("cpu"), num_layers=2, num_kv_heads=2, head_dim=8,
                      features=AttentionFeatures(**features))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core.resources.kv.bounded import BoundedKVConfig
+from mstar_core.kv.bounded import BoundedKVConfig
 
 CASES = {
     # id: (config overrides, scenario options)
@@ -36,7 +36,7 @@ def test_query_window_is_split_independent(bk):
     cfg = BoundedKVConfig(num_layers=1, max_slots=2, rows=1, num_heads=2, head_dim=8, sink=2, window=6, query_window=6)
     torch.manual_seed(0)
     q, k, v = (torch.randn(1, 2, 30, 8) for _ in range(3))
-    from mstar_core.resources.kv.bounded import BoundedKVManager, BoundedStep, StreamPosition
+    from mstar_core.kv.bounded import BoundedKVManager, BoundedStep, StreamPosition
     from mstar_core.step import KVStep, Step, StepContext
 
     def run(chunks):

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 import torch
 
-import mstar_core.resources.kv.bounded.manager as manager_mod
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+import mstar_core.kv.bounded.manager as manager_mod
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Step, StepContext
 
 CFG = BoundedKVConfig(num_layers=2, max_slots=3, rows=1, num_heads=2, head_dim=8, sink=1, window=3)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
 from mstar_core.step import KVStep, Shortage, Step, StepContext
 
 CFG = BoundedKVConfig(num_layers=2, max_slots=2, rows=1, num_heads=2, head_dim=8, sink=2, window=4)

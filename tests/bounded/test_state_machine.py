@@ -44,8 +44,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule
 
 from mstar_core.graphs import GraphRunner, Prepared
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
-from mstar_core.runner import Node
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step
 
 RIDS = ("a", "b", "c", "d", "e")

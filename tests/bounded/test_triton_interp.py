@@ -8,10 +8,10 @@ import random
 import pytest
 import torch
 
-import mstar_core.resources.kv.bounded.manager as manager_mod
+import mstar_core.kv.bounded.manager as manager_mod
 from mstar_core.kernels.bounded_attention import table as tb
 from mstar_core.kernels.bounded_attention.reference import bounded_attention_reference, write_step_reference
-from mstar_core.resources.kv.bounded import BoundedKVConfig
+from mstar_core.kv.bounded import BoundedKVConfig
 
 
 def random_table(rng: random.Random, B: int, T: int, slots: int, sink: int, window: int, n_src: int, row: bool):

@@ -4,7 +4,7 @@ from mstar_core import AdmitOutcome, Resource
 from mstar_core.step import Shortage
 
 from mstar_core.backends import reference as R
-from mstar_core.resources.kv import KVConfig, KVManager
+from mstar_core.kv import KVConfig, KVManager
 
 REF_WRAPPERS = {
     "paged_prefill": R.ReferencePrefillWrapper,
@@ -22,9 +22,9 @@ def tiny_graph_node(graphs=True, slots=2, buckets=(2, 4), max_pages=64, layers=2
     """The tiny decoder over a paged KV manager and paged attention (reference wrappers), in one
     Node under a GraphRunner (not warmed up). Returns (model, kv, attn, node, runner)."""
     from mstar_core.graphs import GraphRunner
-    from mstar_core.model import TinyDecoder, TinyDecoderConfig
-    from mstar_core.resources.attn.paged import PagedAttentionManager
-    from mstar_core.runner import Node
+    from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+    from mstar_core.attention.paged import PagedAttentionManager
+    from mstar_core.node import Node
 
     cfg = TinyDecoderConfig(num_layers=layers, hidden=hidden, mlp=2 * hidden, num_qo_heads=4, num_kv_heads=2,
                             head_dim=head_dim)

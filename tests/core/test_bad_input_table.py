@@ -22,10 +22,10 @@ import torch
 from mstar_core import KVSpan, KVStep, Step, StepContext
 from mstar_core.graphs import GraphRunner
 from mstar_core.registry import select_backend
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.resources.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.kv.bounded import BoundedKVConfig, BoundedKVManager, BoundedStep, StreamPosition
+from mstar_core.node import Node
 from mstar_core.step import AttentionStep
 
 from .helpers import REF_WRAPPERS

@@ -50,7 +50,7 @@ def test_demo_seed_outside_torch_range(capsys, seed):
 @pytest.mark.parametrize("workload", ["text", "denoise"])
 def test_demo_seed_at_the_top_of_the_range_is_accepted(monkeypatch, workload):
     """2**64 - 1 is a seed torch takes: it reaches the workload unchanged."""
-    from mstar_core.workloads import denoise, text
+    from mstar_core.demo import denoise, text
 
     seen = []
     for mod in (text, denoise):

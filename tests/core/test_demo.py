@@ -1,6 +1,6 @@
 """The main job: the tiny decoder under continuous batching matches the no-cache forward."""
 
-from mstar_core.workloads.text import run_text_demo
+from mstar_core.demo.text import run_text_demo
 
 from .helpers import REF_WRAPPERS
 

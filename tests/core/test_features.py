@@ -8,10 +8,10 @@ import torch
 from mstar_core import AttentionStep, KVSpan, KVStep, Step
 from mstar_core.features import KV_DTYPES, AttentionFeatures, quantize
 from mstar_core.registry import BackendUnavailable, select_backend
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv.config import KVConfig
-from mstar_core.resources.kv.paged import KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.paged import KVManager
+from mstar_core.node import Node
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
 from .helpers import REF_WRAPPERS

@@ -9,10 +9,10 @@ import torch
 
 from mstar_core import AttentionStep, KVSpan, KVStep, Step, StepContext
 from mstar_core.backends import reference as R
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.resources.kv.pool import PagePool
-from mstar_core.runner import CommitError, Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.kv.pool import PagePool
+from mstar_core.node import CommitError, Node
 from mstar_core.step import Shortage
 from mstar_core.testing.oracle import attention_oracle, rel_error
 

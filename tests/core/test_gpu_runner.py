@@ -10,11 +10,11 @@ import torch
 
 from mstar_core import KVSpan, KVStep, Step
 from mstar_core.graphs import GraphRunner
-from mstar_core.model import TinyDecoder, TinyDecoderConfig
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.registry import select_backend
-from mstar_core.resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 
 pytestmark = pytest.mark.gpu
 needs_fi = pytest.mark.skipif(importlib.util.find_spec("flashinfer") is None, reason="flashinfer not installed")

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from mstar_core.graphs import GraphRunner
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step
 
 from .helpers import REF_WRAPPERS

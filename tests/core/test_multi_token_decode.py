@@ -7,10 +7,10 @@ import torch
 from mstar_core import KVSpan, KVStep, Step
 from mstar_core.features import AttentionFeatures
 from mstar_core.graphs import GraphRunner
-from mstar_core.model import TinyDecoder, TinyDecoderConfig
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 from mstar_core.testing.oracle import rel_error
 
 from .helpers import REF_WRAPPERS

@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from mstar_core import AttentionStep, KVSpan, KVStep, Step
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.node import Node
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
 from .helpers import REF_WRAPPERS, small_kv

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
-from mstar_core.resources.kv import KVManager
-from mstar_core.runner import CommitError, Node
+from mstar_core.kv import KVManager
+from mstar_core.node import CommitError, Node
 
 from .helpers import Logged, tiny_graph_node
 

@@ -1,7 +1,7 @@
 import pytest
 
 from mstar_core import AdmitOutcome, KVSpan, KVStep, Resource, Shortage, Step
-from mstar_core.runner import Node, order_resources
+from mstar_core.node import Node, order_resources
 
 from .helpers import small_kv
 

@@ -22,9 +22,9 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, pr
 
 from mstar_core import KVSpan, KVStep, Step
 from mstar_core.graphs import GraphRunner
-from mstar_core.resources.attn.paged import PagedAttentionManager, step_kind
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager, step_kind
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 
 from .helpers import REF_WRAPPERS
 

@@ -7,8 +7,8 @@ import torch
 
 from mstar_core import AdmitOutcome, KVSpan, KVStep, Resource, Step, StepContext
 from mstar_core.graphs import GraphRunner
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.node import Node
 
 from .helpers import REF_WRAPPERS, small_kv
 
@@ -172,7 +172,7 @@ def test_a_failed_warmup_leaves_no_dummy_request_behind():
 
 
 def test_attention_depends_on_the_kv_it_was_built_over():
-    from mstar_core.resources.kv import KVManager
+    from mstar_core.kv import KVManager
 
     kv = small_kv()
     named = KVManager(kv.config, "cpu", torch.float64, name="kv_text")

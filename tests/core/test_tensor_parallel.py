@@ -18,7 +18,7 @@ import torch.multiprocessing as mp
 from mstar_core import KVSpan, KVStep, Step, StepContext
 from mstar_core.cli.parallel import launched
 from mstar_core.distributed import StallWatchdog, TensorParallel, shard_heads
-from mstar_core.resources.kv import KVConfig, KVManager
+from mstar_core.kv import KVConfig, KVManager
 
 from .helpers import REF_WRAPPERS
 
@@ -102,7 +102,7 @@ def test_shard_heads_refuses_uneven_and_names_what_fits():
 
 
 def test_a_model_that_does_not_shard_is_refused_before_any_process_starts():
-    from mstar_core.model import TinyDecoder, TinyDecoderConfig
+    from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 
     with pytest.raises(ValueError, match="cannot shard query heads 4, KV heads 2, MLP width 512 over 3 ranks"):
         TinyDecoder(TinyDecoderConfig(), tp=TensorParallel(0, 3))
@@ -111,7 +111,7 @@ def test_a_model_that_does_not_shard_is_refused_before_any_process_starts():
 
 
 def test_a_sharded_model_holds_its_slice_of_the_unsharded_weights():
-    from mstar_core.model import TinyDecoder, TinyDecoderConfig
+    from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 
     cfg = TinyDecoderConfig(num_qo_heads=8, num_kv_heads=4)
     whole = TinyDecoder(cfg, seed=3)
@@ -131,7 +131,7 @@ def test_a_sharded_model_holds_its_slice_of_the_unsharded_weights():
 # -- the demo: sharded equals single-process ----------------------------------------------------
 
 def _demo_rank(rank, timeout_s, diverge):
-    from mstar_core.workloads import text
+    from mstar_core.demo import text
 
     if diverge and rank == 1:  # rank 1's scheduler sees one more prompt token for r0 (same pages)
         real = text.make_requests
@@ -158,7 +158,7 @@ def _demo_rank(rank, timeout_s, diverge):
 
 
 def test_the_sharded_demo_computes_what_one_process_does():
-    from mstar_core.workloads.text import run_text_demo
+    from mstar_core.demo.text import run_text_demo
 
     single = run_text_demo(REF_WRAPPERS, "reference")
     got = run_ranks(_demo_rank, False)
@@ -211,7 +211,7 @@ def test_bench_tp2_reports_the_all_reduce_share_on_rank_0(graphs):
 
 
 def _bench_diverging_rank(rank, timeout_s):
-    import mstar_core.workloads.decode_bench as db
+    import mstar_core.demo.decode_bench as db
 
     if rank == 1:  # rank 1's scheduler admits a longer context than rank 0's, from the same pool
         real = db.KVSpan
@@ -232,8 +232,8 @@ def test_bench_ranks_whose_admissions_differ_fail_post_warmup_validate():
 # -- a rank failing mid-run -------------------------------------------------------------------
 
 def _failing_demo_rank(rank, timeout_s, how):
-    from mstar_core.model import TinyDecoder
-    from mstar_core.workloads.text import run_text_demo
+    from mstar_core.demo import TinyDecoder
+    from mstar_core.demo.text import run_text_demo
 
     calls = 0
     real = TinyDecoder.forward_step

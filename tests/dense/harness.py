@@ -10,8 +10,8 @@ from collections.abc import Callable, Sequence
 import torch
 
 from mstar_core.features import KV_DTYPES, PLAIN, AttentionFeatures, quantize
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 from mstar_core.step import AttentionStep, KVSpan, KVStep, Step, StepContext
 from mstar_core.testing.oracle import attention_oracle, rel_error
 

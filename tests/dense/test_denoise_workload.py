@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.workloads import denoise
+from mstar_core.demo import denoise
 
 
 def test_main_on_cpu_reports_ok(capsys):
@@ -37,8 +37,8 @@ def test_through_fa3_and_aiter_standins(fa3_standin, aiter_standin):
 
 def test_a_stale_cache_is_caught(monkeypatch):
     """If the manager ignored reset_request and the streams' generations, the example must fail."""
-    from mstar_core.resources.attn import dense as D
-    from mstar_core.resources.attn import prefix_cache as P
+    from mstar_core.attention import dense as D
+    from mstar_core.attention import prefix_cache as P
 
     monkeypatch.setattr(D.DenseAttentionManager, "reset_request", lambda self, rid, free=False: None)
     monkeypatch.setattr(P.GatheredPrefixCache, "validate", lambda self, stream, key: self._keys.setdefault(stream, key))

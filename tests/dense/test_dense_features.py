@@ -10,7 +10,7 @@ import torch
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry import BackendUnavailable, select_backend
-from mstar_core.resources.attn.dense import DenseAttentionManager
+from mstar_core.attention.dense import DenseAttentionManager
 from mstar_core.testing.conformance import TOLERANCE
 from mstar_fa3.plugin import FA3
 

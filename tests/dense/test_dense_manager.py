@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
-from mstar_core.resources.attn.dense import DenseAttentionManager, DensePlan, DenseSegment
+from mstar_core.attention.dense import DenseAttentionManager, DensePlan, DenseSegment
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
 from mstar_core.testing.conformance import TOLERANCE
 

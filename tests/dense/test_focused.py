@@ -7,9 +7,9 @@ from __future__ import annotations
 import torch
 
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
-from mstar_core.resources.attn.dense import DenseAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.dense import DenseAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
 from mstar_core.testing.conformance import TOLERANCE
 

@@ -16,7 +16,7 @@ import pathlib
 import pytest
 import torch
 
-from mstar_core.resources.attn.dense import DenseAttentionManager
+from mstar_core.attention.dense import DenseAttentionManager
 from mstar_core.testing import conformance as C
 
 from ..gpu_results import write_results

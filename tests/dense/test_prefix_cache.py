@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from mstar_core.resources.attn.prefix_cache import GatheredPrefixCache
+from mstar_core.attention.prefix_cache import GatheredPrefixCache
 
 
 def kv(n):

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from mstar_core.backends import reference as R
-from mstar_core.resources.attn.dense import DenseAttentionManager
-from mstar_core.resources.attn.paged import PagedAttentionManager
+from mstar_core.attention.dense import DenseAttentionManager
+from mstar_core.attention.paged import PagedAttentionManager
 
 from .harness import Harness
 
@@ -59,9 +59,9 @@ def test_same_declaration_same_outputs(window_left):
 def test_tiny_decoder_runs_under_either_backend():
     """The demo model's layer (``if attn.requires_kv_write: write``; ``attn.run(q, label, layer,
     k=k, v=v, layer_idx=i)``) under both managers: same logits, step for step."""
-    from mstar_core.model import TinyDecoder, TinyDecoderConfig
-    from mstar_core.resources.kv import KVConfig, KVManager
-    from mstar_core.runner import Node
+    from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+    from mstar_core.kv import KVConfig, KVManager
+    from mstar_core.node import Node
     from mstar_core.step import AttentionStep, KVSpan, KVStep, Step
 
     cfg = TinyDecoderConfig()

@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core.resources.attn.paged import PagedAttentionManager
-from mstar_core.resources.kv import KVConfig, KVManager
-from mstar_core.runner import Node
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
 from mstar_core.testing import conformance as C
 from mstar_flashinfer.decode import FlashInferDecodeWrapper

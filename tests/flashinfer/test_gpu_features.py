@@ -72,9 +72,9 @@ def test_fp8_windowed_and_full_layers_in_one_step():
     """The paged manager over an FP8 cache: layers with different windows in one step, each
     against the oracle over what the cache holds (quantised K/V times the layer's scales)."""
     pytest.importorskip("flashinfer")
-    from mstar_core.resources.attn.paged import PagedAttentionManager
-    from mstar_core.resources.kv import KVConfig, KVManager
-    from mstar_core.runner import Node
+    from mstar_core.attention.paged import PagedAttentionManager
+    from mstar_core.kv import KVConfig, KVManager
+    from mstar_core.node import Node
     from mstar_core.step import KVSpan, KVStep, Step
     from mstar_core.testing.oracle import attention_oracle, rel_error
     from mstar_flashinfer.decode import FlashInferDecodeWrapper

@@ -17,7 +17,7 @@ import torch
 from mstar_core.cli.backends import collect
 from mstar_core.registry import Registry
 from mstar_core.registry.device import device_arch
-from mstar_core.resources.attn.ragged import dense_selection
+from mstar_core.registry.dense import dense_selection
 
 
 @pytest.mark.gpu

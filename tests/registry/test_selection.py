@@ -21,7 +21,7 @@ from mstar_core.registry import (
     auto_order,
     select_backend,
 )
-from mstar_core.resources.attn.ragged import dense_or_flashinfer, dense_selection
+from mstar_core.registry.dense import dense_or_flashinfer, dense_selection
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
 from mstar_rocm.plugin import AITER

@@ -30,6 +30,7 @@ query), accumulated in float32 (float64 for float64 inputs) and returned in ``q`
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import math
 from dataclasses import dataclass
@@ -197,7 +198,7 @@ def attend_padded(
     hkv = k.shape[-2]
     g = hq // hkv
     if (hq, hkv, d) != pad.heads:
-        raise ValueError(f"attend_padded: q/k give (Hq, Hkv, D) = {(hq, hkv, d)}, the plan was built for {pad.heads}")
+        raise InputError(f"attend_padded: q/k give (Hq, Hkv, D) = {(hq, hkv, d)}, the plan was built for {pad.heads}")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
     out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)

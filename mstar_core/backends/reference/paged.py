@@ -7,13 +7,14 @@ place before the step runs. ``run`` (per layer) gathers each chunk's keys and co
 host sync."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, StateError
 
 from typing import Any
 
 import torch
 
-from ...features import check_plan_kwargs, check_scale, check_sinks
-from .math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
+from mstar_core.features import check_plan_kwargs, check_scale, check_sinks
+from mstar_core.backends.reference.math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
 
 
 def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,
@@ -22,7 +23,7 @@ def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype,
     """What a run applies beyond the plan's mask, checked: the cache in the planned KV dtype,
     scales finite and > 0, sinks ``[Hq]``."""
     if kv_dtype is not None and cache_dtype != kv_dtype:
-        raise TypeError(f"{who}.run: kv_cache_layer has dtype {cache_dtype}, the plan's kv_data_type is {kv_dtype}")
+        raise InputTypeError(f"{who}.run: kv_cache_layer has dtype {cache_dtype}, the plan's kv_data_type is {kv_dtype}")
     check_scale(k_scale, "k_scale", f"{who}.run")
     check_scale(v_scale, "v_scale", f"{who}.run")
     if sinks is not None:
@@ -63,7 +64,7 @@ class ReferencePrefillWrapper:
         backend: str = "auto",
     ) -> None:
         if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+            raise InputError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.page_size = page_size
         self.device = torch.device(device)
@@ -117,11 +118,11 @@ class ReferencePrefillWrapper:
         ``kv_data_type``) is read as ``stored * k_scale`` / ``* v_scale``; ``sinks [Hq]`` adds a
         logit per query head to each softmax denominator (FlashInfer's run keywords)."""
         if self._planned is None:
-            raise RuntimeError(f"{type(self).__name__}.run before plan")
+            raise StateError(f"{type(self).__name__}.run before plan")
         want = (self._total, self.num_qo_heads, self.head_dim)
         padded = self.accelerator_graph and q.shape[0] == self._static_q and q.shape[0] > self._total
         if tuple(q.shape) != want and not padded:
-            raise ValueError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+            raise InputError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
         if padded:
             out = q.new_zeros(q.shape)
             out[: self._total] = self.run(q[: self._total], kv_cache_layer, k_scale=k_scale, v_scale=v_scale,
@@ -129,7 +130,7 @@ class ReferencePrefillWrapper:
             return out
         want_kv = (2, self.page_size, self.num_kv_heads, self.head_dim)
         if kv_cache_layer.dim() != 5 or tuple(kv_cache_layer.shape[1:]) != want_kv:
-            raise ValueError(
+            raise InputError(
                 f"{type(self).__name__}.run: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
                 f"[max_pages, {', '.join(map(str, want_kv))}] [pages, 2, page_size, Hkv, D]"
             )

@@ -10,6 +10,7 @@ instead of computing something else.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import contextvars
 from collections.abc import Iterator
@@ -48,13 +49,13 @@ def mstar_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: 
     """transformers' attention-function signature; returns ``([1, T, Hq, D], None)`` (no weights)."""
     b = _BOUND.get()
     if b is None:
-        raise RuntimeError(
+        raise StateError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs with attn_implementation "
             f"{NAME!r}, whose K/V live in mstar's paged cache: run the model through "
             "mstar_core.integrations.transformers.generate (or Engine), or switch it back with "
             "model.set_attn_implementation('sdpa') for a plain forward")
     if query.shape[0] != 1:
-        raise ValueError(f"mstar attention takes the step's tokens packed in one row (batch 1), got a batch of "
+        raise InputError(f"mstar attention takes the step's tokens packed in one row (batch 1), got a batch of "
                          f"{query.shape[0]}; mstar's generate packs requests itself")
     # [1, H, T, D] -> [T, H, D]: transformers transposed a [1, T, H, D] projection, so this is
     # contiguous again in the common case (contiguous() is then free).

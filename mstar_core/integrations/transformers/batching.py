@@ -12,6 +12,7 @@ request computed meanwhile is dropped.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import itertools
 import logging
@@ -22,10 +23,10 @@ from typing import NamedTuple
 
 import torch
 
-from ...resources.attn.paged import step_kind
-from ...resources.kv.paged import pages_for
-from ...step import KVSpan, KVStep, Step, is_int
-from .engine import LABEL, Engine
+from mstar_core.attention.paged import step_kind
+from mstar_core.kv.paged import pages_for
+from mstar_core.step import KVSpan, KVStep, Step, is_int
+from mstar_core.integrations.transformers.engine import LABEL, Engine
 
 log = logging.getLogger(__name__)
 KINDS = {"paged_prefill": "prefill", "mixed": "mixed", "paged_decode": "decode"}
@@ -127,24 +128,24 @@ class Generation:
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise ValueError("generate: prompts must be a non-empty list of token-id lists")
+        raise InputError("generate: prompts must be a non-empty list of token-id lists")
     out = []
     for i, p in enumerate(prompts):
         if isinstance(p, torch.Tensor):
             p = p.tolist()
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
-            raise ValueError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
+            raise InputError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
         ids = [int(t) for t in p]
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise ValueError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
+            raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
         out.append(ids)
     return out
 
 
 def check_max_new(max_new_tokens: object) -> None:
     if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise ValueError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        raise InputError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -166,7 +167,7 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     ``check_max_new``): ``generate`` checks them before it builds the engine."""
     arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
     if len(arrivals) != len(prompts) or any(not is_int(a) or a < 0 for a in arrivals):
-        raise ValueError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
+        raise InputError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     o, ps = engine.options, engine.options.page_size
     reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
@@ -174,10 +175,10 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     assert o.max_pages is not None
     for r in reqs:
         if r.pages > o.max_pages:
-            raise ValueError(f"generate: prompt {r.index} ({len(r.prompt)} tokens) + {max_new_tokens} new tokens needs "
+            raise InputError(f"generate: prompt {r.index} ({len(r.prompt)} tokens) + {max_new_tokens} new tokens needs "
                              f"{r.pages} pages of {ps}; the cache has {o.max_pages} (raise max_pages)")
         if len(r.prompt) > o.max_prefill_tokens:
-            raise ValueError(f"generate: prompt {r.index} has {len(r.prompt)} tokens, more than max_prefill_tokens "
+            raise InputError(f"generate: prompt {r.index} has {len(r.prompt)} tokens, more than max_prefill_tokens "
                              f"{o.max_prefill_tokens} (one step's prompt tokens); raise max_prefill_tokens")
     with torch.no_grad():
         return _Loop(engine, reqs, eos, on_step).run()
@@ -217,7 +218,7 @@ class _Loop:
                 if self.on_step is not None:
                     self.on_step(self.produced, total)
                 if step_no > limit:
-                    raise RuntimeError(f"generate made no progress in {step_no} steps (a bug: please report it)")
+                    raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
         finally:
             for rid in self.ingested:
                 e.node.remove_request(rid)
@@ -249,7 +250,7 @@ class _Loop:
             if prep.outcome:
                 break
             if not joining:
-                raise RuntimeError(f"generate: a decode step of {len(decode)} requests was refused "
+                raise StateError(f"generate: a decode step of {len(decode)} requests was refused "
                                    f"({prep.outcome.reason()}); the cache ({o.max_pages} pages) is too small")
             log.info("request %s waits: %s", joining[-1].rid, prep.outcome.reason())
             joining.pop()

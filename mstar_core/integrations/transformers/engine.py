@@ -9,6 +9,7 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 import logging
 from dataclasses import dataclass
@@ -16,13 +17,13 @@ from typing import Any
 
 import torch
 
-from ...graphs import GraphRunner
-from ...resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
-from ...resources.kv import KVConfig, KVManager
-from ...runner import Node
-from ...step import AttentionStep, StepContext, is_int
-from .attention import NAME, bound, register
-from .probe import (
+from mstar_core.graphs import GraphRunner
+from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import AttentionStep, StepContext, is_int
+from mstar_core.integrations.transformers.attention import NAME, bound, register
+from mstar_core.integrations.transformers.probe import (
     ModelAttention,
     UnsupportedModel,
     attention_args,
@@ -54,16 +55,16 @@ class EngineOptions:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
             value = getattr(self, name)
             if not is_int(value) or value < 1:
-                raise ValueError(f"mstar generate: {name} must be an int >= 1, got {value!r}")
+                raise InputError(f"mstar generate: {name} must be an int >= 1, got {value!r}")
         if self.max_pages is not None and (not is_int(self.max_pages) or self.max_pages < 1):
-            raise ValueError(f"mstar generate: max_pages must be an int >= 1 (or None: sized for the prompts), "
+            raise InputError(f"mstar generate: max_pages must be an int >= 1 (or None: sized for the prompts), "
                              f"got {self.max_pages!r}")
         if self.graphs is not None and not isinstance(self.graphs, bool):
-            raise TypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
+            raise InputTypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", tuple(self.buckets))
             if not self.buckets or any(not is_int(b) or b < 1 for b in self.buckets):
-                raise ValueError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")
+                raise InputError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")
 
     def graph_buckets(self) -> list[int]:
         if self.buckets is not None:
@@ -104,13 +105,13 @@ class Engine:
     :meth:`.batching.run` (or :func:`.generate`) over it, close it."""
 
     def __init__(self, model: Any, backend: str | None = None, options: EngineOptions | None = None) -> None:
-        from ...registry import select_backend
+        from mstar_core.registry import select_backend
 
         o = options or EngineOptions()
         if o.max_pages is None:
-            raise ValueError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
+            raise InputError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
         if getattr(model, "training", False):
-            raise ValueError("Engine: the model is in training mode (dropout); call model.eval() first")
+            raise InputError("Engine: the model is in training mode (dropout); call model.eval() first")
         self.model = model
         self.options = o
         self._nodes: list[Node] = []  # what close() cleans up (empty until built; once closed)

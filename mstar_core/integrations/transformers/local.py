@@ -2,6 +2,7 @@
 when present (random weights from a seed otherwise), and a tokenizer when the directory has one."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import logging
 import os
@@ -23,10 +24,10 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
 
     d = Path(directory)
     if not d.is_dir():
-        raise ValueError(f"model directory {str(d)!r} does not exist (mstar generate reads a local directory with "
+        raise InputError(f"model directory {str(d)!r} does not exist (mstar generate reads a local directory with "
                          "config.json; nothing is downloaded)")
     if not (d / "config.json").is_file():
-        raise ValueError(f"model directory {str(d)!r} has no config.json")
+        raise InputError(f"model directory {str(d)!r} has no config.json")
     weights = any(d.glob("*.safetensors"))
     if weights:
         # local_files_only everywhere: a missing file is an error here, never a download.

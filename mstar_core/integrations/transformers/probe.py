@@ -10,14 +10,15 @@ where mstar plans one per step (``sm_scale``, soft-cap).
 
 from __future__ import annotations
 
+from mstar_core.errors import UnsupportedModel
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
-from ...features import AttentionFeatures
-from .attention import bound
+from mstar_core.features import AttentionFeatures
+from mstar_core.integrations.transformers.attention import bound
 
 # Keywords transformers passes along that do not change the attention math (or that mstar
 # takes care of itself): anything else with a value is refused rather than ignored.
@@ -28,10 +29,6 @@ HARMLESS_KWARGS = frozenset({
 })
 # What this module maps to mstar, by transformers' keyword name.
 MAPPED_KWARGS = frozenset({"scaling", "sliding_window", "softcap", "s_aux"})
-
-
-class UnsupportedModel(ValueError):
-    """The model asks for an attention feature mstar does not serve (the message names it)."""
 
 
 @dataclass(frozen=True)

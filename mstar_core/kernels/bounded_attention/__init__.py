@@ -43,6 +43,7 @@ TF32 off.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 import functools
 import importlib.util
@@ -51,8 +52,8 @@ from typing import Literal
 
 import torch
 
-from . import table as tb
-from .reference import bounded_attention_reference, write_step_reference
+from mstar_core.kernels.bounded_attention import table as tb
+from mstar_core.kernels.bounded_attention.reference import bounded_attention_reference, write_step_reference
 
 Impl = Literal["auto", "reference", "triton"]
 
@@ -74,45 +75,45 @@ def pick_impl(device: torch.device, impl: Impl = "auto") -> Literal["reference",
         return "triton" if device.type == "cuda" and triton_available() else "reference"
     if impl == "triton":
         if device.type != "cuda":
-            raise ValueError(f"bounded_attention impl='triton' needs a CUDA tensor, got device {device}")
+            raise InputError(f"bounded_attention impl='triton' needs a CUDA tensor, got device {device}")
         if not triton_available():
             raise ImportError("bounded_attention impl='triton': triton is not installed")
         return "triton"
     if impl == "reference":
         return "reference"
-    raise ValueError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    raise InputError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
 
 
 def _check(q, k, v, cache, tab, sink, window, query_window, source, row_source, rel_bias) -> None:
     if q.dim() != 4 or k.shape != v.shape or k.dim() != 4:
-        raise ValueError(f"q, k, v must be [B * rows, H, T, D] with k.shape == v.shape; got "
+        raise InputError(f"q, k, v must be [B * rows, H, T, D] with k.shape == v.shape; got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}")
     BR, Hq, T, D = q.shape
     if k.shape[0] != BR or k.shape[2] != T or k.shape[3] != D or Hq % k.shape[1]:
-        raise ValueError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)}: expected "
+        raise InputError(f"k/v {tuple(k.shape)} do not match q {tuple(q.shape)}: expected "
                          f"[{BR}, H, {T}, {D}] with {Hq} a multiple of H")
     B = tab.shape[0]
     if tab.dim() != 2 or tab.shape[1] != tb.NUM_COLS or B == 0 or BR % B:
-        raise ValueError(f"table must be [B, {tb.NUM_COLS}] with B dividing {BR}; got {tuple(tab.shape)}")
+        raise InputError(f"table must be [B, {tb.NUM_COLS}] with B dividing {BR}; got {tuple(tab.shape)}")
     rows, H = BR // B, k.shape[1]
     if cache.dim() != 5 or cache.shape[1] != rows or cache.shape[2] != H or cache.shape[4] != 2 * D:
-        raise ValueError(f"cache must be [slots, {rows}, {H}, cap, {2 * D}], got {tuple(cache.shape)}")
+        raise InputError(f"cache must be [slots, {rows}, {H}, cap, {2 * D}], got {tuple(cache.shape)}")
     if cache.shape[3] != sink + window:
-        raise ValueError(f"cache holds {cache.shape[3]} keys a row, expected sink + window = {sink + window}")
+        raise InputError(f"cache holds {cache.shape[3]} keys a row, expected sink + window = {sink + window}")
     if window < 1 or sink < 0:
-        raise ValueError(f"need window >= 1 and sink >= 0, got window={window}, sink={sink}")
+        raise InputError(f"need window >= 1 and sink >= 0, got window={window}, sink={sink}")
     if query_window is not None and not 0 <= query_window <= window:
-        raise ValueError(f"query_window must be in [0, window={window}], got {query_window}")
+        raise InputError(f"query_window must be in [0, window={window}], got {query_window}")
     for name, s in (("source", source), ("row_source storage", row_source[0] if row_source else None)):
         if s is not None and (s.dim() != 5 or s.shape[1:3] != (rows, H) or s.shape[4] != 2 * D):
-            raise ValueError(f"{name} must be [n, {rows}, {H}, L, {2 * D}], got {tuple(s.shape)}")
+            raise InputError(f"{name} must be [n, {rows}, {H}, L, {2 * D}], got {tuple(s.shape)}")
     if row_source is not None and row_source[1].shape[0] < B:
-        raise ValueError(f"row_source slots must hold >= {B} entries, got {tuple(row_source[1].shape)}")
+        raise InputError(f"row_source slots must hold >= {B} entries, got {tuple(row_source[1].shape)}")
     if rel_bias is not None:
         if rel_bias.dim() != 4 or rel_bias.shape[:3] != (BR, Hq, T):
-            raise ValueError(f"rel_bias must be [{BR}, {Hq}, {T}, NB], got {tuple(rel_bias.shape)}")
+            raise InputError(f"rel_bias must be [{BR}, {Hq}, {T}, NB], got {tuple(rel_bias.shape)}")
         if query_window is not None and rel_bias.shape[3] != window + 1:
-            raise ValueError(f"with a query window (query_window={query_window}), rel_bias is indexed by "
+            raise InputError(f"with a query window (query_window={query_window}), rel_bias is indexed by "
                              f"distance 0..window={window}: last dim {window + 1}, got {rel_bias.shape[3]}")
 
 
@@ -146,7 +147,7 @@ def bounded_attention(
     kw = dict(sink=sink, window=window, query_window=query_window, source=source,
               row_source=row_source, rel_bias=rel_bias, sm_scale=sm_scale, ieee=ieee)
     if pick_impl(q.device, impl) == "triton":
-        from .triton_kernel import bounded_attention_triton
+        from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton
 
         return bounded_attention_triton(q, k, v, cache, table, **kw)
     return bounded_attention_reference(q, k, v, cache, table, **kw)
@@ -159,7 +160,7 @@ def bounded_write(
     """Write the step's keys into their slots (rows whose WRITE is 1): positions below ``sink``
     into the sink region, the last ``window`` of the rest into the ring."""
     if pick_impl(k.device, impl) == "triton":
-        from .triton_kernel import write_step_triton
+        from mstar_core.kernels.bounded_attention.triton_kernel import write_step_triton
 
         write_step_triton(cache, k, v, table, sink=sink, window=window)
     else:

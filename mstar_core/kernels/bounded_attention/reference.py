@@ -11,7 +11,7 @@ from collections.abc import Iterator
 
 import torch
 
-from . import table as tb
+from mstar_core.kernels.bounded_attention import table as tb
 
 
 @contextlib.contextmanager

@@ -1,6 +1,7 @@
 """A free-page pool with ownership tracking."""
 
 from __future__ import annotations
+from mstar_core.errors import StateError
 
 
 class PagePool:
@@ -23,7 +24,7 @@ class PagePool:
 
     def take(self, n: int) -> list[int]:
         if n > len(self._free):
-            raise RuntimeError(f"PagePool: asked for {n} pages, {len(self._free)} free")
+            raise StateError(f"PagePool: asked for {n} pages, {len(self._free)} free")
         got = self._free[len(self._free) - n:][::-1]
         del self._free[len(self._free) - n:]
         self._used.update(got)
@@ -33,7 +34,7 @@ class PagePool:
         back = set(pages)
         if not back <= self._used or len(back) != len(pages):
             bad = sorted(p for p in back if p not in self._used) or sorted(p for p in back if pages.count(p) > 1)
-            raise RuntimeError(f"PagePool: pages {bad[:8]} returned but not in use (double free)")
+            raise StateError(f"PagePool: pages {bad[:8]} returned but not in use (double free)")
         self._used -= back
         # A stack: the pages just returned are the next handed out, in the same order, so
         # plans stay deterministic without sorting the free list on every release.

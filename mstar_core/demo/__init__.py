@@ -1,5 +1,5 @@
 """A tiny decoder used by the demo and the benchmarks."""
 
-from .tiny import TinyDecoder, TinyDecoderConfig
+from mstar_core.demo.tiny import TinyDecoder, TinyDecoderConfig
 
 __all__ = ["TinyDecoder", "TinyDecoderConfig"]

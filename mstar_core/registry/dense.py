@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
-from ...registry import Registry, Selection, get_registry, select_backend
-from ...registry.device import as_device, device_key
-from ...registry.selection import format_rejected
+from mstar_core.registry import Registry, Selection, get_registry, select_backend
+from mstar_core.registry.device import as_device, device_key
+from mstar_core.registry.selection import format_rejected
 
 log = logging.getLogger("mstar.registry")
 

@@ -1,6 +1,7 @@
 """Shape of a paged KV cache."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from dataclasses import dataclass
 
@@ -20,12 +21,12 @@ class KVConfig:
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "page_size", "max_pages"):
             if getattr(self, name) < 1:
-                raise ValueError(f"KVConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"KVConfig.{name} must be >= 1, got {getattr(self, name)}")
         q = self.qo_heads
         if q < 1:
-            raise ValueError(f"KVConfig.num_qo_heads must be >= 1 (or None: as many as num_kv_heads), got {q}")
+            raise InputError(f"KVConfig.num_qo_heads must be >= 1 (or None: as many as num_kv_heads), got {q}")
         if q % self.num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"KVConfig: num_qo_heads ({q}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
 

@@ -1,12 +1,13 @@
 """``AttentionManager``: a resource that plans attention once per step and runs it per layer."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 from typing import Any
 
 import torch
 
-from ...resource import Resource
+from mstar_core.resource import Resource
 
 
 class AttentionManager(Resource):
@@ -52,9 +53,9 @@ def check_q(q: torch.Tensor, tokens: int, num_qo_heads: int, head_dim: int, dtyp
     """Clear errors for the commonest misuse of ``run``: wrong shape or dtype of ``q``."""
     want = (tokens, num_qo_heads, head_dim)
     if tuple(q.shape) != want:
-        raise ValueError(f"{who}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+        raise InputError(f"{who}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
     if q.dtype != dtype:
-        raise TypeError(f"{who}.run: q has dtype {q.dtype}, expected {dtype} (the cache's dtype)")
+        raise InputTypeError(f"{who}.run: q has dtype {q.dtype}, expected {dtype} (the cache's dtype)")
 
 
 def plan_kwargs(**kw: Any) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 every generated token's logits checked against a no-cache full forward of the same model."""
 
 from __future__ import annotations
+from mstar_core.errors import StateError
 
 import logging
 import time
@@ -10,13 +11,13 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigSource
-from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
-from ..model import TinyDecoder, TinyDecoderConfig
-from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
-from ..resources.kv import KVConfig, KVManager
-from ..runner import Node
-from ..step import KVSpan, KVStep, Step, StepContext
+from mstar_core.config import ConfigSource
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import KVSpan, KVStep, Step, StepContext
 
 log = logging.getLogger(__name__)
 LABEL = "text"
@@ -143,7 +144,7 @@ def run_text_demo(
                 # Refused: the newest request not yet prefilled waits for pages.
                 waiting = [r for r in batch if not r.prefilled]
                 if not waiting:
-                    raise RuntimeError(f"decode step refused with nothing to defer: {res.outcome.reason()}")
+                    raise StateError(f"decode step refused with nothing to defer: {res.outcome.reason()}")
                 batch.remove(waiting[-1])
                 waits += 1
                 log.info("request %s waits: %s", waiting[-1].rid, res.outcome.reason())
@@ -160,7 +161,7 @@ def run_text_demo(
             step_no += 1
             pet()
             if step_no > 1000:
-                raise RuntimeError("demo did not finish in 1000 steps")
+                raise StateError("demo did not finish in 1000 steps")
         seconds = time.perf_counter() - t0
         # Under tensor parallelism rank 0 checks against the unsharded model (same seed: the function
         # the shards compute together), and an all-reduce hands its error to every rank (others add 0).
@@ -200,7 +201,7 @@ def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config:
          tp: TensorParallel | None = None, tp_timeout_s: float = DEFAULT_TIMEOUT_S) -> int:
     """``mstar demo``: pick the paged backend (by name, config, env or auto), run, report. With
     ``tp`` this is one rank of a tensor-parallel run (``device`` its own); rank 0 prints."""
-    from ..registry import select_backend
+    from mstar_core.registry import select_backend
 
     dev = torch.device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16

@@ -16,6 +16,7 @@ wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_devic
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, StateError
 
 import importlib
 from typing import Any, ClassVar
@@ -23,8 +24,8 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from ...features import check_sinks, check_soft_cap
-from ...step import check_window_and_scale, is_int
+from mstar_core.features import check_sinks, check_soft_cap
+from mstar_core.step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
@@ -43,31 +44,31 @@ def _host_cu(name: str, cu: Any, who: str) -> torch.Tensor:
         try:
             t = torch.as_tensor(cu)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise TypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(cu).__name__} "
+            raise InputTypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(cu).__name__} "
                             f"({e})") from None
     if t.dim() != 1 or t.numel() < 1:
-        raise ValueError(f"{who}: {name} must be 1-D with at least one entry (segment starts, then the total: "
+        raise InputError(f"{who}: {name} must be 1-D with at least one entry (segment starts, then the total: "
                          f"[0, ..., tokens]), got shape {tuple(t.shape)}")
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise TypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
+        raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype != torch.int32:
         lo, hi = int(t.min()), int(t.max())
         if lo < -_INT32_MAX - 1 or hi > _INT32_MAX:
-            raise ValueError(f"{who}: {name} holds {hi if hi > _INT32_MAX else lo}, outside int32")
+            raise InputError(f"{who}: {name} holds {hi if hi > _INT32_MAX else lo}, outside int32")
         t = t.to(torch.int32)
     return t
 
 
 def _check_cu_values(name: str, t: torch.Tensor, who: str) -> None:
     if int(t[0]) != 0:
-        raise ValueError(f"{who}: {name} must start at 0, got {name}[0] = {int(t[0])} ({name} = {_head(t)})")
+        raise InputError(f"{who}: {name} must start at 0, got {name}[0] = {int(t[0])} ({name} = {_head(t)})")
     if t.numel() > 1:
         drops = t[1:] < t[:-1]
         if bool(drops.any()):
             i = int(drops.nonzero()[0, 0])
-            raise ValueError(f"{who}: {name} must be non-decreasing (segment lengths >= 0), got {name}[{i}] = "
+            raise InputError(f"{who}: {name} must be non-decreasing (segment lengths >= 0), got {name}[{i}] = "
                              f"{int(t[i])} > {name}[{i + 1}] = {int(t[i + 1])}")
 
 
@@ -84,16 +85,16 @@ def check_varlen_plan(who: str, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, sm
     arrays as int32 CPU tensors. A few vectorised ops on arrays of segments + 1 entries."""
     q_t, k_t = _host_cu("cu_q", cu_q, who), _host_cu("cu_k", cu_k, who)
     if q_t.numel() != k_t.numel():
-        raise ValueError(f"{who}: cu_q has {q_t.numel()} entries ({q_t.numel() - 1} segments) and cu_k "
+        raise InputError(f"{who}: cu_q has {q_t.numel()} entries ({q_t.numel() - 1} segments) and cu_k "
                          f"{k_t.numel()} ({k_t.numel() - 1} segments); each segment needs both")
     _check_cu_values("cu_q", q_t, who)
     _check_cu_values("cu_k", k_t, who)
     for name, bound, t in (("max_q", max_q, q_t), ("max_k", max_k, k_t)):
         if not is_int(bound):
-            raise TypeError(f"{who}: {name} must be an int, got {type(bound).__name__} {bound!r}")
+            raise InputTypeError(f"{who}: {name} must be an int, got {type(bound).__name__} {bound!r}")
         longest = int((t[1:] - t[:-1]).max()) if t.numel() > 1 else 0
         if bound < longest:
-            raise ValueError(f"{who}: {name} = {int(bound)} is below the longest segment ({longest} tokens); "
+            raise InputError(f"{who}: {name} = {int(bound)} is below the longest segment ({longest} tokens); "
                              f"it must be at least that")
     check_window_and_scale(who, window_left, sm_scale)
     return q_t, k_t
@@ -105,11 +106,11 @@ def check_same_device(who: str, planned: torch.device, **tensors: torch.Tensor) 
     first_name, first = items[0]
     for name, t in items[1:]:
         if t.device != first.device:
-            raise ValueError(f"{who}: {name} is on {t.device} but {first_name} is on {first.device}; "
+            raise InputError(f"{who}: {name} is on {t.device} but {first_name} is on {first.device}; "
                              "every input must be on the planned device")
     dev = first.device
     if dev.type != planned.type or (planned.index is not None and dev.index != planned.index):
-        raise ValueError(f"{who}: {first_name} is on {dev}, the wrapper plans on {planned}")
+        raise InputError(f"{who}: {first_name} is on {dev}, the wrapper plans on {planned}")
 
 
 def first_output(result: Any) -> torch.Tensor:
@@ -143,11 +144,11 @@ class VarlenPrefixedWrapper:
         backend: str = "auto",
     ) -> None:
         if num_kv_heads < 1 or num_qo_heads < 1 or num_qo_heads % num_kv_heads:
-            raise ValueError(
+            raise InputError(
                 f"num_qo_heads ({num_qo_heads}) must be a positive multiple of num_kv_heads ({num_kv_heads})")
         if head_dim < 1 or head_dim % self.head_dim_multiple or head_dim > self.max_head_dim:
             rule = f"a multiple of {self.head_dim_multiple} and " if self.head_dim_multiple > 1 else ""
-            raise ValueError(f"{self.library} varlen attention needs head_dim {rule}in 1..{self.max_head_dim}, "
+            raise InputError(f"{self.library} varlen attention needs head_dim {rule}in 1..{self.max_head_dim}, "
                              f"got {head_dim}")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
@@ -170,10 +171,10 @@ class VarlenPrefixedWrapper:
         who = f"{type(self).__name__}.plan"
         soft_cap = check_soft_cap(logits_soft_cap, who)
         if soft_cap is not None and self.softcap_kwarg is None:
-            raise ValueError(f"{who}: {self.library} varlen attention has no soft-cap; plan without logits_soft_cap "
+            raise InputError(f"{who}: {self.library} varlen attention has no soft-cap; plan without logits_soft_cap "
                              "or use a backend that declares soft_cap")
         if dtype not in SUPPORTED_DTYPES:
-            raise TypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
+            raise InputTypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
         cu_q, cu_k = check_varlen_plan(who, cu_q, cu_k, max_q, max_k, sm_scale, window_left)
         self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
         # Once per step: every layer's run reuses these device copies.
@@ -196,7 +197,7 @@ class VarlenPrefixedWrapper:
         denominator, where the library takes them (converted to ``sinks_dtype``)."""
         who = type(self).__name__
         if not self._planned:
-            raise RuntimeError(f"{who}.run before plan")
+            raise StateError(f"{who}.run before plan")
         extra = self._extra
         if sinks is not None:
             if self.sinks_kwarg is None:
@@ -209,10 +210,10 @@ class VarlenPrefixedWrapper:
         hq, hkv, d = self.num_qo_heads, self.num_kv_heads, self.head_dim
         for name, t, want in (("q", q, (tq, hq, d)), ("k", k, (tk, hkv, d)), ("v", v, (tk, hkv, d))):
             if tuple(t.shape) != want:
-                raise ValueError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected {want} "
+                raise InputError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected {want} "
                                  f"(the plan's cu_{'q' if name == 'q' else 'k'}[-1] = {want[0]} tokens)")
             if t.dtype != self._dtype:
-                raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, planned {self._dtype}")
+                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, planned {self._dtype}")
         out = self._varlen(
             q, k, v, self._cu_q, self._cu_k, self._max[0], self._max[1],
             softmax_scale=self._scale, causal=self._causal, window_size=self._window, **extra,

@@ -3,15 +3,17 @@ admit -> plan -> forward -> commit. It exists so the resources run end to end; i
 serving front end."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, UnknownName
 
+from mstar_core.errors import CommitError
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
-from .resource import Resource
-from .step import AdmitOutcome, Step, StepContext
+from mstar_core.resource import Resource
+from mstar_core.step import AdmitOutcome, Step, StepContext
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -23,12 +25,12 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
     by_name: dict[str, Resource] = {}
     for r in resources:
         if r.name in by_name:
-            raise ValueError(f"two resources are named {r.name!r}")
+            raise InputError(f"two resources are named {r.name!r}")
         by_name[r.name] = r
     for r in resources:
         for dep in r.depends_on():
             if dep not in by_name:
-                raise ValueError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold (it holds {sorted(by_name)})")
+                raise InputError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold (it holds {sorted(by_name)})")
     ordered: list[Resource] = []
     state: dict[str, int] = {}  # 1 visiting, 2 done
 
@@ -36,7 +38,7 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
         if state.get(r.name) == 2:
             return
         if state.get(r.name) == 1:
-            raise ValueError(f"dependency cycle: {' -> '.join((*path, r.name))}")
+            raise InputError(f"dependency cycle: {' -> '.join((*path, r.name))}")
         state[r.name] = 1
         for dep in r.depends_on():
             visit(by_name[dep], (*path, r.name))
@@ -46,20 +48,6 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
     for r in resources:
         visit(r, ())
     return ordered
-
-
-class CommitError(RuntimeError):
-    """A resource's ``commit`` raised. ``committed`` names the resources that had already
-    committed the step (their part of it is recorded: do not run the same tokens again),
-    ``failed`` the one that raised, ``rolled_back`` the ones whose admit was undone instead."""
-
-    def __init__(self, failed: str, committed: Sequence[str], rolled_back: Sequence[str], cause: BaseException) -> None:
-        self.failed, self.committed, self.rolled_back = failed, tuple(committed), tuple(rolled_back)
-        super().__init__(
-            f"commit failed in resource {failed!r} ({type(cause).__name__}: {cause}); already committed: "
-            f"{list(committed) or 'none'} (their part of the step is recorded: do not re-run the step's tokens "
-            f"there); rolled back: {list(rolled_back)}"
-        )
 
 
 @dataclass(frozen=True)
@@ -80,7 +68,7 @@ class Node:
         for r in self.resources:
             if r.name == name:
                 return r
-        raise KeyError(f"no resource {name!r}; this node holds {[r.name for r in self.resources]}")
+        raise UnknownName(f"no resource {name!r}; this node holds {[r.name for r in self.resources]}")
 
     def ingest_request(self, rid: str, overrides: Mapping[str, Any] | None = None) -> None:
         for r in self.resources:

@@ -7,6 +7,7 @@ overwrites the state a wrapper still holds for step N (seed 000's double-buffer 
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError, UnknownName
 
 import logging
 from collections.abc import Iterable, Mapping
@@ -15,13 +16,13 @@ from typing import Any
 
 import torch
 
-from ...features import AttentionFeatures
-from ...resource import BuildInfo
-from ...step import Step, StepContext
-from ..kv.config import KVConfig
-from ..kv.paged import KVManager
-from ..kv.plan import LabelLayout
-from .base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.features import AttentionFeatures
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.paged import KVManager
+from mstar_core.kv.plan import LabelLayout
+from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
 
 log = logging.getLogger(__name__)
 
@@ -80,12 +81,12 @@ class PagedAttnPlan:
     def entry(self, label: str | None) -> PagedAttnEntry:
         if label is None:
             if len(self.entries) != 1:
-                raise ValueError(f"label=None is ambiguous: this step has labels {[e.label for e in self.entries]}")
+                raise InputError(f"label=None is ambiguous: this step has labels {[e.label for e in self.entries]}")
             return self.entries[0]
         for e in self.entries:
             if e.label == label:
                 return e
-        raise KeyError(f"label {label!r} is not in this step; its labels are {[e.label for e in self.entries]}")
+        raise UnknownName(f"label {label!r} is not in this step; its labels are {[e.label for e in self.entries]}")
 
 
 def step_kind(q_lens: tuple[int, ...]) -> str:
@@ -120,17 +121,17 @@ class PagedAttentionManager(AttentionManager):
     ) -> None:
         missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
         if missing:
-            raise ValueError(f"PagedAttentionManager needs wrappers for {list(PAGED_CAPABILITIES)}; missing {missing}")
+            raise InputError(f"PagedAttentionManager needs wrappers for {list(PAGED_CAPABILITIES)}; missing {missing}")
         # The model's features; the KV manager's by default (it stores what they ask for).
         self.features = kv_cache.features if features is None else features
         if self.features.kv_dtype != kv_cache.features.kv_dtype:
-            raise ValueError(f"PagedAttentionManager: features ask for kv_dtype {self.features.kv_dtype!r} but the KV "
+            raise InputError(f"PagedAttentionManager: features ask for kv_dtype {self.features.kv_dtype!r} but the KV "
                              f"cache stores {kv_cache.features.kv_dtype!r}; build both with the same features")
         self.features.check_layers(kv_config.num_layers, "PagedAttentionManager")
         capacity = kv_config.max_pages * kv_config.page_size
         for w in self.features.windows(-1):
             if w >= capacity:
-                raise ValueError(f"PagedAttentionManager: window {w} is longer than the KV cache ({kv_config.max_pages} "
+                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache ({kv_config.max_pages} "
                                  f"pages x {kv_config.page_size} = {capacity} tokens); use -1 for a full layer")
         self.kv = kv_cache
         self.device = torch.device(device)
@@ -171,7 +172,7 @@ class PagedAttentionManager(AttentionManager):
         """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
         build over ``info.built["kv"]``."""
         # the registry imports plugins: keep it lazy
-        from ...registry import select_backend
+        from mstar_core.registry import select_backend
 
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
@@ -231,7 +232,7 @@ class PagedAttentionManager(AttentionManager):
         self._serial += 1
         a = step.attn
         if self.features.layer_windows is not None and a.window_left != -1:
-            raise ValueError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
+            raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         windows = self.features.windows(a.window_left)
         kw = {**self._feature_plan_kw, **plan_kwargs(sm_scale=a.sm_scale)}
@@ -261,19 +262,19 @@ class PagedAttentionManager(AttentionManager):
         ``ctx.query_tokens`` tokens, at most the features' ``decode_query_tokens``; these run on the
         prefill wrapper, captured like decode."""
         if not self.accelerator_graph:
-            raise RuntimeError("a graph step needs PagedAttentionManager(accelerator_graph=True)")
+            raise StateError("a graph step needs PagedAttentionManager(accelerator_graph=True)")
         t = ctx.query_tokens
         if t > 1:
             if t > self.features.decode_query_tokens:
-                raise ValueError(f"a graph step of {t} query tokens per row; the features allow "
+                raise InputError(f"a graph step of {t} query tokens per row; the features allow "
                                  f"decode_query_tokens={self.features.decode_query_tokens}")
             if any(n != t for n in q_lens):
-                raise ValueError(f"a multi-token decode graph step has {t} query tokens in every row; this one has "
+                raise InputError(f"a multi-token decode graph step has {t} query tokens in every row; this one has "
                                  f"rows of {sorted(set(q_lens))}")
         elif kind != "paged_decode":
-            raise ValueError(f"only decode steps are captured; this step is {kind}")
+            raise InputError(f"only decode steps are captured; this step is {kind}")
         if ctx.bucket is not None and ctx.bucket > self._graph_max_bs:
-            raise ValueError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
+            raise InputError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Grow-only: graph-mode wrappers are built per (bucket, slot) at first plan."""
@@ -331,12 +332,12 @@ class PagedAttentionManager(AttentionManager):
         li: int | None = None  # layer_idx, checked once where something reads it
         if self._layer_plan is not None:
             if layer_idx is None:
-                raise ValueError(f"{who}.run: the features give each layer its window: run needs layer_idx")
+                raise InputError(f"{who}.run: the features give each layer its window: run needs layer_idx")
             li = self.kv.check_layer(layer_idx)
             i = self._layer_plan[li]
         _, wrapper, key = e.plans[i]
         if self._planned.get(key) != e.serial:
-            raise RuntimeError(
+            raise StateError(
                 f"{who}.run: the {e.kind} wrapper this step planned (label {e.label!r}, slot "
                 f"{key[2]}) was re-planned by a later step; at most {self.slots} steps may be planned ahead "
                 "of the one that runs"
@@ -345,15 +346,15 @@ class PagedAttentionManager(AttentionManager):
         check_q(q, e.num_tokens, c.qo_heads, c.head_dim, self.dtype, who)
         if kv_cache_layer is None:
             if layer_idx is None:
-                raise ValueError("run needs kv_cache_layer or layer_idx")
+                raise InputError("run needs kv_cache_layer or layer_idx")
             li = self.kv.check_layer(layer_idx) if li is None else li
             kv_cache_layer = self.kv.storage[li]  # layer_view, checked already
         if q.device != kv_cache_layer.device:
-            raise ValueError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
+            raise InputError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         kw: dict[str, Any] = {}
         if self._layer_kw is not None:
             if layer_idx is None:
-                raise ValueError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
+                raise InputError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
             kw = self._layer_kw[self.kv.check_layer(layer_idx) if li is None else li]
         if sinks is not None:
             self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
@@ -372,7 +373,7 @@ class PagedAttentionManager(AttentionManager):
         if bound is not None:
             return bound
         if self._current is None:
-            raise RuntimeError("PagedAttentionManager has no plan yet: call plan(step, ctx) first (run before plan)")
+            raise StateError("PagedAttentionManager has no plan yet: call plan(step, ctx) first (run before plan)")
         return self._current
 
     def fingerprint(self) -> bytes:

@@ -11,18 +11,19 @@ is what a denoise step looks like to the attention resource.
 """
 
 from __future__ import annotations
+from mstar_core.errors import StateError
 
 from dataclasses import dataclass, field
 
 import torch
 
-from ..config import ConfigSource
-from ..resources.attn.dense import DENSE_CAPABILITY, DenseAttentionManager
-from ..resources.kv import KVConfig, KVManager
-from ..runner import Node
-from ..step import AttentionStep, KVSpan, KVStep, Step, StepContext
-from ..testing.conformance import TOLERANCE
-from ..testing.oracle import attention_oracle, rel_error
+from mstar_core.config import ConfigSource
+from mstar_core.attention.dense import DENSE_CAPABILITY, DenseAttentionManager
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import AttentionStep, KVSpan, KVStep, Step, StepContext
+from mstar_core.testing.conformance import TOLERANCE
+from mstar_core.testing.oracle import attention_oracle, rel_error
 
 LABEL = "latent"
 NOT_CAUSAL = AttentionStep(causal=False)
@@ -99,7 +100,7 @@ class _Denoiser:
     def _run(self, step: Step, forward) -> StepContext:
         res = self.node.step(step, forward)
         if not res.outcome:
-            raise RuntimeError(f"step refused: {res.outcome.reason()}")
+            raise StateError(f"step refused: {res.outcome.reason()}")
         return res.ctx
 
     def commit_prefix(self, rid: str, n: int) -> None:
@@ -124,7 +125,7 @@ class _Denoiser:
         self.node.ingest_request(new)
         outcome = self.kv.fork(src, new, LABEL)
         if not outcome:
-            raise RuntimeError(f"fork {src} -> {new}: {outcome.reason()}")
+            raise StateError(f"fork {src} -> {new}: {outcome.reason()}")
         for layer in range(self.s.num_layers):
             self.truth[(new, layer)] = self.truth[(src, layer)]
 
@@ -197,7 +198,7 @@ def run_denoise(wrapper_class: type, backend: str, device: torch.device | str = 
 def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource = None) -> int:
     """``mstar demo --workload denoise``: pick the dense backend (by name, config, env or auto),
     run, print the report; 0 when every output matched and the cache behaved, else 1."""
-    from ..registry import (
+    from mstar_core.registry import (
         select_backend,  # imports plugins: keep it out of module import
     )
 

@@ -7,11 +7,12 @@ A step carries it as ``Step(kv=..., extra=(("bounded", BoundedStep(...)),))``;
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 from dataclasses import dataclass
 
-from ....step import Step, is_int
-from ....kernels.bounded_attention.table import NO_SOURCE, ROW_SOURCE
+from mstar_core.step import Step, is_int
+from mstar_core.kernels.bounded_attention.table import NO_SOURCE, ROW_SOURCE
 
 PART = "bounded"  # the step part's kind name
 
@@ -38,13 +39,13 @@ class StreamPosition:
     def __post_init__(self) -> None:
         who = f"StreamPosition({self.request_id!r})"
         if not isinstance(self.request_id, str):
-            raise TypeError(f"{who}: request_id must be a str, got {type(self.request_id).__name__} {self.request_id!r}")
+            raise InputTypeError(f"{who}: request_id must be a str, got {type(self.request_id).__name__} {self.request_id!r}")
         _set_int(self, who, "num_tokens", low=0, what=">= 0")
         _set_int(self, who, "start", low=0, what="None or >= 0", optional=True)
         _set_int(self, who, "source", low=ROW_SOURCE, what="None, -1 (row source) or >= 0", optional=True)
         _set_int(self, who, "source_len", low=0, what="None or >= 0", optional=True)
         if not isinstance(self.commit, bool):
-            raise TypeError(f"{who}: commit must be a bool, got {type(self.commit).__name__} {self.commit!r}")
+            raise InputTypeError(f"{who}: commit must be a bool, got {type(self.commit).__name__} {self.commit!r}")
 
     @property
     def source_code(self) -> int:
@@ -61,14 +62,14 @@ class BoundedStep:
 
     def __post_init__(self) -> None:
         if not isinstance(self.positions, (tuple, list)):
-            raise TypeError(f"BoundedStep: positions must be a tuple of StreamPosition, got {type(self.positions).__name__}")
+            raise InputTypeError(f"BoundedStep: positions must be a tuple of StreamPosition, got {type(self.positions).__name__}")
         object.__setattr__(self, "positions", tuple(self.positions))  # a list is taken, stored as a tuple
         for i, p in enumerate(self.positions):
             if not isinstance(p, StreamPosition):
-                raise TypeError(f"BoundedStep: positions[{i}] must be a StreamPosition, got {type(p).__name__} {p!r}")
+                raise InputTypeError(f"BoundedStep: positions[{i}] must be a StreamPosition, got {type(p).__name__} {p!r}")
         ids = [p.request_id for p in self.positions]
         if len(ids) != len(set(ids)):
-            raise ValueError(f"BoundedStep: a request appears more than once: {ids}")
+            raise InputError(f"BoundedStep: a request appears more than once: {ids}")
 
     @property
     def request_ids(self) -> tuple[str, ...]:
@@ -78,15 +79,15 @@ class BoundedStep:
 def bounded_part(step: Step) -> BoundedStep:
     """The step's bounded part, or one derived from its kv spans."""
     if not isinstance(step, Step):
-        raise TypeError(f"expected a Step, got {type(step).__name__}")
+        raise InputTypeError(f"expected a Step, got {type(step).__name__}")
     part = step.part(PART)
     if part is not None:
         if not isinstance(part, BoundedStep):
-            raise TypeError(f"step part {PART!r} must be a BoundedStep, got {type(part).__name__}")
+            raise InputTypeError(f"step part {PART!r} must be a BoundedStep, got {type(part).__name__}")
         return part
     ids = [s.request_id for s in step.kv.spans]
     if len(ids) != len(set(ids)):
-        raise ValueError(f"step has no {PART!r} part and its kv spans do not name one span per request: "
+        raise InputError(f"step has no {PART!r} part and its kv spans do not name one span per request: "
                          f"request ids {ids}")
     return BoundedStep(tuple(StreamPosition(s.request_id, s.num_tokens, commit=s.commit) for s in step.kv.spans))
 
@@ -99,8 +100,8 @@ def _set_int(obj: object, who: str, name: str, low: int, what: str, optional: bo
     if value is None and optional:
         return
     if not is_int(value):
-        raise TypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, got {type(value).__name__} {value!r}")
     value = int(value)
     if value < low:
-        raise ValueError(f"{who}: {name} must be {what}, got {value}")
+        raise InputError(f"{who}: {name} must be {what}, got {value}")
     object.__setattr__(obj, name, value)

@@ -1,6 +1,7 @@
 """The paged KV manager's plan: per-span layout and the FlashInfer-style arrays, per label."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError, UnknownName
 
 import itertools
 from collections.abc import Sequence
@@ -9,7 +10,7 @@ from typing import NamedTuple
 
 import torch
 
-from .page_table import PageTable
+from mstar_core.kv.page_table import PageTable
 
 
 class SpanLayout(NamedTuple):
@@ -129,7 +130,7 @@ class LabelLayout:
     def _token(self, name: str) -> torch.Tensor:
         if not self.per_token:
             if self.table is None or self.rows_device is None:
-                raise RuntimeError("this layout has no per-token arrays (built without the page table)")
+                raise StateError("this layout has no per-token arrays (built without the page table)")
             arrays = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
                                   self.page_size)
             self.per_token.update(zip(TOKEN_ARRAYS, arrays))
@@ -178,12 +179,12 @@ class KVPlan:
         if label is None:
             if len(self.labels) != 1:
                 names = [n for n, _ in self.labels]
-                raise ValueError(f"label=None is ambiguous: this step has labels {names}; name one")
+                raise InputError(f"label=None is ambiguous: this step has labels {names}; name one")
             return self.labels[0][1]
         for name, lay in self.labels:
             if name == label:
                 return lay
-        raise KeyError(f"label {label!r} is not in this step; its labels are {[n for n, _ in self.labels]}")
+        raise UnknownName(f"label {label!r} is not in this step; its labels are {[n for n, _ in self.labels]}")
 
     @property
     def spans(self) -> tuple[SpanLayout, ...]:

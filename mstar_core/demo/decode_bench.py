@@ -5,6 +5,7 @@ with or without pre-planning; over ``tp`` tensor-parallel ranks, every rank runn
 loop (:mod:`mstar_core.distributed`)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import logging
 import statistics
@@ -15,15 +16,15 @@ from typing import Any
 
 import torch
 
-from ..distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
-from ..features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
-from ..graphs import GraphRunner, capture_graph
-from ..model import TinyDecoder, TinyDecoderConfig
-from ..resource import resolve_dtype
-from ..resources.attn.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
-from ..resources.kv import KVConfig, KVManager
-from ..runner import Node
-from ..step import KVSpan, KVStep, Step
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
+from mstar_core.graphs import GraphRunner, capture_graph
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.resource import resolve_dtype
+from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import KVSpan, KVStep, Step
 
 LABEL = "text"
 log = logging.getLogger(__name__)
@@ -53,14 +54,14 @@ class BenchOptions:
 
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
-            raise ValueError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
+            raise InputError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
         for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup", "tp"):
             if getattr(self, name) < 1:
-                raise ValueError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
-            raise ValueError(f"bench: context must be >= 0, got {self.context}")
+            raise InputError(f"bench: context must be >= 0, got {self.context}")
         if self.qo_heads % self.kv_heads:
-            raise ValueError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
+            raise InputError(f"bench: qo_heads ({self.qo_heads}) must be a multiple of kv_heads ({self.kv_heads})")
         # the tiny model's MLP is 2 x hidden wide
         check_shardable(self.tp, self.qo_heads, self.kv_heads, 2 * self.hidden, who=f"bench --tp {self.tp}")
 
@@ -119,7 +120,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     backend, and (with ``graphs``) the captured graphs. With ``tp`` (``o.tp`` ranks) this rank's
     shard of each; every rank of the group calls this."""
     _check_tp(o, tp)
-    from ..registry import select_backend
+    from mstar_core.registry import select_backend
 
     dev = torch.device(o.device)
     dt = resolve_dtype(o.dtype, dev)
@@ -153,7 +154,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     # The context is laid down without a forward: random K/V (never zeros: they can run faster).
     fill = Step(KVStep(tuple(KVSpan(r, LABEL, o.context) for r in rids)))
     if not node.step(fill, lambda ctx: None).outcome:
-        raise RuntimeError("bench: the KV cache cannot hold the context")
+        raise StateError("bench: the KV cache cannot hold the context")
     if tp is not None:
         node.post_warmup_validate()  # every rank holds the same context
     kv.storage.normal_()
@@ -164,7 +165,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
 def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:
     have = tp.world_size if tp is not None else 1
     if have != o.tp:
-        raise ValueError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
+        raise InputError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
                          "given; every rank passes its TensorParallel (mstar_core.distributed)")
 
 

@@ -17,9 +17,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from ..distributed import TensorParallel, check_shardable
-from ..resources.attn.base import AttentionManager
-from ..resources.kv.paged import KVManager
+from mstar_core.distributed import TensorParallel, check_shardable
+from mstar_core.attention.base import AttentionManager
+from mstar_core.kv.paged import KVManager
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ this walk under a graph should name the paged backend for it.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import importlib
 import itertools
@@ -34,15 +35,15 @@ from typing import Any
 
 import torch
 
-from ...features import dequantize
-from ...resource import BuildInfo
-from ...step import Step, StepContext
-from ..kv.config import KVConfig
-from ..kv.paged import KVManager
-from ..kv.plan import KVPlan, LabelLayout
-from .base import AttentionManager, blame, check_q, plan_kwargs
-from .prefix_cache import GatheredPrefixCache, PrefixCacheStats
-from .protocols import PrefixedPrefillWrapper
+from mstar_core.features import dequantize
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.paged import KVManager
+from mstar_core.kv.plan import KVPlan, LabelLayout
+from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats
+from mstar_core.attention.protocols import PrefixedPrefillWrapper
 
 log = logging.getLogger(__name__)
 
@@ -118,7 +119,7 @@ def resolve_class(spec: Any) -> type:
     if isinstance(spec, str):
         mod, _, attr = spec.partition(":")
         if not attr:
-            raise ValueError(f"wrapper class {spec!r}: expected 'module:attr'")
+            raise InputError(f"wrapper class {spec!r}: expected 'module:attr'")
         return getattr(importlib.import_module(mod), attr)
     return spec
 
@@ -175,11 +176,11 @@ class DenseAttentionManager(AttentionManager):
         by ``spec["backend"]`` (a name or "auto")."""
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         if not isinstance(kv, KVManager):
-            raise TypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
+            raise InputTypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
         wrapper_class = spec.get("wrapper_class")
         backend_name = None
         if wrapper_class is None:
-            from ...registry import select_backend  # the registry imports plugins: keep it lazy
+            from mstar_core.registry import select_backend  # the registry imports plugins: keep it lazy
 
             sel = select_backend(
                 capabilities=(DENSE_CAPABILITY,), requested=spec.get("backend"), device=info.device,
@@ -246,13 +247,13 @@ class DenseAttentionManager(AttentionManager):
     def plan(self, step: Step, ctx: StepContext) -> DensePlan:
         kv_plan = ctx.plan_results.get(self.kv.name)
         if not isinstance(kv_plan, KVPlan):
-            raise RuntimeError(
+            raise StateError(
                 f"DenseAttentionManager.plan needs the KV plan in ctx.plan_results[{self.kv.name!r}] "
                 f"(plan the KV resource first), found {type(kv_plan).__name__}"
             )
         a = step.attn
         if self.features.layer_windows is not None and a.window_left != -1:
-            raise ValueError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
+            raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         commits = {(s.request_id, s.label): s.commit for s in step.kv.spans}
         self._serial += 1
@@ -328,7 +329,7 @@ class DenseAttentionManager(AttentionManager):
         if bound is not None:
             return bound
         if self._current is None:
-            raise RuntimeError("DenseAttentionManager has no plan yet: call plan(step, ctx) first")
+            raise StateError("DenseAttentionManager has no plan yet: call plan(step, ctx) first")
         return self._current
 
     def run(
@@ -347,7 +348,7 @@ class DenseAttentionManager(AttentionManager):
         window) and is required; ``sinks [Hq]``: the layer's sink logits."""
         who = type(self).__name__
         if layer_idx is None:
-            raise ValueError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
+            raise InputError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
         i = 0 if self._layer_plan is None else self._layer_plan[self.kv.check_layer(layer_idx)]
         lr, wrapper = self._label_run(label, i)
         c = self.kv_config
@@ -355,15 +356,15 @@ class DenseAttentionManager(AttentionManager):
         check_q(q, n, c.qo_heads, c.head_dim, self.dtype, who)
         for name, t in (("k", k), ("v", v)):
             if t is None:
-                raise ValueError(
+                raise InputError(
                     f"{who}.run: {name} is None; the dense path takes this step's fresh K/V in the call "
                     "(requires_kv_write is False: pass k=, v= instead of writing them)"
                 )
             if tuple(t.shape) != (n, c.num_kv_heads, c.head_dim):
-                raise ValueError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected "
+                raise InputError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected "
                                  f"{(n, c.num_kv_heads, c.head_dim)} [tokens, H_kv, D]")
             if t.dtype != self.dtype:
-                raise TypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
+                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)
@@ -378,19 +379,19 @@ class DenseAttentionManager(AttentionManager):
 
     def _label_run(self, label: str | None, i: int) -> tuple[_LabelRun, Any]:
         if self.bound_plan() is None and self._current is None:
-            raise RuntimeError(f"{type(self).__name__}.run before plan")
+            raise StateError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
         if label is None:
             if len(runs) != 1:
-                raise ValueError(f"label=None is ambiguous: this step has labels {[r.label for r in runs]}; name one")
+                raise InputError(f"label=None is ambiguous: this step has labels {[r.label for r in runs]}; name one")
             lr = runs[0]
         else:
             lr = next((r for r in runs if r.label == label), None)
             if lr is None:
-                raise KeyError(f"label {label!r} is not in this step; its labels are {[r.label for r in runs]}")
+                raise UnknownName(f"label {label!r} is not in this step; its labels are {[r.label for r in runs]}")
         _, wrapper, key = lr.plans[i]
         if self._planned.get(key) != lr.serial:
-            raise RuntimeError(
+            raise StateError(
                 f"{type(self).__name__}.run: the wrapper this step planned for label {lr.label!r} was re-planned "
                 f"by a later step; at most {self.slots} steps may be planned ahead of the one that runs"
             )

@@ -3,12 +3,13 @@
 chunk's key index once; ``run`` gathers one chunk's keys at a time (see :mod:`.math`)."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, StateError
 
 import torch
 
-from ...features import check_soft_cap
-from .math import Padding, attend_padded, build_padding, gather_ragged_slots
-from .paged import run_extras
+from mstar_core.features import check_soft_cap
+from mstar_core.backends.reference.math import Padding, attend_padded, build_padding, gather_ragged_slots
+from mstar_core.backends.reference.paged import run_extras
 
 
 class ReferencePrefixedPrefillWrapper:
@@ -22,7 +23,7 @@ class ReferencePrefixedPrefillWrapper:
         backend: str = "auto",
     ) -> None:
         if num_qo_heads % num_kv_heads:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+            raise InputError(f"num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
         self.device = torch.device(device)
         self._pad: Padding | None = None
@@ -54,13 +55,13 @@ class ReferencePrefixedPrefillWrapper:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
             ) -> torch.Tensor:
         if self._pad is None:
-            raise RuntimeError("ReferencePrefixedPrefillWrapper.run before plan")
+            raise StateError("ReferencePrefixedPrefillWrapper.run before plan")
         tq, tk = self._tokens
         d = self.head_dim
         for name, t, want in (("q", q, (tq, self.num_qo_heads, d)), ("k", k, (tk, self.num_kv_heads, d)),
                               ("v", v, (tk, self.num_kv_heads, d))):
             if tuple(t.shape) != want:
-                raise ValueError(
+                raise InputError(
                     f"ReferencePrefixedPrefillWrapper.run: {name} has shape {tuple(t.shape)}, expected {want} "
                     f"[tokens, heads, head_dim] (the plan has {tq} queries and {tk} keys)"
                 )

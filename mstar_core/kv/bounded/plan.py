@@ -6,8 +6,8 @@ from typing import NamedTuple
 
 import torch
 
-from ....kernels.bounded_attention import table as tb
-from .config import RowLayout
+from mstar_core.kernels.bounded_attention import table as tb
+from mstar_core.kv.bounded.config import RowLayout
 
 
 class BoundedPlan(NamedTuple):

@@ -1,11 +1,12 @@
 """Geometry of a bounded KV cache, and one request's layout within a step."""
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
-from ....step import is_int
+from mstar_core.step import is_int
 
 
 @dataclass(frozen=True)
@@ -33,17 +34,17 @@ class BoundedKVConfig:
             if value is None and name == "query_window":
                 continue
             if not is_int(value):
-                raise TypeError(f"BoundedKVConfig.{name} must be an int, got {type(value).__name__} {value!r}")
+                raise InputTypeError(f"BoundedKVConfig.{name} must be an int, got {type(value).__name__} {value!r}")
             object.__setattr__(self, name, int(value))  # e.g. a numpy integer: stored as int
         for name in ("num_layers", "max_slots", "rows", "num_heads", "head_dim", "window"):
             if getattr(self, name) < 1:
-                raise ValueError(f"BoundedKVConfig.{name} must be >= 1, got {getattr(self, name)}")
+                raise InputError(f"BoundedKVConfig.{name} must be >= 1, got {getattr(self, name)}")
         if self.sink < 0:
-            raise ValueError(f"BoundedKVConfig.sink must be >= 0, got {self.sink}")
+            raise InputError(f"BoundedKVConfig.sink must be >= 0, got {self.sink}")
         qw = self.query_window
         if qw is not None and not 0 <= qw <= self.window:
             # A wider query window would need keys the ring has already overwritten.
-            raise ValueError(f"BoundedKVConfig.query_window must be in [0, window={self.window}], got {qw}")
+            raise InputError(f"BoundedKVConfig.query_window must be in [0, window={self.window}], got {qw}")
 
     @property
     def cap(self) -> int:

@@ -54,6 +54,7 @@ What a step took is recorded in its ``StepContext`` and released exactly once:
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -63,13 +64,13 @@ from typing import Any
 
 import torch
 
-from ....kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
-from ....kernels.bounded_attention import table as tb
-from ....resource import BuildInfo, Resource, as_dtype, spec_required
-from ....step import AdmitOutcome, Shortage, Step, StepContext, is_int
-from .config import BoundedKVConfig, RowLayout
-from .plan import BoundedPlan, host_table
-from .positions import BoundedStep, bounded_part
+from mstar_core.kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
+from mstar_core.kernels.bounded_attention import table as tb
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, Shortage, Step, StepContext, is_int
+from mstar_core.kv.bounded.config import BoundedKVConfig, RowLayout
+from mstar_core.kv.bounded.plan import BoundedPlan, host_table
+from mstar_core.kv.bounded.positions import BoundedStep, bounded_part
 
 log = logging.getLogger(__name__)
 
@@ -131,7 +132,7 @@ class BoundedKVManager(Resource):
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> BoundedKVManager:
         lacking = info.features.lacking("bounded", cls.FEATURES)
         if lacking:
-            raise ValueError(
+            raise InputError(
                 f"{cls.__name__}.build: the bounded kernels (reference and Triton) do not support feature(s) "
                 f"{', '.join(lacking)} requested by the model's features ({info.features}); they support "
                 f"{', '.join(cls.FEATURES) or 'none'}")
@@ -238,7 +239,7 @@ class BoundedKVManager(Resource):
         part = bounded_part(step)
         unknown = [r for r in part.request_ids if r not in self._requests]
         if unknown:
-            raise KeyError(f"{self.name}: requests {unknown} were never ingested; ingested: {sorted(self._requests)}")
+            raise UnknownName(f"{self.name}: requests {unknown} were never ingested; ingested: {sorted(self._requests)}")
         return part
 
     def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
@@ -250,7 +251,7 @@ class BoundedKVManager(Resource):
         rids = part.request_ids
         busy = [r for r in rids if r in self._in_flight]
         if busy:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: request(s) {busy} already have a step in flight (admitted, neither committed "
                 f"nor rolled back); commit or roll back that step before admitting again"
             )
@@ -260,7 +261,7 @@ class BoundedKVManager(Resource):
         # slot would never go back.
         stale = [r for r in rids if old is not None and r in old.epochs]
         if stale:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: request(s) {stale} have a step admitted in this context and reset or removed "
                 f"since, neither committed nor rolled back; commit or roll back that step before admitting again"
             )
@@ -291,7 +292,7 @@ class BoundedKVManager(Resource):
     def _record(self, ctx: StepContext) -> _Admitted | None:
         rec = ctx.admitted.get(self.name)
         if rec is not None and not isinstance(rec, _Admitted):
-            raise TypeError(f"{self.name}: ctx.admitted[{self.name!r}] is a {type(rec).__name__}, not this "
+            raise InputTypeError(f"{self.name}: ctx.admitted[{self.name!r}] is a {type(rec).__name__}, not this "
                             f"manager's admit record: two resources share the name {self.name!r}?")
         return rec
 
@@ -301,7 +302,7 @@ class BoundedKVManager(Resource):
         rec = self._record(ctx)
         missing = [r for r in rids if rec is None or r not in rec.epochs]
         if missing:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: {what.format(missing)} without a live admit in this context "
                 "(never admitted, committed already, or rolled back): a step is admitted once and commits once"
             )
@@ -350,7 +351,7 @@ class BoundedKVManager(Resource):
         assert rec is not None or not part.positions
         stale = [r for r in part.request_ids if not self._live(rec, r)]
         if stale:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: request(s) {stale} were reset or removed after this step's admit; "
                 f"roll the step back and admit it again"
             )
@@ -358,16 +359,16 @@ class BoundedKVManager(Resource):
         for p in part.positions:
             slot = self._slot.get(p.request_id)
             if slot is None:  # cannot happen for a live admit; kept as a loud guard
-                raise RuntimeError(f"{self.name}: plan before admit: request {p.request_id!r} holds no slot")
+                raise StateError(f"{self.name}: plan before admit: request {p.request_id!r} holds no slot")
             length = self._length[p.request_id]
             if slot in self._uncommitted_writes:
-                raise RuntimeError(
+                raise StateError(
                     f"{self.name}: request {p.request_id!r}: a step from position {self._uncommitted_writes[slot]} "
                     f"wrote its keys into the ring and was never committed, so the ring no longer holds what "
                     f"its committed length ({length}) says; reset_request({p.request_id!r}) and recompute"
                 )
             if p.start is not None and p.start != length:
-                raise ValueError(
+                raise InputError(
                     f"{self.name}: request {p.request_id!r} declares start {p.start}, but its stream "
                     f"holds {length} committed tokens"
                 )
@@ -396,13 +397,13 @@ class BoundedKVManager(Resource):
         if ctx.bucket is None:
             return host.to(self.device)
         if not self._graph_tables:
-            raise RuntimeError(f"{self.name}: a graph step (bucket {ctx.bucket}) needs build_accelerator_graph_buffers first")
+            raise StateError(f"{self.name}: a graph step (bucket {ctx.bucket}) needs build_accelerator_graph_buffers first")
         if not 0 <= ctx.slot < len(self._graph_tables):
-            raise ValueError(f"{self.name}: staging slot {ctx.slot} out of range: {len(self._graph_tables)} slots")
+            raise InputError(f"{self.name}: staging slot {ctx.slot} out of range: {len(self._graph_tables)} slots")
         i = ctx.slot
         size = self._graph_tables[i].shape[0]
         if max(B, ctx.bucket) > size:
-            raise ValueError(f"{self.name}: graph step of {B} requests for bucket {ctx.bucket}; the table buffers "
+            raise InputError(f"{self.name}: graph step of {B} requests for bucket {ctx.bucket}; the table buffers "
                              f"hold {size} (build_accelerator_graph_buffers max_bs)")
         padded = torch.tensor(tb.NOOP_ROW, dtype=torch.int32).repeat(size, 1)
         padded[:B] = host
@@ -418,7 +419,7 @@ class BoundedKVManager(Resource):
         if bound is not None:
             return bound
         if self._current is None:
-            raise RuntimeError(f"{self.name}: no plan yet: call plan(step, ctx) first")
+            raise StateError(f"{self.name}: no plan yet: call plan(step, ctx) first")
         return self._current
 
     def commit(self, step: Step, ctx: StepContext) -> None:
@@ -455,7 +456,7 @@ class BoundedKVManager(Resource):
         not silently address the last layer)."""
         n = self.config.num_layers
         if not is_int(layer_idx):
-            raise TypeError(f"{self.name}.{where}: layer_idx must be an int in 0..{n - 1}, "
+            raise InputTypeError(f"{self.name}.{where}: layer_idx must be an int in 0..{n - 1}, "
                             f"got {type(layer_idx).__name__} {layer_idx!r}")
         i = int(layer_idx)
         if not 0 <= i < n:
@@ -469,9 +470,9 @@ class BoundedKVManager(Resource):
             if t is None and name not in ("q", "k", "v"):
                 continue
             if not isinstance(t, torch.Tensor):
-                raise TypeError(f"{self.name}.attend: {name} must be a torch.Tensor, got {type(t).__name__}")
+                raise InputTypeError(f"{self.name}.attend: {name} must be a torch.Tensor, got {type(t).__name__}")
             if t.device != dev:
-                raise ValueError(f"{self.name}.attend: {name} is on {t.device}, the cache on {dev}: "
+                raise InputError(f"{self.name}.attend: {name} is on {t.device}, the cache on {dev}: "
                                  f"q, k, v, source, row_source storage and rel_bias must be on the cache's device")
 
     def attend(
@@ -496,20 +497,20 @@ class BoundedKVManager(Resource):
         multiple of the cache's heads (GQA)."""
         layer_idx = self._layer_index(layer_idx, "attend")
         if plan is not None and not isinstance(plan, BoundedPlan):
-            raise TypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
+            raise InputTypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
         if row_source is not None and (not isinstance(row_source, tuple) or len(row_source) != 2):
-            raise TypeError(f"{self.name}.attend: row_source must be a (storage, slots) tuple, got {type(row_source).__name__}")
+            raise InputTypeError(f"{self.name}.attend: row_source must be a (storage, slots) tuple, got {type(row_source).__name__}")
         self._check_tensors(q=q, k=k, v=v, source=source, rel_bias=rel_bias,
                             row_source_storage=None if row_source is None else row_source[0])
         plan = self.current if plan is None else plan
         cfg = self.config
         B = plan.batch
         if q.dim() != 4 or q.shape[0] != B * cfg.rows:
-            raise ValueError(f"{self.name}.attend: q must be [B * rows = {B * cfg.rows}, H, T, D], got {tuple(q.shape)}")
+            raise InputError(f"{self.name}.attend: q must be [B * rows = {B * cfg.rows}, H, T, D], got {tuple(q.shape)}")
         if q.shape[2] < plan.max_span:
-            raise ValueError(f"{self.name}.attend: T = {q.shape[2]} is shorter than the step's longest span {plan.max_span}")
+            raise InputError(f"{self.name}.attend: T = {q.shape[2]} is shorter than the step's longest span {plan.max_span}")
         if tuple(k.shape[1:2]) != (cfg.num_heads,) or k.shape[3] != cfg.head_dim:
-            raise ValueError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], got {tuple(k.shape)}")
+            raise InputError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], got {tuple(k.shape)}")
         self._check_sources(plan, source, row_source)
         layer = self.layer(layer_idx)
         geo = dict(sink=cfg.sink, window=cfg.window)
@@ -544,16 +545,16 @@ class BoundedKVManager(Resource):
                 n = row_source[0].shape[0]
                 if b >= len(host_slots) or not 0 <= host_slots[b] < n:
                     got = host_slots[b] if b < len(host_slots) else "none"
-                    raise ValueError(f"{self.name}.attend: row_source slots[{b}] = {got} is out of range: "
+                    raise InputError(f"{self.name}.attend: row_source slots[{b}] = {got} is out of range: "
                                      f"its storage holds {n} entries (0..{n - 1})")
             store = source if src >= 0 else (row_source[0] if row_source is not None else None)
             what = f"source[{src}]" if src >= 0 else "row_source"
             if store is None:
-                raise ValueError(f"{self.name}.attend: the plan reads {what} (slot {slot}) but none was given")
+                raise InputError(f"{self.name}.attend: the plan reads {what} (slot {slot}) but none was given")
             if src >= store.shape[0]:
-                raise ValueError(f"{self.name}.attend: source index {src} out of range: {store.shape[0]} sources")
+                raise InputError(f"{self.name}.attend: source index {src} out of range: {store.shape[0]} sources")
             if lay.source_len > store.shape[3]:
-                raise ValueError(f"{self.name}.attend: source_len {lay.source_len} exceeds {what}'s length {store.shape[3]}")
+                raise InputError(f"{self.name}.attend: source_len {lay.source_len} exceeds {what}'s length {store.shape[3]}")
 
     # -- capture -----------------------------------------------------------------------------
     def can_capture(self) -> bool:
@@ -568,7 +569,7 @@ class BoundedKVManager(Resource):
         larger ask allocates a larger buffer, and the smaller one stays alive and keeps being
         written, because graphs captured earlier read it."""
         if slots < 1 or max_bs < 1:
-            raise ValueError(f"{self.name}: need slots >= 1 and max_bs >= 1, got slots={slots}, max_bs={max_bs}")
+            raise InputError(f"{self.name}: need slots >= 1 and max_bs >= 1, got slots={slots}, max_bs={max_bs}")
         noop = torch.tensor(tb.NOOP_ROW, dtype=torch.int32)
         while len(self._graph_tables) < slots:
             size = self._graph_tables[0].shape[0] if self._graph_tables else max_bs
@@ -584,26 +585,26 @@ class BoundedKVManager(Resource):
         held, parked = list(self._slot.values()), list(self._parked.values())
         every = held + self._free + parked
         if len(every) != self.config.max_slots or set(every) != set(range(self.config.max_slots)):
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: slot accounting broken: {len(held)} held ({len(set(held))} distinct), "
                 f"{len(self._free)} free ({len(set(self._free))} distinct), {len(parked)} parked "
                 f"({len(set(parked))} distinct), {self.config.max_slots} slots"
             )
         live = [k for k in self._parked if self._epoch.get(k[0]) == k[1]]
         if live:
-            raise RuntimeError(f"{self.name}: slots parked for steps whose requests are unchanged since admit: {live}")
+            raise StateError(f"{self.name}: slots parked for steps whose requests are unchanged since admit: {live}")
         stray = [r for r in self._slot if r not in self._requests]
         if stray:
-            raise RuntimeError(f"{self.name}: slots held by requests never ingested: {stray}")
+            raise StateError(f"{self.name}: slots held by requests never ingested: {stray}")
         loose = sorted(set(self._uncommitted_writes) - set(held))
         if loose:
-            raise RuntimeError(f"{self.name}: uncommitted-write marks on slots no request holds: {loose}")
+            raise StateError(f"{self.name}: uncommitted-write marks on slots no request holds: {loose}")
         adrift = [r for r, e in self._in_flight.items() if self._epoch.get(r) != e]
         if adrift:
-            raise RuntimeError(f"{self.name}: steps in flight for requests reset or without a slot: {adrift}")
+            raise StateError(f"{self.name}: steps in flight for requests reset or without a slot: {adrift}")
         sizes = {b.shape[0] for b in self._graph_tables}
         if len(sizes) > 1:
-            raise RuntimeError(f"{self.name}: graph table buffers differ in size: {sorted(sizes)}")
+            raise StateError(f"{self.name}: graph table buffers differ in size: {sorted(sizes)}")
 
     def cleanup(self) -> None:
         self._slot.clear()

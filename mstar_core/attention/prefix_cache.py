@@ -8,6 +8,7 @@ least recently used first.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError
 
 from collections import OrderedDict
 from collections.abc import Callable
@@ -33,7 +34,7 @@ class PrefixCacheStats:
 class GatheredPrefixCache:
     def __init__(self, max_tokens: int | None = None) -> None:
         if max_tokens is not None and max_tokens < 0:
-            raise ValueError(f"max_tokens must be >= 0 or None, got {max_tokens}")
+            raise InputError(f"max_tokens must be >= 0 or None, got {max_tokens}")
         self.max_tokens = max_tokens
         self.stats = PrefixCacheStats()
         self._keys: dict[StreamId, StreamKey] = {}  # the key a stream's cached layers hold for

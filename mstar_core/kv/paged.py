@@ -8,6 +8,7 @@ pages held only for ``commit=False`` tokens.
 """
 
 from __future__ import annotations
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -17,15 +18,15 @@ from typing import Any
 
 import torch
 
-from ...distributed import TensorParallel
-from ...features import PLAIN, AttentionFeatures, quantize
-from ...resource import BuildInfo, Resource, as_dtype, spec_required
-from ...step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
-from .config import KVConfig
-from .page_table import PageTable
-from .plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
-from .pool import PagePool
-from .streams import CacheStream
+from mstar_core.distributed import TensorParallel
+from mstar_core.features import PLAIN, AttentionFeatures, quantize
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.page_table import PageTable
+from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
+from mstar_core.kv.pool import PagePool
+from mstar_core.kv.streams import CacheStream
 
 log = logging.getLogger(__name__)
 
@@ -67,7 +68,7 @@ class _LabelRows:
         npages = pages_for(length, ps)
         pages = stream.pages
         if npages > len(pages):
-            raise RuntimeError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
+            raise StateError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
                                f"holds {len(pages)}")
         q0 = self.qo[-1]
         self.spans.append(SpanLayout(s.request_id, s.label, length, n, s.commit, q0, stream.generation, npages,
@@ -99,7 +100,7 @@ class KVManager(Resource):
         tp: TensorParallel | None = None,
     ) -> None:
         if not isinstance(features, AttentionFeatures):
-            raise TypeError(f"KVManager: features must be an AttentionFeatures, got {type(features).__name__}")
+            raise InputTypeError(f"KVManager: features must be an AttentionFeatures, got {type(features).__name__}")
         features.check_layers(config.num_layers, "KVManager")
         self.config = config
         self.device = torch.device(device)
@@ -158,7 +159,7 @@ class KVManager(Resource):
         try:
             return self.streams[(rid, label)]
         except KeyError:
-            raise KeyError(f"no stream ({rid!r}, {label!r}); known streams: {sorted(self.streams)}") from None
+            raise UnknownName(f"no stream ({rid!r}, {label!r}); known streams: {sorted(self.streams)}") from None
 
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
@@ -218,9 +219,9 @@ class KVManager(Resource):
         refusal is returned."""
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:
-            raise KeyError(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
+            raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
         if (dst_rid, label) in self.streams:
-            raise ValueError(f"fork: request {dst_rid!r} already has a {label!r} stream")
+            raise InputError(f"fork: request {dst_rid!r} already has a {label!r} stream")
         # Only the committed tokens' pages: a step in flight on the source may hold more.
         n = pages_for(src.length, self.config.page_size)
         if n > self.pool.num_free:
@@ -245,7 +246,7 @@ class KVManager(Resource):
     def _check_spans(self, step: Step) -> None:
         for s in step.kv.spans:
             if s.request_id not in self._requests:
-                raise KeyError(
+                raise UnknownName(
                     f"span for request {s.request_id!r}, which was never ingested; "
                     f"ingested: {sorted(self._requests)}"
                 )
@@ -255,7 +256,7 @@ class KVManager(Resource):
         flight: admitting it again before that step's ``commit`` or ``rollback_admit`` is an
         error (both steps would plan the same positions)."""
         if self.name in ctx.admitted:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: this StepContext already holds an admitted step; one step per context "
                 "(commit or roll it back, and admit the next step into a new StepContext)"
             )
@@ -278,7 +279,7 @@ class KVManager(Resource):
             need[key] = n
             total += n
         if busy:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
@@ -340,7 +341,7 @@ class KVManager(Resource):
                     # in place (O(pages dropped)): the rolled-back step's plan is dead, nothing reads it
                     del stream.pages[-len(pages):]
                 elif set(pages) & set(stream.pages):
-                    raise RuntimeError(f"{self.name}: stream {key}: pages changed between admit and rollback")
+                    raise StateError(f"{self.name}: stream {key}: pages changed between admit and rollback")
                 self.pool.give_back(pages)
             if key in rec.created and not stream.pages and not stream.length:
                 del self.streams[key]
@@ -360,7 +361,7 @@ class KVManager(Resource):
         held = rec.streams if rec is not None else {}
         missing = [k for k in step.kv.keys() if k not in held]
         if rec is None or missing:
-            raise RuntimeError(
+            raise StateError(
                 f"{self.name}: {what} of streams {missing} that this StepContext has no live admit for "
                 "(never admitted, already committed, or rolled back); admit the step first"
             )
@@ -387,7 +388,7 @@ class KVManager(Resource):
         for s in step.kv.spans:
             stream = self._live(rec, (s.request_id, s.label))
             if stream is None:
-                raise RuntimeError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
+                raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
                                    "after this step's admit; roll the step back and admit it again")
             rows = labels.get(s.label)
             if rows is None:
@@ -395,7 +396,7 @@ class KVManager(Resource):
             rows.add(s, stream, ps)
         if ctx.bucket is not None:
             if len(labels) != 1:
-                raise ValueError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
+                raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
             self._check_graph_step(ctx.graph_tokens, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
         plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
@@ -440,10 +441,10 @@ class KVManager(Resource):
     def _check_graph_step(self, padded: int, tokens: int) -> None:
         """``tokens`` of a graph step, padded to ``padded`` (bucket x query tokens per row)."""
         if self._graph_bufs is None or self._sink_page is None:
-            raise RuntimeError("a graph step needs build_accelerator_graph_buffers first")
+            raise StateError("a graph step needs build_accelerator_graph_buffers first")
         size = self._graph_bufs.shape[2]
         if tokens > padded or padded > size:
-            raise ValueError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
+            raise InputError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
 
     def _stage_graph(self, block: torch.Tensor, slot: int, padded: int) -> dict[str, torch.Tensor]:
         """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
@@ -466,7 +467,7 @@ class KVManager(Resource):
         max_bs *= self.features.decode_query_tokens
         if self._sink_page is None:
             if self.pool.num_free < 1:
-                raise RuntimeError("build_accelerator_graph_buffers: no free page left for the sink page")
+                raise StateError("build_accelerator_graph_buffers: no free page left for the sink page")
             self._sink_page = self.pool.take(1)[0]
         cur = self._graph_bufs
         if cur is not None and cur.shape[0] >= slots and cur.shape[2] >= max_bs:
@@ -502,7 +503,7 @@ class KVManager(Resource):
         if bound is not None:
             return bound
         if self._current is None:
-            raise RuntimeError("KVManager has no plan yet: call plan(step, ctx) first")
+            raise StateError("KVManager has no plan yet: call plan(step, ctx) first")
         return self._current
 
     def commit(self, step: Step, ctx: StepContext) -> None:
@@ -558,9 +559,9 @@ class KVManager(Resource):
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
         for name, t in (("k", k), ("v", v)):
             if tuple(t.shape) != want:
-                raise ValueError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
+                raise InputError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
             if t.device != self.storage.device:
-                raise ValueError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
+                raise InputError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
         self.store(layer_idx, lay.write_pages, lay.write_offsets, k, v)
 
     def store(self, layer_idx: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
@@ -589,14 +590,14 @@ class KVManager(Resource):
         if self._sink_page is not None:
             owned.append(self._sink_page)
         if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
-            raise RuntimeError(
+            raise StateError(
                 f"KVManager page accounting broken: {len(owned)} owned by streams "
                 f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
             )
         ps = self.config.page_size
         short = {k: (len(s.pages), s.length) for k, s in self.streams.items() if len(s.pages) < pages_for(s.length, ps)}
         if short:
-            raise RuntimeError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
+            raise StateError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
         if self.tp is not None:
             self.tp.check_same(self.name, {"free pages": self.pool.num_free, "streams": len(self.streams),
                                            "tokens": sum(s.length for s in self.streams.values())})

@@ -16,6 +16,7 @@ to another stream only once nothing in flight can still plan from it (:meth:`rel
 """
 
 from __future__ import annotations
+from mstar_core.errors import StateError
 
 from collections.abc import Sequence
 
@@ -75,7 +76,7 @@ class PageTable:
         if (rows, cols) == (self.rows, self.cols):
             return
         if rows * cols > _I32_MAX:
-            raise RuntimeError(f"page table of {rows} streams x {cols} pages exceeds int32 indexing")
+            raise StateError(f"page table of {rows} streams x {cols} pages exceeds int32 indexing")
         new = torch.zeros(rows * cols, dtype=torch.int32, device=self.device)
         if self.rows and self.cols:
             new.view(rows, cols)[: self.rows, : self.cols] = self.table.view(self.rows, self.cols)

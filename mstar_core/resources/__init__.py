@@ -1,1 +1,0 @@
-"""Step resources: KV managers and attention managers."""

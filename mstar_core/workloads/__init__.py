@@ -1,1 +1,0 @@
-"""End-to-end workloads: what ``mstar demo`` runs."""
