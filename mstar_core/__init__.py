@@ -1,7 +1,14 @@
-"""mstar-core: attention resources and a plugin registry for kernel backends."""
+"""mstar-core: attention resources and a plugin registry for kernel backends.
 
+Every public name is importable from here (``from mstar_core import KVManager``); the modules
+below are private and may move. The transformers integration and the plugin test kit load on
+first use of their names, so ``import mstar_core`` imports neither transformers nor the suite.
+"""
+
+import importlib
 import importlib.util
 import warnings
+from typing import TYPE_CHECKING, Any
 
 if importlib.util.find_spec("numpy") is None:
     # torch warns at import when numpy is absent; mstar-core never hands torch numpy arrays,
@@ -9,20 +16,176 @@ if importlib.util.find_spec("numpy") is None:
     # message is silenced, and only when numpy really is missing.
     warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
+from mstar_core.attention.base import AttentionManager
+from mstar_core.attention.dense import DenseAttentionManager, DensePlan, DenseSegment
+from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan
+from mstar_core.attention.protocols import (
+    MixedWrapper,
+    PagedDecodeWrapper,
+    PagedPrefillWrapper,
+    PrefixedPrefillWrapper,
+)
+from mstar_core.config import Config, load_config
+from mstar_core.distributed import TensorParallel
+from mstar_core.errors import (
+    BackendUnavailable,
+    CommitError,
+    ConfigError,
+    InputError,
+    InputTypeError,
+    MstarError,
+    PluginError,
+    StateError,
+    TensorParallelError,
+    UnknownName,
+    UnsupportedModel,
+)
+from mstar_core.features import AttentionFeatures
+from mstar_core.graphs import GraphRunner
+from mstar_core.kernels.bounded_attention import bounded_attention
+from mstar_core.kv import CacheStream, KVConfig, KVManager, KVPlan, LabelLayout, SpanLayout
+from mstar_core.kv.bounded import (
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedPlan,
+    BoundedStep,
+    RowLayout,
+    StreamPosition,
+)
+from mstar_core.node import Node, StepResult
+from mstar_core.registry import (
+    CAPABILITIES,
+    BackendSpec,
+    HeadDims,
+    Registry,
+    Selection,
+    get_registry,
+    hookimpl,
+    hookspec,
+    reset_registry,
+    select_backend,
+)
+from mstar_core.registry.dense import dense_or_flashinfer, dense_selection
 from mstar_core.resource import BuildInfo, Resource
 from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Shortage, Step, StepContext
+from mstar_core.warmup import WarmedKernel, WarmupConfig, WarmupReport, warmup
+
+if TYPE_CHECKING:
+    from mstar_core.integrations.transformers import (
+        Engine,
+        EngineOptions,
+        Generation,
+        generate,
+        generate_report,
+        probe,
+    )
+    from mstar_core.testing.check import check_backend, conformance_test
 
 __version__ = "0.1.0"
 
+# Loaded on first access (PEP 562): the transformers integration needs the `transformers` extra,
+# and the plugin test kit builds its case tables on import.
+_LAZY: dict[str, str] = {
+    "Engine": "mstar_core.integrations.transformers",
+    "EngineOptions": "mstar_core.integrations.transformers",
+    "Generation": "mstar_core.integrations.transformers",
+    "generate": "mstar_core.integrations.transformers",
+    "generate_report": "mstar_core.integrations.transformers",
+    "probe": "mstar_core.integrations.transformers",
+    "check_backend": "mstar_core.testing.check",
+    "conformance_test": "mstar_core.testing.check",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    if module.endswith(".transformers") and importlib.util.find_spec("transformers") is None:
+        raise ImportError(f"mstar_core.{name} needs transformers: in a clone of mstar, pip install '.[transformers]' "
+                          "(or pip install 'transformers>=5.17.0,<=5.24.0')")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value  # later lookups skip __getattr__
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
+
+
 __all__ = [
+    "CAPABILITIES",
     "AdmitOutcome",
+    "AttentionFeatures",
+    "AttentionManager",
     "AttentionStep",
+    "BackendSpec",
+    "BackendUnavailable",
+    "BoundedKVConfig",
+    "BoundedKVManager",
+    "BoundedPlan",
+    "BoundedStep",
     "BuildInfo",
+    "CacheStream",
+    "CommitError",
+    "Config",
+    "ConfigError",
+    "DenseAttentionManager",
+    "DensePlan",
+    "DenseSegment",
+    "Engine",
+    "EngineOptions",
+    "Generation",
+    "GraphRunner",
+    "HeadDims",
+    "InputError",
+    "InputTypeError",
+    "KVConfig",
+    "KVManager",
+    "KVPlan",
     "KVSpan",
     "KVStep",
+    "LabelLayout",
+    "MixedWrapper",
+    "MstarError",
+    "Node",
+    "PagedAttentionManager",
+    "PagedAttnPlan",
+    "PagedDecodeWrapper",
+    "PagedPrefillWrapper",
+    "PluginError",
+    "PrefixedPrefillWrapper",
+    "Registry",
     "Resource",
+    "RowLayout",
+    "Selection",
     "Shortage",
+    "SpanLayout",
+    "StateError",
     "Step",
     "StepContext",
+    "StepResult",
+    "StreamPosition",
+    "TensorParallel",
+    "TensorParallelError",
+    "UnknownName",
+    "UnsupportedModel",
+    "WarmedKernel",
+    "WarmupConfig",
+    "WarmupReport",
     "__version__",
+    "bounded_attention",
+    "check_backend",
+    "conformance_test",
+    "dense_or_flashinfer",
+    "dense_selection",
+    "generate",
+    "generate_report",
+    "get_registry",
+    "hookimpl",
+    "hookspec",
+    "probe",
+    "reset_registry",
+    "select_backend",
+    "warmup",
 ]
