@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention.checks import check_sinks
+from mstar_core.capabilities import FEATURE_REACH
 from mstar_core.step import check_window_and_scale, is_int, is_positive_finite
 
 # KV storage dtypes by name; "auto" is the model dtype.
@@ -48,18 +50,6 @@ FEATURES: dict[str, str] = {
     "multi_token_decode": "uniform decode rows of 2..8 query tokens, captured like one-token decode",
 }
 
-# Which capabilities' wrappers a feature reaches (selection asks only these for it). The
-# prefixed ragged wrappers take K/V in the model dtype: the dense manager dequantises an FP8
-# prefix once per (stream, layer). Query tokens per decode row concern the decode path only.
-_PAGED = ("paged_prefill", "paged_decode", "mixed")
-APPLIES_TO: dict[str, tuple[str, ...]] = {
-    "fp8_e4m3": (*_PAGED, "bounded"),
-    "fp8_e5m2": (*_PAGED, "bounded"),
-    "soft_cap": (*_PAGED, "prefixed_ragged", "bounded"),
-    "sink_logits": (*_PAGED, "prefixed_ragged", "bounded"),
-    "layer_windows": (*_PAGED, "prefixed_ragged"),
-    "multi_token_decode": ("paged_decode",),
-}
 
 MAX_DECODE_QUERY_TOKENS = 8
 
@@ -132,9 +122,9 @@ class AttentionFeatures:
         return tuple(f for f in FEATURES if asked.get(f))
 
     def lacking(self, capability: str, supported: Collection[str]) -> tuple[str, ...]:
-        """The requested features that reach ``capability`` (:data:`APPLIES_TO`) and are not
+        """The requested features that reach ``capability`` (:data:`FEATURE_REACH`) and are not
         among ``supported`` (what a backend declares for it)."""
-        return tuple(f for f in self.requested() if capability in APPLIES_TO[f] and f not in supported)
+        return tuple(f for f in self.requested() if capability in FEATURE_REACH[f] and f not in supported)
 
     def __str__(self) -> str:
         parts = []
@@ -198,82 +188,6 @@ class AttentionFeatures:
             raise InputError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
                              "AttentionFeatures(sink_logits=True) so selection picks a backend that supports them")
         check_sinks(sinks, num_qo_heads, device, who)
-
-
-def check_sinks(sinks: torch.Tensor, num_qo_heads: int, device: torch.device, who: str) -> None:
-    """A sink-logit tensor: float ``[num_qo_heads]`` on ``device``. Values are not read (that
-    would synchronise with the device)."""
-    if not isinstance(sinks, torch.Tensor):
-        raise InputTypeError(f"{who}: sinks must be a float tensor [num_qo_heads={num_qo_heads}], got "
-                        f"{type(sinks).__name__}")
-    if tuple(sinks.shape) != (num_qo_heads,):
-        raise InputError(f"{who}: sinks has shape {tuple(sinks.shape)}, expected ({num_qo_heads},) "
-                         "(one logit per query head)")
-    if not sinks.is_floating_point():
-        raise InputTypeError(f"{who}: sinks must be a float tensor, got dtype {sinks.dtype}")
-    if sinks.device.type != torch.device(device).type:
-        raise InputError(f"{who}: sinks is on {sinks.device}, the cache on {device}")
-
-
-def check_soft_cap(value: Any, who: str) -> float | None:
-    """A plan's ``logits_soft_cap``: None (no cap) or a finite float > 0."""
-    if value is None:
-        return None
-    if not is_positive_finite(value):
-        raise InputError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
-    return float(value)
-
-
-def check_scale(value: Any, name: str, who: str) -> None:
-    """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0."""
-    if value is not None and not is_positive_finite(value):
-        raise InputError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
-
-
-# A paged plan's keyword arguments (FlashInfer's names, seed 001's ``**kwargs``).
-PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
-
-
-def check_plan_kwargs(kwargs: dict[str, Any], who: str) -> tuple[float | None, float | None, torch.dtype | None]:
-    """``(sm_scale, logits_soft_cap, kv_data_type)`` of a paged plan, refusing unknown keywords
-    and bad values before the plan changes anything."""
-    unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
-    if unknown:
-        raise InputTypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
-    sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
-    check_window_and_scale(f"{who}.plan", -1, sm_scale)
-    if kv_dtype is not None and (not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point):
-        raise InputError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "
-                         f"{' / '.join(str(d) for d in KV_DTYPES.values() if d is not None)} for an FP8 cache), "
-                         f"got {kv_dtype!r}")
-    return sm_scale, check_soft_cap(cap, f"{who}.plan"), kv_dtype
-
-
-def refuse_sinks(sinks: torch.Tensor | None, who: str, why: str) -> None:
-    """A wrapper whose kernel takes no sink logits refuses them rather than compute without."""
-    if sinks is not None:
-        raise NotImplementedError(f"{who}.run: sink logits are not supported by {why}; use a backend that declares "
-                                  "sink_logits")
-
-
-def quantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x / scale`` in FP8 ``dtype``, saturated at its largest finite value (a plain cast turns
-    an out-of-range value into NaN for e4m3fn); NaN stays NaN."""
-    top = torch.finfo(dtype).max
-    return (x.float() / scale).clamp_(-top, top).to(dtype)
-
-
-def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
-    """``x * scale`` in ``dtype`` (what a kernel reads from FP8 storage)."""
-    return (x.to(torch.float32) * scale).to(dtype) if x.dtype != dtype or scale != 1.0 else x
-
-
-def parse_kv_dtype(name: str) -> str:
-    """A CLI/config kv dtype name (``fp8_e4m3``, ``fp8-e4m3``, ``auto``) as :data:`KV_DTYPES` names it."""
-    key = name.strip().lower().replace("-", "_")
-    if key not in KV_DTYPES:
-        raise InputError(f"kv dtype {name!r} is not supported; choose one of {list(KV_DTYPES)}")
-    return key
 
 
 PLAIN = AttentionFeatures()

@@ -25,11 +25,9 @@ import torch
 from mstar_core.registry.device import as_device
 from mstar_core.registry.spec import dtype_name, load_ref
 from mstar_core.step import is_int
+from mstar_core.capabilities import GROUPS
 
-# What an engine's attention uses, in the groups a build selects a backend for: the paged manager
-# (prefill, decode and mixed steps) and the dense path (prefixed ragged prefill).
-GROUPS: tuple[tuple[str, ...], ...] = (("paged_prefill", "paged_decode", "mixed"), ("prefixed_ragged",))
-WARMABLE = tuple(c for g in GROUPS for c in g)
+WARMABLE = tuple(c for g in GROUPS for c in g)  # every capability but bounded
 
 
 @dataclass(frozen=True)

@@ -18,7 +18,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.features import check_plan_kwargs, check_scale, refuse_sinks
+from mstar_core.attention.checks import check_plan_kwargs, check_scale, refuse_sinks
 
 from mstar_flashinfer import validate
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations

@@ -7,7 +7,7 @@ from mstar_core.errors import InputError, StateError
 import numpy as np
 import torch
 
-from mstar_core.features import check_soft_cap, refuse_sinks
+from mstar_core.attention.checks import check_soft_cap, refuse_sinks
 from mstar_core.backends.varlen import check_same_device, check_varlen_plan
 
 from mstar_flashinfer import validate

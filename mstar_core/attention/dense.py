@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import dequantize
+from mstar_core.kv.fp8 import dequantize
 from mstar_core.resource import BuildInfo
 from mstar_core.step import Step, StepContext
 from mstar_core.kv.config import KVConfig

@@ -23,10 +23,9 @@ from mstar_core.kv.config import KVConfig
 from mstar_core.kv.paged import KVManager
 from mstar_core.kv.plan import LabelLayout
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.capabilities import PAGED, paged_step_capability
 
 log = logging.getLogger(__name__)
-
-PAGED_CAPABILITIES = ("paged_prefill", "paged_decode", "mixed")
 
 
 # (label, kind, slot, bucket, i): i numbers the step's distinct windows (one plan each), so a
@@ -89,14 +88,6 @@ class PagedAttnPlan:
         raise UnknownName(f"label {label!r} is not in this step; its labels are {[e.label for e in self.entries]}")
 
 
-def step_kind(q_lens: tuple[int, ...]) -> str:
-    """Which wrapper a label's rows need."""
-    if q_lens and all(n == 1 for n in q_lens):
-        return "paged_decode"
-    if any(n == 1 for n in q_lens) and any(n > 1 for n in q_lens):
-        return "mixed"
-    return "paged_prefill"
-
 
 class PagedAttentionManager(AttentionManager):
     """Attention through a backend's paged prefill / decode / mixed wrappers."""
@@ -119,9 +110,9 @@ class PagedAttentionManager(AttentionManager):
         features: AttentionFeatures | None = None,
         backend_name: str | None = None,
     ) -> None:
-        missing = [c for c in PAGED_CAPABILITIES if c not in wrappers]
+        missing = [c for c in PAGED if c not in wrappers]
         if missing:
-            raise InputError(f"PagedAttentionManager needs wrappers for {list(PAGED_CAPABILITIES)}; missing {missing}")
+            raise InputError(f"PagedAttentionManager needs wrappers for {list(PAGED)}; missing {missing}")
         # The model's features; the KV manager's by default (it stores what they ask for).
         self.features = kv_cache.features if features is None else features
         if self.features.kv_dtype != kv_cache.features.kv_dtype:
@@ -177,7 +168,7 @@ class PagedAttentionManager(AttentionManager):
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
         sel = select_backend(
-            capabilities=PAGED_CAPABILITIES, requested=spec.get("backend"), device=info.device,
+            capabilities=PAGED, requested=spec.get("backend"), device=info.device,
             dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
@@ -238,7 +229,7 @@ class PagedAttentionManager(AttentionManager):
         kw = {**self._feature_plan_kw, **plan_kwargs(sm_scale=a.sm_scale)}
         entries = []
         for label, lay in kv_plan.labels:
-            kind = step_kind(lay.q_lens)
+            kind = paged_step_capability(lay.q_lens)
             if kind == "mixed" and sum(1 for n in lay.q_lens if n > 1) > self.max_prefill_rows:
                 kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
             if ctx.bucket is not None:

@@ -24,7 +24,7 @@ from typing import Any, ClassVar
 import numpy as np
 import torch
 
-from mstar_core.features import check_sinks, check_soft_cap
+from mstar_core.attention.checks import check_sinks, check_soft_cap
 from mstar_core.step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

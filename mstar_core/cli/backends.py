@@ -18,14 +18,8 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import (
-    FEATURES,
-    KV_DTYPES,
-    MAX_DECODE_QUERY_TOKENS,
-    PLAIN,
-    AttentionFeatures,
-    parse_kv_dtype,
-)
+from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
+from mstar_core.cli.options import parse_kv_dtype
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.device import as_device, describe, device_arch

@@ -21,7 +21,8 @@ from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from mstar_core.graphs import GraphRunner, capture_graph
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.resource import resolve_dtype
-from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
+from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
+from mstar_core.capabilities import PAGED
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step
@@ -126,7 +127,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     dt = resolve_dtype(o.dtype, dev)
     t = o.query_tokens
     features = AttentionFeatures(decode_query_tokens=t)
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=o.backend, device=dev, dtype=dt,
+    sel = select_backend(capabilities=PAGED, requested=o.backend, device=dev, dtype=dt,
                          head_dim=o.head_dim, features=features, config=o.config)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)

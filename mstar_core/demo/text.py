@@ -14,7 +14,8 @@ import torch
 from mstar_core.config import ConfigSource
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
-from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, step_kind
+from mstar_core.attention.paged import PagedAttentionManager
+from mstar_core.capabilities import PAGED, STEP_KINDS, paged_step_capability
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
@@ -149,8 +150,8 @@ def run_text_demo(
                 waits += 1
                 log.info("request %s waits: %s", waiting[-1].rid, res.outcome.reason())
             if batch:
-                kind = step_kind(tuple(len(r.step_tokens) for r in batch))
-                kinds[{"paged_decode": "decode", "paged_prefill": "prefill", "mixed": "mixed"}[kind]] += 1
+                kind = paged_step_capability(tuple(len(r.step_tokens) for r in batch))
+                kinds[STEP_KINDS[kind]] += 1
                 tokens += sum(len(r.step_tokens) for r in batch)
                 for r in batch:
                     r.prefilled = True
@@ -205,7 +206,7 @@ def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config:
 
     dev = torch.device(device)
     dtype = torch.float32 if dev.type == "cpu" else torch.bfloat16
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=dev, dtype=dtype,
+    sel = select_backend(capabilities=PAGED, requested=backend, device=dev, dtype=dtype,
                          head_dim=TinyDecoderConfig().head_dim, config=config)
     report = run_text_demo(sel.classes, sel.name, device, dtype, seed, tp=tp, tp_timeout_s=tp_timeout_s)
     if tp is None or tp.rank == 0:

@@ -19,7 +19,8 @@ from typing import Any
 import torch
 
 from mstar_core.distributed import TensorParallel
-from mstar_core.features import PLAIN, AttentionFeatures, quantize
+from mstar_core.features import PLAIN, AttentionFeatures
+from mstar_core.kv.fp8 import quantize
 from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
 from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 from mstar_core.kv.config import KVConfig

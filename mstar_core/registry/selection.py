@@ -18,6 +18,7 @@ from mstar_core.config import ConfigSource, load_config
 from mstar_core.config import short as _short
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.step import is_int
+from mstar_core.capabilities import PAGED
 from mstar_core.registry.device import as_device, describe
 from mstar_core.registry.registry import Registry, get_registry
 from mstar_core.registry.spec import CAPABILITIES, BackendSpec, dtype_name
@@ -146,7 +147,7 @@ def runnable(registry: Registry, request: Request, backends: Mapping[str, Backen
 
 
 def select_backend(
-    capabilities: Sequence[str] = ("paged_prefill", "paged_decode", "mixed"),
+    capabilities: Sequence[str] = PAGED,
     requested: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = torch.float32,

@@ -14,10 +14,9 @@ import torch
 
 from mstar_core.features import FEATURES, AttentionFeatures
 from mstar_core.step import is_int
+from mstar_core.capabilities import CAPABILITIES
 from mstar_core.registry.api import parse_api_version
 
-# The capability names other parts of mstar rely on; each names one wrapper protocol.
-CAPABILITIES: tuple[str, ...] = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded")
 
 # "cuda" is an NVIDIA device, "rocm" an AMD one (torch calls both device type "cuda").
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm")

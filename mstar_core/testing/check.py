@@ -29,10 +29,8 @@ import torch
 from mstar_core.registry.spec import BackendSpec, dtype_name
 from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
+from mstar_core.capabilities import STEP_KINDS
 
-# Capability -> the suite's name for its kind of case.
-KINDS: dict[str, str] = {"paged_prefill": "prefill", "paged_decode": "decode", "mixed": "mixed",
-                         "prefixed_ragged": "ragged"}
 NOT_COVERED: dict[str, str] = {
     "bounded": "the bounded kernel has no wrapper protocol yet: tests/bounded checks the built-in one",
 }
@@ -184,7 +182,7 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
             spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
             classes.get("prefixed_ragged"), device=str(device), dtype=dtype,
             workspace_bytes=(128 << 20) if device.type == "cuda" else (1 << 20), device_indices=device.type == "cuda")
-        for cap, kind in KINDS.items():
+        for cap, kind in STEP_KINDS.items():
             if cap not in classes:
                 continue
             fn = C.CHECKS[kind]
@@ -224,14 +222,14 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
     registry = registry or get_registry()
     config = load_config(config)
     spec = registry.view(config.pins).get(name)
-    if spec is not None and not any(c in KINDS for c in spec.provides):
+    if spec is not None and not any(c in STEP_KINDS for c in spec.provides):
         raise InputError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "
                          f"cover: {'; '.join(f'{c}: {NOT_COVERED[c]}' for c in spec.provides if c in NOT_COVERED)}")
     if device is None:
         cuda = torch.cuda.is_available() and spec is not None and not registry.device_reasons(spec, "cuda")
         device = "cuda" if cuda else "cpu"
     device = as_device(device)
-    caps = tuple(c for c in (spec.provides if spec is not None else KINDS) if c in KINDS)
+    caps = tuple(c for c in (spec.provides if spec is not None else STEP_KINDS) if c in STEP_KINDS)
     sel = select_backend(capabilities=caps, requested=name, device=device, dtype=None, head_dim=None,
                          registry=registry, honor_env=False, config=config)
     return sel, device

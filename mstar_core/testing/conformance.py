@@ -22,7 +22,8 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import KV_DTYPES, quantize
+from mstar_core.features import KV_DTYPES
+from mstar_core.kv.fp8 import quantize
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
 # Largest relative error (vs float64) a wrapper may show, by the dtype it computes in.

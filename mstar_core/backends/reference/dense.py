@@ -7,7 +7,7 @@ from mstar_core.errors import InputError, StateError
 
 import torch
 
-from mstar_core.features import check_soft_cap
+from mstar_core.attention.checks import check_soft_cap
 from mstar_core.backends.reference.math import Padding, attend_padded, build_padding, gather_ragged_slots
 from mstar_core.backends.reference.paged import run_extras
 

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import check_plan_kwargs, check_scale, check_sinks
+from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
 from mstar_core.backends.reference.math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
 
 

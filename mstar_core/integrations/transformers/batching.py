@@ -23,13 +23,12 @@ from typing import NamedTuple
 
 import torch
 
-from mstar_core.attention.paged import step_kind
+from mstar_core.capabilities import STEP_KINDS, paged_step_capability
 from mstar_core.kv.paged import pages_for
 from mstar_core.step import KVSpan, KVStep, Step, is_int
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 
 log = logging.getLogger(__name__)
-KINDS = {"paged_prefill": "prefill", "mixed": "mixed", "paged_decode": "decode"}
 
 
 @dataclass
@@ -276,7 +275,7 @@ class _Loop:
         key = [r.index if r.launched else ~r.index for r in rows]
         if key != self._last_key:
             spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
-            kind = KINDS[step_kind(tuple(s.num_tokens for s in spans))]
+            kind = STEP_KINDS[paged_step_capability(tuple(s.num_tokens for s in spans))]
             self._last_key, self._last = key, (Step(KVStep(spans), self.e.step_attn), kind)
         assert self._last is not None
         return self._last

@@ -18,7 +18,8 @@ from typing import Any
 import torch
 
 from mstar_core.graphs import GraphRunner
-from mstar_core.attention.paged import PAGED_CAPABILITIES, PagedAttentionManager, decode_capturable
+from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
+from mstar_core.capabilities import PAGED
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import AttentionStep, StepContext, is_int
@@ -121,7 +122,7 @@ class Engine:
             a = self.attention
             features = a.features(o.kv_dtype)
             self.device, self.dtype = a.device, a.dtype
-            sel = select_backend(capabilities=PAGED_CAPABILITIES, requested=backend, device=self.device,
+            sel = select_backend(capabilities=PAGED, requested=backend, device=self.device,
                                  dtype=self.dtype, head_dim=a.head_dim, features=features, config=o.config)
             self.backend = sel.name
             log.info("%s on backend %s", a.describe(), sel.name)  # describe() names the features
