@@ -21,7 +21,6 @@ from mstar_core.errors import InputError, InputTypeError, StateError
 import importlib
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 
 from mstar_core.attention.checks import check_sinks, check_soft_cap
@@ -36,12 +35,10 @@ _INT32_MAX = 2**31 - 1
 def _host_cu(name: str, cu: Any, who: str) -> torch.Tensor:
     """``cu`` as a 1-D int32 CPU tensor, refusing what is not one (a device tensor is copied to
     the host here, which synchronises: pass host arrays)."""
-    if isinstance(cu, np.ndarray):
-        t = torch.from_numpy(cu)
-    elif isinstance(cu, torch.Tensor):
+    if isinstance(cu, torch.Tensor):
         t = cu
     else:
-        try:
+        try:  # numpy arrays too, without mstar-core importing numpy
             t = torch.as_tensor(cu)
         except (TypeError, ValueError, RuntimeError) as e:
             raise InputTypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(cu).__name__} "

@@ -1,4 +1,4 @@
-"""Hugging Face transformers models through mstar (``pip install 'mstar-core[transformers]'``).
+"""Hugging Face transformers models through mstar (in a clone of mstar: ``pip install '.[transformers]'``).
 
 Importing this package imports transformers and registers the attention function ``"mstar"``
 with its ``AttentionInterface``; the rest of mstar never imports transformers.
@@ -23,7 +23,9 @@ from typing import Any
 
 from mstar_core.kv.paged import pages_for
 from mstar_core.integrations.transformers.attention import NAME, mstar_attention, register
-from mstar_core.integrations.transformers.batching import Generation, StepRecord, check_max_new, check_prompts, run, run_checked
+from mstar_core.integrations.transformers.batching import run, run_checked
+from mstar_core.integrations.transformers.generation import Generation, StepRecord
+from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
 from mstar_core.integrations.transformers.engine import Engine, EngineOptions
 from mstar_core.integrations.transformers.probe import LayerAttention, ModelAttention, UnsupportedModel, probe
 

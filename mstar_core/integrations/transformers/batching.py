@@ -12,9 +12,7 @@ request computed meanwhile is dropped.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
-import itertools
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -26,7 +24,10 @@ import torch
 from mstar_core.capabilities import STEP_KINDS, paged_step_capability
 from mstar_core.kv.paged import pages_for
 from mstar_core.step import KVSpan, KVStep, Step, is_int
+from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
+from mstar_core.integrations.transformers.generation import Generation, StepRecord
+from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
 
 log = logging.getLogger(__name__)
 
@@ -64,87 +65,6 @@ class _Launched(NamedTuple):
     kind: str
     graph: bool
     tokens: int
-
-
-@dataclass(frozen=True)
-class StepRecord:
-    kind: str  # prefill, mixed or decode
-    rows: int
-    tokens: int
-    graph: bool
-    read_s: float  # when its token ids reached the host, from the start of the run
-
-
-@dataclass(frozen=True)
-class Generation:
-    """What a run produced: ``ids[i]`` the new tokens of prompt ``i`` (ending at its first
-    end-of-sequence token, which is kept), and how it ran."""
-
-    ids: list[list[int]]
-    backend: str
-    steps: tuple[StepRecord, ...]
-    waits: int  # admissions deferred (pages or the step's prompt budget)
-    seconds: float
-    first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
-
-    @property
-    def kinds(self) -> dict[str, int]:
-        out = {"prefill": 0, "mixed": 0, "decode": 0}
-        for s in self.steps:
-            out[s.kind] += 1
-        return out
-
-    @property
-    def new_tokens(self) -> int:
-        return sum(len(x) for x in self.ids)
-
-    @property
-    def tokens_per_s(self) -> float:
-        return self.new_tokens / max(self.seconds, 1e-9)
-
-    def decode_step_ms(self) -> list[float]:
-        """Intervals between the host reads of consecutive decode steps of equal rows: a decode
-        step's wall time in the steady state (nothing joined or left between them)."""
-        s = self.steps
-        return [(b.read_s - a.read_s) * 1e3 for a, b in itertools.pairwise(s)
-                if a.kind == b.kind == "decode" and a.rows == b.rows]
-
-    def lines(self) -> list[str]:
-        kinds = ", ".join(f"{k} {v}" for k, v in self.kinds.items())
-        graph = sum(1 for x in self.steps if x.graph)
-        ttft = sorted(self.first_token_s)
-        dec = sorted(self.decode_step_ms())
-        lines = [
-            f"backend: {self.backend}",
-            f"steps: {len(self.steps)} ({kinds}; {graph} replayed from CUDA graphs); admissions deferred: {self.waits}",
-            f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tokens/s)",
-            f"time to first token: median {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms",
-        ]
-        if dec:
-            lines.append(f"decode step: median {dec[len(dec) // 2]:.3f} ms over {len(dec)} steady steps")
-        return lines
-
-
-def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
-    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise InputError("generate: prompts must be a non-empty list of token-id lists")
-    out = []
-    for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
-        if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
-            raise InputError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
-        ids = [int(t) for t in p]
-        bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
-        out.append(ids)
-    return out
-
-
-def check_max_new(max_new_tokens: object) -> None:
-    if not is_int(max_new_tokens) or max_new_tokens < 1:
-        raise InputError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
 
 
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,

@@ -1,0 +1,65 @@
+"""What a generation run returns: the new token ids, each step's record, and their text report."""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    kind: str  # prefill, mixed or decode
+    rows: int
+    tokens: int
+    graph: bool
+    read_s: float  # when its token ids reached the host, from the start of the run
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What a run produced: ``ids[i]`` the new tokens of prompt ``i`` (ending at its first
+    end-of-sequence token, which is kept), and how it ran."""
+
+    ids: list[list[int]]
+    backend: str
+    steps: tuple[StepRecord, ...]
+    waits: int  # admissions deferred (pages or the step's prompt budget)
+    seconds: float
+    first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
+
+    @property
+    def kinds(self) -> dict[str, int]:
+        out = {"prefill": 0, "mixed": 0, "decode": 0}
+        for s in self.steps:
+            out[s.kind] += 1
+        return out
+
+    @property
+    def new_tokens(self) -> int:
+        return sum(len(x) for x in self.ids)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / max(self.seconds, 1e-9)
+
+    def decode_step_ms(self) -> list[float]:
+        """Intervals between the host reads of consecutive decode steps of equal rows: a decode
+        step's wall time in the steady state (nothing joined or left between them)."""
+        s = self.steps
+        return [(b.read_s - a.read_s) * 1e3 for a, b in itertools.pairwise(s)
+                if a.kind == b.kind == "decode" and a.rows == b.rows]
+
+    def lines(self) -> list[str]:
+        kinds = ", ".join(f"{k} {v}" for k, v in self.kinds.items())
+        graph = sum(1 for x in self.steps if x.graph)
+        ttft = sorted(self.first_token_s)
+        dec = sorted(self.decode_step_ms())
+        lines = [
+            f"backend: {self.backend}",
+            f"steps: {len(self.steps)} ({kinds}; {graph} replayed from CUDA graphs); admissions deferred: {self.waits}",
+            f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tokens/s)",
+            f"time to first token: median {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms",
+        ]
+        if dec:
+            lines.append(f"decode step: median {dec[len(dec) // 2]:.3f} ms over {len(dec)} steady steps")
+        return lines
