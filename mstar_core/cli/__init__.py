@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from mstar_core import first_use
 from mstar_core.cli import backends, bench, check, demo, generate, new_backend, warmup
 from mstar_core.cli.progress import Progress
+from mstar_core.errors import MstarError
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -39,15 +40,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     first_use.add_listener(progress)
     try:
         return int(args.func(args) or 0)
-    except (ValueError, KeyError, RuntimeError) as e:
-        # Configuration mistakes (an unknown backend, a bad shape, a plugin failing in strict
-        # mode) are the user's to fix: one clear line, and the notes that say where an error
-        # came from (the backend and wrapper of a kernel's exception); -v adds the traceback.
+    except MstarError as e:
+        # mstar's own errors (bad input, an unknown backend, a plugin failing in strict mode) are
+        # the user's to fix: one line, with the notes that say where it came from (the backend
+        # and wrapper of a kernel's exception); -v adds the traceback.
         if args.verbose:
             traceback.print_exception(e, file=sys.stderr)
         notes = "".join(f"\n  {n}" for n in getattr(e, "__notes__", ()))
         hint = "" if args.verbose else " (mstar -v ... prints the traceback)"
         print(f"mstar {args.command}: error: {e}{notes}{hint if notes else ''}", file=sys.stderr)
         return 2
+    except Exception as e:
+        # Anything else is a bug in mstar or in a backend: the whole traceback, and say so.
+        traceback.print_exception(e, file=sys.stderr)
+        print(f"mstar {args.command}: internal error ({type(e).__name__}): this is a bug in mstar or in a backend "
+              "plugin, not in your input; please report it with the traceback above", file=sys.stderr)
+        return 1
     finally:
         first_use.remove_listener(progress)
