@@ -11,8 +11,8 @@ ones captured; any other step (prefill, mixed, the dense manager, another window
 through the same resources.
 
 Slots alternate between consecutive graph steps: step N+1 is planned into the other slot's
-buffers and wrappers, so nothing step N's replay reads is overwritten (seed 000's
-``force_double_buffer``). On a CPU, "capture" keeps the closure and "replay" re-runs it over the
+buffers and wrappers, so nothing step N's replay reads is overwritten
+(``force_double_buffer``). On a CPU, "capture" keeps the closure and "replay" re-runs it over the
 same static buffers — a functional check of the in-place discipline, not a speed-up.
 """
 

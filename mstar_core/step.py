@@ -55,7 +55,7 @@ class KVSpan:
     """``num_tokens`` new tokens of stream ``(request_id, label)`` in this step.
 
     ``commit=False`` tokens are computed but not kept: the stream's committed length does not
-    move and the pages held only for them are released at commit (seed 000's fresh tokens).
+    move and the pages held only for them are released at commit (the dense path's fresh tokens).
     """
 
     request_id: str

@@ -18,7 +18,7 @@ FA3 = BackendSpec(
     # flash_attn_interface rounds head dims up to its compiled buckets (64..256) and needs
     # multiples of 8.
     head_dims=HeadDims(multiple_of=8, maximum=256),
-    capturable=(),  # the dense path is eager-only (seed 000)
+    capturable=(),  # the dense path runs eagerly: its shapes change every step
     # flash_attn_varlen_func's window_size and sinks arguments. Not soft-cap: the known prebuilt
     # (tokenspeed-fa3 3.0.0) is compiled with FLASHATTENTION_DISABLE_SOFTCAP (every kernel instance
     # Has_softcap=false) and refuses softcap != 0. An FP8 KV cache reaches the dense path's wrappers

@@ -1,4 +1,4 @@
-"""Does FA3 have a kernel for this GPU: decided by probing, not by name (seed 000). The module
+"""Does FA3 have a kernel for this GPU: decided by probing, not by name. The module
 must be installed; on an sm90 device (the only architecture the declared data admits) it is
 imported and one tiny varlen call runs, so a build compiled for another architecture, or one
 whose extension fails to load, is refused here with its error rather than at the first step.

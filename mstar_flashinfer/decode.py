@@ -1,4 +1,4 @@
-"""FlashInferDecodeWrapper: batched one-token decode over a paged KV cache (seed 001)."""
+"""FlashInferDecodeWrapper: batched one-token decode over a paged KV cache."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans (seed 001)."""
+"""FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans."""
 
 from __future__ import annotations
 from mstar_core.errors import InputError, StateError

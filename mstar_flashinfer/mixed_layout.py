@@ -1,5 +1,5 @@
 """The host arithmetic of a mixed step: how one packed batch of decode rows and prompt rows splits
-into a decode plan over every row and a prefill plan over the prompt rows (seed 001), and how the
+into a decode plan over every row and a prefill plan over the prompt rows, and how the
 two outputs are put back in packed order. Pure numpy, one pass per array, no loop over rows."""
 
 from __future__ import annotations

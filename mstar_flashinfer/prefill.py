@@ -1,4 +1,4 @@
-"""FlashInferPrefillWrapper: batched prefill over a paged KV cache (seed 001)."""
+"""FlashInferPrefillWrapper: batched prefill over a paged KV cache."""
 
 from __future__ import annotations
 from mstar_core.errors import InputError

@@ -1,4 +1,4 @@
-"""FlashInferPrefixedPrefillWrapper: the dense path's one varlen pass (seed 000), over FlashInfer's
+"""FlashInferPrefixedPrefillWrapper: the dense path's one varlen pass, over FlashInfer's
 ``BatchPrefillWithRaggedKVCacheWrapper`` -- used where FA3 has no kernel for the GPU."""
 
 from __future__ import annotations

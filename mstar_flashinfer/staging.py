@@ -10,8 +10,8 @@ FlashInfer's own ``plan`` has one page-locked buffer per wrapper (its plan info,
 ``cudaMemcpyAsync``), which no slot of ours can protect: ``Staging.wait_previous`` waits, before
 the next inner ``plan``, for the previous plan's fence (recorded after its copies and FlashInfer's,
 so one event per plan guards both). That bounds the host to one plan ahead of the GPU on one
-wrapper object; a manager that keeps one wrapper per slot (seed 000's
-``force_double_buffer`` note) never waits on it.
+wrapper object; a manager that keeps one wrapper per slot (``force_double_buffer``) never
+waits on it.
 
 Off CUDA (CPU tests through a stand-in) buffers are ordinary host memory and fences are no-ops.
 ``copy`` and the fence class are attributes so a test can stand in a deferred copy engine and

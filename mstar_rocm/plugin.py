@@ -15,7 +15,7 @@ AITER = BackendSpec(
     dtypes=(torch.float16, torch.bfloat16),
     # aiter.flash_attn_varlen_func pads head dims to a multiple of 8 itself; CK tiles stop at 256.
     head_dims=HeadDims(maximum=256),
-    capturable=(),  # the dense path is eager-only (seed 000)
+    capturable=(),  # the dense path runs eagerly: its shapes change every step
     probe="mstar_rocm.probe:probe",
     description="AITER (ROCm) varlen flash attention",
     install_hint="pip install amd-aiter",

@@ -1,5 +1,5 @@
 """``DenseAttentionManager``: attention as one dense varlen pass over a contiguous
-[frozen prefix | fresh tokens] sequence, through a prefixed ragged wrapper (seed 000).
+[frozen prefix | fresh tokens] sequence, through a prefixed ragged wrapper.
 
 For a workload that recomputes every one of its K/V every step and reuses only a small frozen
 prefix (diffusion denoise: the prefix is the text conditioning), the paged path's per-step K/V

@@ -3,7 +3,7 @@
 Per label the step is one of three kinds, each its own wrapper: every row one token (decode),
 no one-token row (prefill), or both (mixed). Wrappers are built once per (label, kind, slot)
 and reused; ``slots`` alternate between consecutive plans so the plan for step N+1 never
-overwrites the state a wrapper still holds for step N (seed 000's double-buffer note).
+overwrites the state a wrapper still holds for step N.
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 """What a backend's wrappers implement: the plugin contract's code half (docs/PLUGINS.md is
-the other; ``mstar check NAME`` tests a backend against both). The paged wrappers have seed
-001's FlashInfer shapes; the prefixed ragged one is the dense path's (seed 000): query = fresh
+the other; ``mstar check NAME`` tests a backend against both). The paged wrappers have
+FlashInfer's shapes; the prefixed ragged one is the dense path's: query = fresh
 tokens, keys = [prefix | fresh].
 
 Shared by every wrapper:

@@ -1,4 +1,4 @@
-"""The denoise example (seed 000): a text-conditioning prefix committed once per request, then
+"""The denoise example: a text-conditioning prefix committed once per request, then
 denoise steps that recompute every fresh token with ``commit=False``, non-causal, on the dense
 path. Every layer of every step is checked against full attention over [prefix | fresh] in
 float64. In the middle, a fork (a new request whose stream copies a prefix's pages) and a reset
@@ -120,8 +120,8 @@ class _Denoiser:
     def fork(self, new: str, src: str) -> None:
         """A new request whose stream is a copy of ``src``'s prefix pages (``KVManager.fork``:
         fresh pages, contents copied, no recomputation). Both streams get a new generation, so
-        the source's gathered prefix is rebuilt too (seed 000: a fork invalidates what was
-        derived from the pages)."""
+        the source's gathered prefix is rebuilt too (a fork invalidates what was derived from
+        the pages)."""
         self.node.ingest_request(new)
         outcome = self.kv.fork(src, new, LABEL)
         if not outcome:

@@ -107,7 +107,7 @@ class TinyDecoder:
     def forward_step(self, tokens: torch.Tensor, positions: torch.Tensor, kv: KVManager,
                      attn: AttentionManager, label: str | None = None) -> torch.Tensor:
         """Logits ``[tokens, vocab]`` for this step's packed tokens of ``label``. The layer is
-        written once for every backend (seed 000)."""
+        written once for every backend."""
         x = self.embed[tokens]
         for i, p in enumerate(self.layers):
             q, k, v = self._qkv(x, p, positions)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 @dataclass(frozen=True)
 class KVConfig:
     """Paged cache geometry. ``num_qo_heads`` is the query heads sharing it: attention managers
-    need the GQA ratio, and they receive this config (seed 000's ``kv_config``)."""
+    need the GQA ratio, and they receive this config (``kv_config``)."""
 
     num_layers: int
     num_kv_heads: int

@@ -216,7 +216,7 @@ class KVManager(Resource):
         """Give ``dst_rid`` (ingested, with no stream under ``label`` yet) a copy of
         ``src_rid``'s committed ``label`` stream: fresh pages, the page contents copied on the
         device for every layer. Both streams get a new ``generation``: whatever was derived from
-        the source's pages is invalidated (seed 000). Short of pages, nothing changes and the
+        the source's pages is invalidated. Short of pages, nothing changes and the
         refusal is returned."""
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:

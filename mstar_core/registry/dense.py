@@ -1,4 +1,4 @@
-"""``dense_or_flashinfer(device)``: which prefixed ragged wrapper the dense path runs (seed 000).
+"""``dense_or_flashinfer(device)``: which prefixed ragged wrapper the dense path runs.
 
 FA3 where FA3 has a kernel for the GPU (sm90, confirmed by its probe's tiny call), AITER on ROCm
 (gfx942 / gfx950), FlashInfer's ragged prefill elsewhere on CUDA, the reference where none of

@@ -34,7 +34,7 @@ AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
     "paged_prefill": ("flashinfer", "reference"),
     "paged_decode": ("flashinfer", "reference"),
     "mixed": ("flashinfer", "reference"),
-    # seed 000's dense rule (dense_or_flashinfer): FA3 where it has a kernel, AITER on ROCm,
+    # the dense rule (dense_or_flashinfer): FA3 where it has a kernel, AITER on ROCm,
     # FlashInfer's ragged prefill elsewhere on CUDA, the reference otherwise.
     "prefixed_ragged": ("fa3", "rocm", "flashinfer", "reference"),
     "bounded": ("reference",),
@@ -68,7 +68,7 @@ def config_backend(config: ConfigSource) -> str | None:
 def resolve_requested(requested: str | None, config: ConfigSource,
                       honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
-    the constructor argument or config's ``attention.backend`` (issue 3: both are config) -- and
+    the constructor argument or config's ``attention.backend`` (both are configuration) -- and
     the log says what it overrode; without it the argument wins, then config, then "auto"."""
     if requested is not None:
         if not isinstance(requested, str):

@@ -10,7 +10,7 @@ Use from a test module::
     def test_prefill(case):
         C.check_prefill(MY_BACKEND, case)
 
-Wrappers are built with seed 001's positional constructor arguments, so a backend needs no
+Wrappers are built with FlashInfer's positional constructor arguments, so a backend needs no
 adapter to be tested.
 """
 

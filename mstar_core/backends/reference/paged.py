@@ -1,4 +1,4 @@
-"""Reference paged wrappers: seed 001's constructor, ``plan`` and ``run`` signatures, in plain
+"""Reference paged wrappers: FlashInfer's constructor, ``plan`` and ``run`` signatures, in plain
 PyTorch on any device. ``plan`` takes the per-row arrays; the first ``run`` after it does every
 index computation (row chunks, query blocks and each chunk's page slots, see :mod:`.math`),
 kept for the other layers, so a plan's host work grows with its rows, not with their context. ``plan``
@@ -179,7 +179,7 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
 
 class ReferenceMixedWrapper(ReferencePrefillWrapper):
     """Decode rows and prompt rows in one step. One padded pass computes both exactly; the
-    two-plan split of seed 001 is a FlashInfer planning-cost optimisation."""
+    two-plan split (a decode plan and a prefill plan) is a FlashInfer planning-cost optimisation."""
 
     def __init__(
         self,

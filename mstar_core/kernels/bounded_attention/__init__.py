@@ -25,8 +25,8 @@ given: rotary embeddings, if any, were applied by the caller at that position). 
 
 ``rel_bias`` ``[B * rows, Hq, T, NB]`` adds ``rel_bias[.., t, min(d, NB - 1)]`` (natural-log
 units, after ``sm_scale``) to the score of query ``t`` against a stream key at distance
-``d = p_query - p_key >= 0``; prefix keys get none. With a query window ``NB = window + 1``
-(seed 004): one entry per distance the ring spans, so a sink within ``window`` of the query gets
+``d = p_query - p_key >= 0``; prefix keys get none. With a query window ``NB = window + 1``:
+one entry per distance the ring spans, so a sink within ``window`` of the query gets
 its own distance's entry and only farther sinks take the last one; without a query window ``NB``
 is the caller's choice and farther keys take the last entry.
 

@@ -10,7 +10,7 @@ Compiles: the prefix sources are runtime flags, and the integers that change fro
 without touching the hot loop (strides of the per-step tensors, prefix lengths) are not
 specialised on, so a long run with and without sources compiles each variant once. The integers
 the key loop computes with (T, SINK, WINDOW, QW, the cache strides) keep Triton's specialisation:
-dropping it measured 5-9% slower decode at 128-256 rows on an H200 (results/h200/issue12).
+dropping it measured 5-9% slower decode at 128-256 rows on an H200.
 
 This module imports triton at import time; the package imports it only when the Triton path is
 taken, so a machine without triton still imports the package. Absolute imports only: the tests
@@ -45,7 +45,7 @@ def _jit_options(names: list[str]) -> dict:
 def decode_tiles(head_dim: int, element_size: int) -> tuple[int, int, int | None]:
     """(block_n, num_warps, num_stages) of the one-query-block (decode) launch: 128 keys a step in
     two stages where a tile of K and V fits shared memory twice over (16-bit, head dim <= 128),
-    Triton's defaults with 64 keys otherwise (results/h200/issue12/final/bounded_bench.md)."""
+    Triton's defaults with 64 keys otherwise (the faster of the two on an H200 at each size)."""
     if element_size <= 2 and head_dim <= 128:
         return 128, 4, 2
     return 64, 4, None

@@ -1,4 +1,4 @@
-"""The bounded KV manager (seed 004): per-request sink + window slots. See :mod:`.manager`."""
+"""The bounded KV manager: per-request sink + window slots. See :mod:`.manager`."""
 
 from mstar_core.kv.bounded.config import BoundedKVConfig, RowLayout
 from mstar_core.kv.bounded.manager import BoundedKVManager

@@ -1,4 +1,4 @@
-"""A pool of fixed-size per-request KV slots with sink + window retention (seed 004).
+"""A pool of fixed-size per-request KV slots with sink + window retention.
 
 Unlike the paged ``KVManager`` there is nothing to reserve per step and nothing to release: a
 request takes a slot when it first runs and keeps it until removed (or reset while a step of it
@@ -36,7 +36,7 @@ What a step took is recorded in its ``StepContext`` and released exactly once:
 - ``admit`` records, per request, the request's epoch (a manager-wide number, new whenever the
   request takes a slot or is reset) and whether it took its slot fresh. It is all or nothing:
   an admit that raises (bad input, or any exception midway) leaves slots, lengths, epochs and
-  marks as they were. One context may gather admits of several different requests (seed 004's
+  marks as they were. One context may gather admits of several different requests (the
   per-request cycle), then plan / commit them request by request.
 - A request has at most one step in flight (admitted, neither committed nor rolled back):
   admitting it again, in another context or the same one, is an error. A reset or remove ends
@@ -281,7 +281,7 @@ class BoundedKVManager(Resource):
             marks.pop(slot, None)  # a fresh slot starts clean, whatever happened to it before
         for rid in rids:
             in_flight[rid] = rec.epochs[rid] = epochs[rid]
-        # One context may gather several admits (seed 004's per-request cycle) of different
+        # One context may gather several admits (the per-request cycle) of different
         # requests: merge (a request already recorded here was refused above).
         rec.fresh = [r for r in rec.fresh if r not in fresh] + fresh
         ctx.admitted[self.name] = rec  # the one write that may fail (ctx is the caller's): first
@@ -442,7 +442,7 @@ class BoundedKVManager(Resource):
             if p.commit:
                 self._length[rid] += p.num_tokens
                 self._uncommitted_writes.pop(self._slot[rid], None)
-        # Only this step's requests: in the per-request cycle (seed 004's admit note) one
+        # Only this step's requests: in the per-request cycle one
         # context may still hold the fresh slots of requests whose turn has not come.
         self._forget_admitted(ctx, set(part.request_ids))
 
