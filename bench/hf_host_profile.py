@@ -10,7 +10,7 @@ import sys
 
 import torch
 
-from hf_bench import llama_1b
+from transformers_decode import llama_1b
 
 from mstar_core.integrations.transformers import Engine, EngineOptions, run
 

@@ -1,4 +1,4 @@
-"""bench/dense_bench.py on CPU, small shapes, over the stand-ins: the same code path the GPU run
+"""bench/dense_prefill.py on CPU, small shapes, over the stand-ins: the same code path the GPU run
 takes (variants, correctness checks, result files), so the one GPU run is not spent on a typo."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import pathlib
 
 import pytest
 
-BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "dense_bench.py"
+BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench" / "dense_prefill.py"
 
 
 @pytest.mark.slow

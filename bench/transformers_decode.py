@@ -27,7 +27,7 @@ import time
 
 import torch
 
-from hf_baselines import cb_workload_sizing, hf_generate, hf_generate_batch
+from transformers_baselines import cb_workload_sizing, hf_generate, hf_generate_batch
 from timing import copy_bandwidth, kernel_ms, versions
 
 from mstar_core.integrations.transformers import Engine, EngineOptions, run

@@ -58,7 +58,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
 
 import timing
-from flashinfer_bench import paged_layout, ws
+from flashinfer_wrappers import paged_layout, ws
 
 from mstar_core import features
 from mstar_core.backends.varlen import first_output as first
