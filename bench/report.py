@@ -60,18 +60,22 @@ def environment_line(env: dict) -> str:
             f"{libs or 'no kernel library'}; commit {env['commit']}.")
 
 
-def fmt(x: Any, spec: str = ".3g") -> str:
-    """One value for a table cell: yes/NO for a bool, - for None, ``spec`` for a number."""
+def fmt(x: Any, spec: str = ".3g", limit: int = 300) -> str:
+    """One value for a table cell: yes/NO for a bool, - for None, ``spec`` for a number, text on
+    one line without pipes, cut at ``limit`` characters (a compiler log would swamp the page)."""
     if isinstance(x, bool):
         return "yes" if x else "NO"
     if isinstance(x, (int, float)):
         return format(x, spec)
-    return "-" if x is None else " ".join(str(x).split()).replace("|", "/")
+    if x is None:
+        return "-"
+    text = " ".join(str(x).split()).replace("|", "/")
+    return text if len(text) <= limit else text[: limit - 5] + " [..]"
 
 
 def table(columns: Sequence[str], rows: Iterable[Sequence[Any]], spec: str = ".3g") -> list[str]:
     """A markdown table: a header, then one row per sequence of cells (numbers formatted by ``spec``)."""
-    lines = ["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+    lines = ["| " + " | ".join(fmt(c) for c in columns) + " |", "|" + " --- |" * len(columns)]
     lines += ["| " + " | ".join(fmt(c, spec) for c in r) + " |" for r in rows]
     return lines
 
