@@ -394,14 +394,19 @@ def _smoke() -> None:
           f"{len(results)} paths, output ids equal to plain generate")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="check every path on CPU, tiny Llama")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if a.smoke:
         _smoke()
     else:
         p.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,6 @@
-"""bench/dense_prefill.py on CPU, small shapes, over the stand-ins: the same code path the GPU run
-takes (variants, correctness checks, result files), so the one GPU run is not spent on a typo."""
+"""The bench scripts on CPU, so a GPU run is not spent on a typo: every script imports, and
+bench/dense_prefill.py runs small shapes over the stand-ins, the code path the GPU run takes
+(variants, correctness checks, result files)."""
 
 from __future__ import annotations
 
@@ -28,3 +29,17 @@ def test_bench_runs_on_cpu_standins(tmp_path, monkeypatch, fa3_standin, flashinf
     assert set(doc["targets"]) == {"dense_fa3_over_raw_fa3_per_layer", "paged_over_mstar_dense_fa3_per_step",
                                    "paged_over_mstar_dense_flashinfer_per_step"}
     assert "| mstar_dense_fa3 |" in (tmp_path / "dense_prefill.md").read_text()
+
+
+# the transformers scripts import transformers at their top
+NEEDS = {"transformers_baselines": "transformers", "transformers_check": "transformers",
+         "transformers_decode": "transformers"}
+
+
+@pytest.mark.parametrize("name", sorted(p.stem for p in BENCH.glob("*.py")))
+def test_every_bench_script_imports(name, monkeypatch):
+    if name in NEEDS:
+        pytest.importorskip(NEEDS[name])
+    monkeypatch.syspath_prepend(str(BENCH))
+    mod = importlib.import_module(name)
+    assert name in ("paged", "report") or callable(getattr(mod, "main", None))
