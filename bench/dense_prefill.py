@@ -1,4 +1,4 @@
-"""One denoise step on the GPU, four ways, in one process (seed 000's benchmark):
+"""One denoise step on the GPU, four ways, in one process:
 
 1. raw FA3 varlen over pre-concatenated [prefix | fresh] K/V (the floor);
 2. mstar dense with FA3 (DenseAttentionManager: cached prefix + concatenation + FA3);

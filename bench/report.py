@@ -48,14 +48,13 @@ def environment(*dists: str) -> dict:
         "capability": "sm{}{}".format(*torch.cuda.get_device_capability()) if cuda else "-",
         "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version(),
     }
-    env.update({d: dist_version(d) for d in (*LIBRARIES, *dists)})
+    env["versions"] = {d: dist_version(d) for d in (*LIBRARIES, *dists)}
     env["commit"] = commit()
     return env
 
 
 def environment_line(env: dict) -> str:
-    libs = ", ".join(f"{k} {v}" for k, v in env.items()
-                     if k not in ("device", "capability", "torch", "cuda", "python", "commit") and v is not None)
+    libs = ", ".join(f"{k} {v}" for k, v in env["versions"].items() if v is not None)
     return (f"{env['device']} ({env['capability']}), torch {env['torch']}, CUDA {env['cuda']}, Python {env['python']}; "
             f"{libs or 'no kernel library'}; commit {env['commit']}.")
 

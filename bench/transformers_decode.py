@@ -33,7 +33,7 @@ from transformers_baselines import cb_workload_sizing, hf_generate, hf_generate_
 
 from mstar_core import Engine, EngineOptions
 from mstar_core.integrations.transformers import run
-from mstar_core.testing.timing import copy_bandwidth, kernel_ms
+from mstar_core.testing.timing import copy_bandwidth, kernel_ms, sync
 
 
 def llama_1b(vocab: int, hidden: int, layers: int, dtype: torch.dtype, device: str):
@@ -65,7 +65,7 @@ def bench_mstar(model, prompts, new: int, backend: str, max_prefill_tokens: int)
     with Engine(model, backend, opts) as engine:
         build_s = time.perf_counter() - t0
         run(engine, prompts, 8)  # warm-up: first uses, allocator
-        torch.cuda.synchronize() if engine.device.type == "cuda" else None
+        sync(engine.device)
         rep = run(engine, prompts, new)
         steps = rep.decode_step_ms()
         full = [s for s in rep.steps if s.kind == "decode" and s.rows == batch]
