@@ -60,11 +60,13 @@ def environment_line(env: dict) -> str:
 
 
 def fmt(x: Any, spec: str = ".3g", limit: int = 300) -> str:
-    """One value for a table cell: yes/NO for a bool, - for None, ``spec`` for a number, text on
+    """One value for a table cell: yes/NO for a bool, - for None, ``spec`` for a float, text on
     one line without pipes, cut at ``limit`` characters (a compiler log would swamp the page)."""
     if isinstance(x, bool):
         return "yes" if x else "NO"
-    if isinstance(x, (int, float)):
+    if isinstance(x, int):
+        return str(x)
+    if isinstance(x, float):
         return format(x, spec)
     if x is None:
         return "-"
