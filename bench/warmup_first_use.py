@@ -33,6 +33,7 @@ def first_use(windows: list[int]) -> dict:
     prefill with long and short prompts, eager decode, a graph-mode decode bucket, a mixed step,
     a ragged prefill), not the warm-up's own helper -- each timed, and the modules built."""
     import torch
+    from paged import workspace as ws
 
     from mstar_core.testing import conformance as C
     from mstar_flashinfer import jit_notice
@@ -40,8 +41,6 @@ def first_use(windows: list[int]) -> dict:
     from mstar_flashinfer.mixed import FlashInferMixedWrapper
     from mstar_flashinfer.prefill import FlashInferPrefillWrapper
     from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
-
-    from paged import workspace as ws
 
     bf16, dev, ps, hkv, gqa, d = torch.bfloat16, torch.device("cuda"), 16, 8, 4, 128
     jit = jit_notice.jit_dir()
@@ -80,12 +79,12 @@ def first_use(windows: list[int]) -> dict:
 
     steps = []
     for w in windows:
-        for name, fn in (("paged prefill, prompts of 100 and 7", lambda: prefill((100, 7), (0, 30), w)),
-                         ("paged prefill, prompts of 5 and 3", lambda: prefill((5, 3), (12, 0), w)),
-                         ("paged decode, 8 rows", lambda: decode(8, w, False)),
-                         ("paged decode, graph-mode bucket of 16", lambda: decode(5, w, True)),
-                         ("mixed step (prompts of 90 and 30)", lambda: mixed(w)),
-                         ("ragged prefill", lambda: ragged(w))):
+        for name, fn in (("paged prefill, prompts of 100 and 7", lambda w=w: prefill((100, 7), (0, 30), w)),
+                         ("paged prefill, prompts of 5 and 3", lambda w=w: prefill((5, 3), (12, 0), w)),
+                         ("paged decode, 8 rows", lambda w=w: decode(8, w, False)),
+                         ("paged decode, graph-mode bucket of 16", lambda w=w: decode(5, w, True)),
+                         ("mixed step (prompts of 90 and 30)", lambda w=w: mixed(w)),
+                         ("ragged prefill", lambda w=w: ragged(w))):
             new = jit_notice.built_since(jit)
             t0 = time.perf_counter()
             fn()
