@@ -15,11 +15,13 @@
 # and bench/gpu/fetch_flashinfer.sh; at most 64 MiB a call, the tree included):
 #   flashinfer [0.5.3]  .gpu/flashinfer and .gpu/flashinfer-aot-0.5.3.tgz, or on a first run
 #                       .gpu/flashinfer-aot.tgz (+ .gpu/flashinfer-aot-features.tgz while it fits):
-#                       the plugin's, core and registry GPU tests, the wrapper, runner and host-cost
-#                       benches, warm-up then first use, `mstar backends`
+#                       the plugin's, core and registry GPU tests, the wrapper bench, warm-up then
+#                       first use, `mstar backends`
 #   wheel 0.7.4         one call per part, on one machine kept warm (it keeps /tmp): .gpu/fi-0.7.4/part1,
 #                       then .gpu/fi-0.7.4/part2; the second call joins, checks and installs the wheel
 #   flashinfer 0.7.4    then, on that machine: .gpu/fi-0.7.4-deps [.gpu/flashinfer-aot-0.7.4.tgz]
+#   runner              as flashinfer 0.5.3 (nothing on a machine where it ran): the step runner's decode
+#                       loop and the host cost of a step
 #   features            .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz (FP8 and soft-cap modules in it):
 #                       bench/attention_features.py's FlashInfer sections
 #   dense               .gpu/fa3 .gpu/env.sh: FA3 and dense-path GPU tests, the dense bench, FA3 features,
@@ -31,7 +33,7 @@
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | wheel <version> | features | dense | bounded | transformers | tp"}
+suite=${1:?"suite: flashinfer [version] | wheel <version> | runner | features | dense | bounded | transformers | tp"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -107,8 +109,11 @@ flashinfer)
   T 480 warmup_first_use python3 bench/warmup_first_use.py --out "$R" --window 128
   gpu_tests 300 tests tests/flashinfer tests/core tests/registry
   T 120 flashinfer_wrappers python3 bench/flashinfer_wrappers.py --out "$R"
-  T 120 runner_steps python3 bench/runner_steps.py --out "$R"
-  T 150 host_cost python3 bench/host_cost.py --out "$R"
+  flashinfer_modules_out "$FI" ;;
+runner)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  T 150 runner_steps python3 bench/runner_steps.py --out "$R"
+  T 200 host_cost python3 bench/host_cost.py --out "$R"
   flashinfer_modules_out "$FI" ;;
 wheel)  # a FlashInfer wheel over 64 MiB, carried in parts (bench/gpu/fetch_flashinfer.sh) onto a warm machine
   [ -n "$2" ] || { echo "wheel: which version?"; exit 2; }
