@@ -2,7 +2,10 @@
 this script (not torchrun, which would kill the survivor itself), rank 1 raising at its Nth
 step. Prints, per rank, the exit status, the seconds it ran and the end of its stderr.
 
-    python3 bench/tp_failure.py [--graphs] [--timeout 20] [--device cuda] [--fail-at 10]
+    python3 bench/tp_failure.py [--graphs] [--timeout 20] [--device cuda] [--fail-at 10] [--out DIR]
+
+With --out, also writes tp_failure-graphs or tp_failure-eager (.json, .md) there. Target: neither
+rank hangs; rank 0 ends within the timeout plus the watchdog's grace after rank 1 failed.
 """
 
 from __future__ import annotations
@@ -17,8 +20,7 @@ import time
 
 
 def child(fail_at: int, argv: list[str]) -> int:
-    from mstar_core import cli
-    from mstar_core.graphs import GraphRunner
+    from mstar_core import GraphRunner, cli
 
     if os.environ["RANK"] == "1":
         real, calls = GraphRunner.launch, 0
@@ -40,6 +42,7 @@ def main() -> int:
     ap.add_argument("--timeout", type=float, default=20.0)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--fail-at", type=int, default=10)
+    ap.add_argument("--out", default=None, help="also write the result and its targets here")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     a = ap.parse_args()
     argv = ["bench", "--tp", "2", "--device", a.device, "--tp-timeout", str(a.timeout), "--steps", "200",
@@ -74,7 +77,31 @@ def main() -> int:
         out["ranks"][r] = {"exit": None if hung else p.returncode, "seconds": round(ended.get(r, float("nan")), 1),
                            "hung": hung, "stderr_tail": tail}
     print(json.dumps(out, indent=2))
+    if a.out:
+        write(a.out, out)
     return 0
+
+
+def write(folder: str, out: dict) -> None:
+    import report
+
+    from mstar_core.distributed import STALL_GRACE_S
+
+    r0, r1 = out["ranks"][0], out["ranks"][1]
+    lag = r0["seconds"] - r1["seconds"]
+    out["targets"] = {
+        "no rank hangs": report.target(not (r0["hung"] or r1["hung"]), "both end", not (r0["hung"] or r1["hung"])),
+        "rank 0 ends after rank 1 failed (s)": report.target(lag, f"< timeout + {STALL_GRACE_S:g} s grace",
+                                                             lag < out["timeout_s"] + STALL_GRACE_S),
+    }
+    out["env"] = report.environment()
+    mode = "graphs" if out["graphs"] else "eager"
+    report.write(folder, f"tp_failure-{mode}", out, [
+        f"# A rank failing mid-run ({mode}, rank 1 raises at its step {out['fail_at']}, timeout {out['timeout_s']:g} s)",
+        "", report.environment_line(out["env"]), "",
+        *report.table(("rank", "exit", "seconds", "hung", "stderr tail"),
+                      ((r, x["exit"], x["seconds"], x["hung"], " / ".join(x["stderr_tail"])) for r, x in out["ranks"].items())),
+        "", *report.targets_table(out["targets"])], echo=False)
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from mstar_core.capabilities import PAGED
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step
+from mstar_core.testing.timing import event, kernel_ms, sync
 
 LABEL = "text"
 log = logging.getLogger(__name__)
@@ -102,7 +103,7 @@ class BenchResult:
 
 @dataclass
 class DecodeSetup:
-    """Everything the loop runs, for scripts that time parts of it (bench/runner_bench.py)."""
+    """Everything the loop runs, for scripts that time parts of it (bench/runner_steps.py)."""
 
     backend: str
     device: torch.device
@@ -192,7 +193,7 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
         log.warning("pre-plan off: %s (eager paged attention plans into the wrappers the running step "
                     "reads; use --graphs)", why)
     host: list[float] = []
-    marks: list[float | torch.cuda.Event] = []
+    marks: list[Any] = []  # CUDA events, or the host clock's stand-ins
     prep = runner.prepare(decode) if preplan else None
     for i in range(o.warmup + o.steps):
         if not preplan:
@@ -209,21 +210,15 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
             prep = runner.prepare(decode)  # step N+1 planned while step N runs
         host.append(time.perf_counter() - t0)
         pet()
-        if cuda:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            marks.append(ev)
-        else:
-            marks.append(time.perf_counter())
+        ev = event(dev)
+        ev.record()
+        marks.append(ev)
     if prep is not None and preplan:
         runner.discard(prep)  # the step planned ahead of a loop that ends here
     # A step's time is the interval between its mark and the previous one: the last warm-up
     # step's mark opens the first of ``steps`` timed intervals (warmup >= 1).
-    if cuda:
-        torch.cuda.synchronize()
-        steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup, len(marks))]  # type: ignore[union-attr]
-    else:
-        steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup, len(marks))]  # type: ignore[operator]
+    sync(dev)
+    steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup, len(marks))]
     step_ms, host_ms = statistics.median(steps), statistics.median(host[o.warmup:]) * 1e3
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
     ar_ms = None
@@ -242,19 +237,7 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
 
 def _time_ms(run: Callable[[], None], device: torch.device, reps: int = 20) -> float:
     """ms per call of ``run``, back to back after one untimed call: CUDA events, else the host clock."""
-    run()
-    if device.type != "cuda":
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            run()
-        return (time.perf_counter() - t0) * 1e3 / reps
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        run()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps
+    return kernel_ms(run, reps=reps, rounds=1, warm=1, device=device)
 
 
 def _gpu_time(runner: GraphRunner, batch: int) -> float:

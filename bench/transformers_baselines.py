@@ -12,7 +12,7 @@ and ``prompts``, a list of token-id lists, and return a plain, JSON-ready dict. 
 names: ``_s`` seconds, ``_ms`` milliseconds, ``tok_per_s`` generated tokens per second.
 
 Written against transformers 5.17.0 and 5.24.0 (the continuous-batching API differs between them:
-see ``_cb_attn_and_config``). ``python3 bench/hf_baselines.py --smoke`` checks every path on CPU
+see ``_cb_attn_and_config``). ``python3 bench/transformers_baselines.py --smoke`` checks every path on CPU
 with a tiny random Llama.
 """
 
@@ -20,18 +20,15 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import pathlib
 import statistics
-import sys
 import time
 
 import torch
+from report import dist_version
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # timing.py, when loaded by path
+from mstar_core.testing.timing import event, sync
 
-from timing import dist_version, event, sync
-
-log = logging.getLogger("hf_baselines")
+log = logging.getLogger("transformers_baselines")
 
 
 # --------------------------------------------------------------------------------------------- #
@@ -397,14 +394,19 @@ def _smoke() -> None:
           f"{len(results)} paths, output ids equal to plain generate")
 
 
-if __name__ == "__main__":
+def main(argv: list[str] | None = None) -> int:
     import argparse
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="check every path on CPU, tiny Llama")
-    a = p.parse_args()
+    a = p.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     if a.smoke:
         _smoke()
     else:
         p.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

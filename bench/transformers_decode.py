@@ -12,25 +12,28 @@ mstar's figures, from one ``generate``-style run after a warm-up run:
 - time to first token per request (they all arrive at once; prompts join in steps of at most
   ``--max-prefill-tokens``), and tokens/s.
 
-Targets (issue 14): decode step <= 1.10x the graph's GPU time; that GPU time <= 1.5x the step's
-bytes over the copy bandwidth; decode tokens/s >= 20x transformers' ``generate``.
-Run: ``python3 bench/hf_bench.py --device cuda [--json out.json]`` (``--smoke``: a tiny CPU run).
+Targets: decode step <= 1.10x the graph's GPU time; that GPU time <= 1.5x the step's bytes over
+the copy bandwidth; decode tokens/s >= 20x transformers' ``generate``.
+
+    python3 bench/transformers_decode.py --out $OUT    # writes transformers_decode.json and .md
+    python3 bench/transformers_decode.py --smoke       # a tiny CPU run of every path
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
-import sys
 import time
 
+import report
 import torch
+from transformers_baselines import cb_workload_sizing, hf_generate, hf_generate_batch
 
-from hf_baselines import cb_workload_sizing, hf_generate, hf_generate_batch
-from timing import copy_bandwidth, kernel_ms, versions
-
-from mstar_core.integrations.transformers import Engine, EngineOptions, run
+from mstar_core import Engine, EngineOptions
+from mstar_core.integrations.transformers import run
+from mstar_core.testing.timing import copy_bandwidth, kernel_ms, sync
 
 
 def llama_1b(vocab: int, hidden: int, layers: int, dtype: torch.dtype, device: str):
@@ -62,7 +65,7 @@ def bench_mstar(model, prompts, new: int, backend: str, max_prefill_tokens: int)
     with Engine(model, backend, opts) as engine:
         build_s = time.perf_counter() - t0
         run(engine, prompts, 8)  # warm-up: first uses, allocator
-        torch.cuda.synchronize() if engine.device.type == "cuda" else None
+        sync(engine.device)
         rep = run(engine, prompts, new)
         steps = rep.decode_step_ms()
         full = [s for s in rep.steps if s.kind == "decode" and s.rows == batch]
@@ -89,7 +92,7 @@ def bench_mstar(model, prompts, new: int, backend: str, max_prefill_tokens: int)
     return out
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="flashinfer")
@@ -103,15 +106,15 @@ def main() -> int:
     p.add_argument("--paths", default="mstar,generate,generate_batch,generate_static",
                    help="what to run, in this order")
     p.add_argument("--smoke", action="store_true", help="a tiny CPU run of every path (checks the script only)")
-    p.add_argument("--json", default=None)
-    a = p.parse_args()
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT; none: print)")
+    a = p.parse_args(argv)
     if a.smoke:
         a.device, a.backend, a.batch, a.prompt_len, a.new, a.layers, a.hidden, a.vocab = "cpu", "reference", 4, 16, 6, 2, 128, 512
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = llama_1b(a.vocab, a.hidden, a.layers, dtype, a.device)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, a.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
-    res: dict = {"versions": versions("transformers", "flashinfer-python", "mstar-core"),
+    res: dict = {"env": report.environment("transformers"),
                  "workload": {k: getattr(a, k) for k in ("batch", "prompt_len", "new", "layers", "hidden", "vocab")}}
     if a.device == "cuda":
         res["copy"] = copy_bandwidth()
@@ -136,56 +139,60 @@ def main() -> int:
         res[path] = r
         print(json.dumps({path: {k: v for k, v in (r or {}).items() if k not in ("ids", "output_ids")}}, default=str),
               flush=True)
-    summary(res, model, a.batch)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump(res, f, indent=1, default=str)
+    lines = ["# A Llama-3.2-1B-shaped model: mstar's generate loop against transformers' own", "",
+             report.environment_line(res["env"]), "", *summary(res, model, a.batch), "",
+             *report.targets_table(res["targets"])]
+    if a.out:
+        report.write(a.out, "transformers_decode", res, lines)
+    else:
+        print("\n".join(lines))
     return 0
 
 
-def summary(res: dict, model, batch: int) -> None:
+def summary(res: dict, model, batch: int) -> list[str]:
+    """The figures as markdown lines; the targets into ``res["targets"]``."""
     m = res.get("mstar") or {}
     hf = res.get("generate") or {}
+    lines: list[str] = []
+    t = res.setdefault("targets", {})
     if "ids" in m and "output_ids" in hf:
         same = sum(x == y for a, b in zip(m["ids"], hf["output_ids"]) for x, y in zip(a, b))
         total = sum(len(b) for b in hf["output_ids"])
         res["greedy_same_share_vs_generate_sdpa"] = same / total
-        print(f"greedy tokens equal to transformers' generate (sdpa, same weights and dtype): {same}/{total} = {100 * same / total:.1f}%")
+        lines.append(f"- greedy tokens equal to transformers' generate (sdpa, same weights and dtype): {same}/{total} "
+                     f"= {100 * same / total:.1f}%")
     if "decode_step_ms" not in m:
-        return
-    lines = [f"mstar ({m['backend']}, graphs {m['graphs']}, pre-plan {m['preplan']}): decode step {m['decode_step_ms']:.3f} ms "
-             f"= {m['decode_tok_per_s']:.0f} tokens/s; TTFT median {m['ttft_s_median'] * 1e3:.0f} ms, max "
-             f"{m['ttft_s_max'] * 1e3:.0f} ms; {m['tok_per_s']:.0f} tokens/s with prefill"]
+        return lines
+    lines.append(f"- mstar ({m['backend']}, graphs {m['graphs']}, pre-plan {m['preplan']}): decode step "
+                 f"{m['decode_step_ms']:.3f} ms = {m['decode_tok_per_s']:.0f} tokens/s; TTFT median "
+                 f"{m['ttft_s_median'] * 1e3:.0f} ms, max {m['ttft_s_max'] * 1e3:.0f} ms; {m['tok_per_s']:.0f} tokens/s "
+                 "with prefill")
     if "graph_gpu_ms" in m and "copy" in res:
         b = step_bytes(model, batch, m["median_context"])
         floor_ms = b["total"] / (res["copy"]["tb_per_s"] * 1e12) * 1e3
-        res["targets"] = t = {
-            "step_over_graph_gpu": m["decode_step_ms"] / m["graph_gpu_ms"],
-            "graph_gpu_over_bytes_floor": m["graph_gpu_ms"] / floor_ms,
-            "bytes": b, "floor_ms": floor_ms,
-        }
-        lines.append(f"  graph GPU time {m['graph_gpu_ms']:.3f} ms back to back; step / GPU = "
-                     f"{t['step_over_graph_gpu']:.3f} (target <= 1.10)")
-        lines.append(f"  bytes per step {b['total'] / 1e9:.3f} GB (weights {b['weights'] / 1e9:.3f}, KV {b['kv'] / 1e9:.3f} "
-                     f"at context {m['median_context']:.0f}) / copy {res['copy']['tb_per_s']:.2f} TB/s = {floor_ms:.3f} ms; "
-                     f"GPU / floor = {t['graph_gpu_over_bytes_floor']:.3f} (target <= 1.5)")
+        res["floor"] = {"bytes": b, "floor_ms": floor_ms}
+        step_gpu, gpu_floor = m["decode_step_ms"] / m["graph_gpu_ms"], m["graph_gpu_ms"] / floor_ms
+        t["decode step / graph GPU time"] = report.target(step_gpu, "<= 1.10", step_gpu <= 1.10)
+        t["graph GPU time / step bytes over copy bandwidth"] = report.target(gpu_floor, "<= 1.5", gpu_floor <= 1.5)
+        lines.append(f"- graph GPU time {m['graph_gpu_ms']:.3f} ms back to back; bytes per step "
+                     f"{b['total'] / 1e9:.3f} GB (weights {b['weights'] / 1e9:.3f}, KV {b['kv'] / 1e9:.3f} at context "
+                     f"{m['median_context']:.0f}) / copy {res['copy']['tb_per_s']:.2f} TB/s = {floor_ms:.3f} ms")
     for path in ("generate", "generate_static", "generate_batch"):
         r = res.get(path)
         if not r or "error" in r:
-            lines.append(f"transformers {path}: {'not run' if not r else r['error']}")
+            lines.append(f"- transformers {path}: {'not run' if not r else r['error']}")
             continue
         tok = r.get("decode_tok_per_s") or r.get("tok_per_s")
         what = "decode" if "decode_tok_per_s" in r else "incl. prefill"
         ratio = m["decode_tok_per_s"] / tok if tok else float("nan")
         extra = f", {r['decode_ms_per_step']:.1f} ms per decode step, TTFT {r['ttft_s'] * 1e3:.0f} ms" \
             if "decode_ms_per_step" in r else f", TTFT median {r.get('ttft_s_median', float('nan')) * 1e3:.0f} ms"
-        lines.append(f"transformers {path} ({r.get('attn_implementation')}): {tok:.0f} tokens/s {what}{extra}; "
-                     f"mstar decode / this = {ratio:.1f}x" + (" (target >= 20x)" if path == "generate" else ""))
+        lines.append(f"- transformers {path} ({r.get('attn_implementation')}): {tok:.0f} tokens/s {what}{extra}; "
+                     f"mstar decode / this = {ratio:.1f}x")
         if path == "generate":
-            res.setdefault("targets", {})["decode_over_generate"] = ratio
-    for line in lines:
-        print(line, flush=True)
+            t["mstar decode tokens/s / transformers generate"] = report.target(ratio, ">= 20", ratio >= 20)
+    return lines
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

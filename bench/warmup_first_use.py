@@ -8,9 +8,9 @@
    meanwhile (its JIT folder before and after) -- expected: none;
 3. the same once more, to show the load time alone.
 
-    python3 bench/warmup_check.py --out $OUT [--window 128]
+    python3 bench/warmup_first_use.py --out $OUT [--window 128]   # writes warmup_first_use.json and .md
 
-Writes warmup_check.json and warmup_check.md into --out.
+Target: no module built in either fresh process.
 """
 
 from __future__ import annotations
@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+import report
+
 CONFIG = ["--dtype", "bfloat16", "--head-dim", "128", "--page-size", "16", "--qo-heads", "32", "--kv-heads", "8"]
 
 
@@ -31,6 +33,7 @@ def first_use(windows: list[int]) -> dict:
     prefill with long and short prompts, eager decode, a graph-mode decode bucket, a mixed step,
     a ragged prefill), not the warm-up's own helper -- each timed, and the modules built."""
     import torch
+    from paged import workspace as ws
 
     from mstar_core.testing import conformance as C
     from mstar_flashinfer import jit_notice
@@ -40,7 +43,6 @@ def first_use(windows: list[int]) -> dict:
     from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
     bf16, dev, ps, hkv, gqa, d = torch.bfloat16, torch.device("cuda"), 16, 8, 4, 128
-    ws = lambda: torch.empty(128 << 20, dtype=torch.uint8, device=dev)  # noqa: E731
     jit = jit_notice.jit_dir()
 
     def data(q_lens, prefix, w, seed):
@@ -77,12 +79,12 @@ def first_use(windows: list[int]) -> dict:
 
     steps = []
     for w in windows:
-        for name, fn in (("paged prefill, prompts of 100 and 7", lambda: prefill((100, 7), (0, 30), w)),
-                         ("paged prefill, prompts of 5 and 3", lambda: prefill((5, 3), (12, 0), w)),
-                         ("paged decode, 8 rows", lambda: decode(8, w, False)),
-                         ("paged decode, graph-mode bucket of 16", lambda: decode(5, w, True)),
-                         ("mixed step (prompts of 90 and 30)", lambda: mixed(w)),
-                         ("ragged prefill", lambda: ragged(w))):
+        for name, fn in (("paged prefill, prompts of 100 and 7", lambda w=w: prefill((100, 7), (0, 30), w)),
+                         ("paged prefill, prompts of 5 and 3", lambda w=w: prefill((5, 3), (12, 0), w)),
+                         ("paged decode, 8 rows", lambda w=w: decode(8, w, False)),
+                         ("paged decode, graph-mode bucket of 16", lambda w=w: decode(5, w, True)),
+                         ("mixed step (prompts of 90 and 30)", lambda w=w: mixed(w)),
+                         ("ragged prefill", lambda w=w: ragged(w))):
             new = jit_notice.built_since(jit)
             t0 = time.perf_counter()
             fn()
@@ -93,21 +95,17 @@ def first_use(windows: list[int]) -> dict:
             "modules_built": sum(len(s["built"]) for s in steps)}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", type=Path, required=True)
     ap.add_argument("--window", type=int, action="append", help="window_left values besides -1")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     windows = [-1] + [w for w in (args.window or []) if w != -1]
     if args.child:
         print(json.dumps(first_use(windows)))
-        return
-    import flashinfer
-    import torch
-
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda,
-            "flashinfer": flashinfer.__version__, "python": sys.version.split()[0], "windows": windows}
+        return 0
+    meta = {**report.environment(), "windows": windows}
     win_args = [a for w in windows for a in ("--window", str(w))]
     t0 = time.perf_counter()
     p = subprocess.run([sys.executable, "-m", "mstar_core.cli", "-v", "warmup", "--backend", "flashinfer", *CONFIG,
@@ -123,23 +121,24 @@ def main() -> None:
         child = [sys.executable, __file__, "--out", str(args.out), "--child", *[a for w in windows[1:] for a in ("--window", str(w))]]
         c = subprocess.run(child, capture_output=True, text=True, check=True)
         runs.append(json.loads(c.stdout.splitlines()[-1]))
-    res = {"meta": meta, "warmup": warm, "first_use_after_warmup": runs[0], "second_process": runs[1]}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "warmup_check.json").write_text(json.dumps(res, indent=2))
-    lines = [f"# mstar warmup, then a first plan + run -- {meta['device']}", "",
-             f"torch {meta['torch']}, CUDA {meta['cuda']}, flashinfer {meta['flashinfer']}; bf16, 32/8 heads, "
-             f"head_dim 128, page 16, windows {windows}.", "",
+    built = sum(r["modules_built"] for r in runs)
+    res = {"env": meta, "warmup": warm, "first_use_after_warmup": runs[0], "second_process": runs[1],
+           "targets": {"modules built after the warm-up (two fresh processes)": report.target(built, "0", built == 0)}}
+    lines = [f"# mstar warmup, then a first plan + run -- {meta['device']}", "", report.environment_line(meta), "",
+             f"bf16, 32/8 heads, head_dim 128, page 16, windows {windows}.", "",
              f"`mstar warmup`: {warm['seconds']:.1f} s in its kernels ({wall:.1f} s for the whole command).", "",
-             "| variant | seconds | what happened |", "| --- | --- | --- |"]
-    lines += [f"| {k['capability']} [{k['variant']}] | {k['seconds']:.2f} | {k['detail']} |" for k in warm["kernels"]]
+             *report.table(("variant", "seconds", "what happened"),
+                           ((f"{k['capability']} [{k['variant']}]", k["seconds"], k["detail"]) for k in warm["kernels"]),
+                           spec=".2f")]
     for title, run in (("First plan + run in a new process after the warm-up", runs[0]),
                        ("The same in one more process", runs[1])):
         lines += ["", f"{title}: {run['total_seconds']:.2f} s in all, {run['modules_built']} modules built.", "",
-                  "| step | window_left | seconds | modules built |", "| --- | --- | --- | --- |"]
-        lines += [f"| {s['step']} | {s['window_left']} | {s['seconds']:.3f} | {len(s['built'])} |" for s in run["steps"]]
-    (args.out / "warmup_check.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                  *report.table(("step", "window_left", "seconds", "modules built"),
+                                ((s["step"], s["window_left"], s["seconds"], len(s["built"])) for s in run["steps"]),
+                                spec=".3f")]
+    report.write(args.out, "warmup_first_use", res, [*lines, "", *report.targets_table(res["targets"])])
+    return 0 if built == 0 else 1
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(main())

@@ -1,4 +1,4 @@
-"""One denoise step on the GPU, four ways, in one process (seed 000's benchmark):
+"""One denoise step on the GPU, four ways, in one process:
 
 1. raw FA3 varlen over pre-concatenated [prefix | fresh] K/V (the floor);
 2. mstar dense with FA3 (DenseAttentionManager: cached prefix + concatenation + FA3);
@@ -14,7 +14,7 @@ and with a float64 reference on a slice (the kernels allocate their outputs fres
 buffer to poison). ``--device cpu`` with small shapes runs the same code over the CPU stand-ins
 (tests/dense/test_bench_smoke.py), timing with the host clock.
 
-    source .gpu/env.sh flashinfer && python3 bench/dense_bench.py   # writes $OUT/dense_bench.{json,md}
+    python3 bench/dense_prefill.py --out $OUT   # writes dense_prefill.json and .md
 
 Targets: mstar dense with FA3 <= 1.05 x raw FA3 per layer; dense >= 1.25 x faster than paged per
 step. A variant whose library is missing is reported as skipped, with the reason.
@@ -24,44 +24,33 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import json
 import os
-import pathlib
 import statistics
 import sys
 import time
 import traceback
 
+import report
 import torch
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))  # timing.py, when loaded by path (the smoke test)
-
-import timing  # noqa: E402
-
-from mstar_core.attention.dense import DenseAttentionManager  # noqa: E402
-from mstar_core.attention.paged import PagedAttentionManager  # noqa: E402
-from mstar_core.kv import KVConfig, KVManager  # noqa: E402
-from mstar_core.node import Node  # noqa: E402
-from mstar_core.step import AttentionStep, KVSpan, KVStep, Step  # noqa: E402
-from mstar_core.testing.oracle import attention_oracle, rel_error  # noqa: E402
+from mstar_core import (
+    AttentionStep,
+    DenseAttentionManager,
+    KVConfig,
+    KVManager,
+    KVSpan,
+    KVStep,
+    Node,
+    PagedAttentionManager,
+    Step,
+)
+from mstar_core.testing.oracle import attention_oracle, rel_error
+from mstar_core.testing.timing import event, queued_events_ms, sync, wall_ms
 
 LABEL = "latent"
 NOT_CAUSAL = AttentionStep(causal=False)
 DEV = torch.device("cuda")
 BF16 = torch.bfloat16
-
-
-def sync() -> None:
-    timing.sync(DEV)
-
-
-def Event():
-    return timing.event(DEV)
-
-
-def _version(dist: str) -> str:
-    return timing.dist_version(dist) or "not installed"
 
 
 class Data:
@@ -83,21 +72,6 @@ class Data:
         self.rids = [f"r{i}" for i in range(B)]
 
 
-def event_median(fn, reps: int, inner: int) -> float:
-    """Median ms of ``fn()`` over ``reps x inner`` calls, each bracketed by events; no sync
-    between calls of one rep (the host runs ahead as it would in a forward)."""
-    times = []
-    for _ in range(reps):
-        ev = [(Event(), Event()) for _ in range(inner)]
-        for s, e in ev:
-            s.record()
-            fn()
-            e.record()
-        sync()
-        times.extend(s.elapsed_time(e) for s, e in ev)
-    return statistics.median(times)
-
-
 # -- the variants ------------------------------------------------------------------------------
 
 
@@ -110,8 +84,8 @@ def raw_fa3(d: Data) -> dict:
         return out[0] if isinstance(out, (tuple, list)) else out
 
     out = call()
-    layer = event_median(call, a.reps, a.layers)
-    cat = event_median(lambda: (torch.cat([d.kp, d.kf]), torch.cat([d.vp, d.vf])), a.reps, 4)
+    layer = queued_events_ms(call, a.reps, a.layers, DEV)
+    cat = queued_events_ms(lambda: (torch.cat([d.kp, d.kf]), torch.cat([d.vp, d.vf])), a.reps, 4, DEV)
     return {"layer_ms": layer, "step_ms_kernels_only": layer * a.layers, "concat_kv_ms": cat, "_out": out}
 
 
@@ -157,10 +131,10 @@ def mstar_variant(d: Data, make_attn) -> dict:
                 captured["out"] = out
 
     node.step(step, layers)  # warm-up: gathers the prefixes, compiles what compiles
-    sync()
+    sync(DEV)
     captured.clear()
     node.step(step, layers)  # the checked step (its layer 0 output, on the cached prefix)
-    sync()
+    sync(DEV)
 
     # per layer: events around one layer's work inside a planned step
     per_layer: list[float] = []
@@ -168,34 +142,25 @@ def mstar_variant(d: Data, make_attn) -> dict:
     def timed_layers(ctx):
         ev = []
         for i in range(a.layers):
-            s, e = Event(), Event()
+            s, e = event(DEV), event(DEV)
             s.record()
             if attn.requires_kv_write:
                 kv.write_kv(d.kf, d.vf, layer_idx=i, label=LABEL)
             attn.run(d.q, LABEL, kv.layer_view(i), k=d.kf, v=d.vf, layer_idx=i)
             e.record()
             ev.append((s, e))
-        sync()
+        sync(DEV)
         per_layer.extend(s.elapsed_time(e) for s, e in ev)
 
     for _ in range(a.reps):
         node.step(step, timed_layers)
     # per step: wall clock, admit + plan + layers + commit
-    steps = []
-    for _ in range(a.reps):
-        sync()
-        t0 = time.perf_counter()
-        node.step(step, layers)
-        sync()
-        steps.append((time.perf_counter() - t0) * 1e3)
-    res = {"layer_ms": statistics.median(per_layer), "step_ms": statistics.median(steps), "_out": captured["out"]}
+    step_ms = wall_ms(lambda: node.step(step, layers), a.reps, DEV)
+    res = {"layer_ms": statistics.median(per_layer), "step_ms": step_ms, "_out": captured["out"]}
     if isinstance(attn, DenseAttentionManager):
         st = attn.stats
         res["prefix_cache"] = {"gathers": st.gathers, "hits": st.hits}
     node.cleanup()
-    del kv, attn, node
-    if DEV.type == "cuda":
-        torch.cuda.empty_cache()
     return res
 
 
@@ -259,18 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     global DEV
     DEV = torch.device(a.device)
     if DEV.type == "cuda" and not torch.cuda.is_available():
-        print("dense_bench needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
+        print("dense_prefill needs a CUDA GPU (or --device cpu for a smoke run)", file=sys.stderr)
         return 2
-    out_dir = pathlib.Path(a.out)
-    out_dir.mkdir(parents=True, exist_ok=True)
     d = Data(a)
-    cuda = DEV.type == "cuda"
-    info = {
-        "device": torch.cuda.get_device_name() if cuda else "cpu",
-        "capability": ("sm%d%d" % torch.cuda.get_device_capability()) if cuda else "-",
-        "torch": torch.__version__, "cuda": torch.version.cuda,
-        "tokenspeed-fa3": _version("tokenspeed-fa3"), "flashinfer-python": _version("flashinfer-python"),
-    }
     shape = {k: getattr(a, k) for k in ("requests", "prefix", "fresh", "hq", "hkv", "d", "layers", "page_size", "reps")}
     shape.update(dtype="bfloat16", causal=False)
     results: dict[str, dict] = {}
@@ -283,6 +239,9 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = {"skipped": f"{type(e).__name__}: {e}", "trace": traceback.format_exc(limit=3)}
             print(f"{name}: skipped ({type(e).__name__}: {e})")
             continue
+        finally:
+            if DEV.type == "cuda":
+                torch.cuda.empty_cache()  # the variant's cache and manager went with its frame
         out = r.pop("_out")
         outs[name] = out
         r["rel_error_vs_float64"] = reference_error(d, out)
@@ -293,51 +252,45 @@ def main(argv: list[str] | None = None) -> int:
         base = outs["raw_fa3"].float()
         for name, o in outs.items():
             results[name]["rel_diff_vs_raw_fa3"] = float((o.float() - base).norm() / base.norm())
-    targets = {}
-    raw = results.get("raw_fa3", {})
-    dfa3 = results.get("mstar_dense_fa3", {})
+    errors_ok = all(r.get("rel_error_vs_float64", 0) < 1.6e-2 for r in results.values())
+    doc = {"env": report.environment(), "shape": shape, "results": results, "targets": targets(results),
+           "errors_ok": errors_ok}
+    report.write(a.out, "dense_prefill", doc, page(doc))
+    return 0 if errors_ok else 1
+
+
+def targets(results: dict[str, dict]) -> dict:
+    t = {}
+    raw, dfa3 = results.get("raw_fa3", {}), results.get("mstar_dense_fa3", {})
     paged = results.get("mstar_paged_flashinfer", {})
     if "layer_ms" in raw and "layer_ms" in dfa3:
         ratio = dfa3["layer_ms"] / raw["layer_ms"]
-        targets["dense_fa3_over_raw_fa3_per_layer"] = {"value": ratio, "target": "<= 1.05", "met": ratio <= 1.05}
+        t["dense_fa3_over_raw_fa3_per_layer"] = report.target(ratio, "<= 1.05", ratio <= 1.05)
     if "step_ms" in paged:
         for name in ("mstar_dense_fa3", "mstar_dense_flashinfer"):
             if "step_ms" in results.get(name, {}):
                 sp = paged["step_ms"] / results[name]["step_ms"]
-                targets[f"paged_over_{name}_per_step"] = {"value": sp, "target": ">= 1.25", "met": sp >= 1.25}
-    errors_ok = all(r.get("rel_error_vs_float64", 0) < 1.6e-2 for r in results.values())
-    doc = {"info": info, "shape": shape, "results": results, "targets": targets, "errors_ok": errors_ok}
-    (out_dir / "dense_bench.json").write_text(json.dumps(doc, indent=1))
-    (out_dir / "dense_bench.md").write_text(markdown(doc))
-    print(markdown(doc))
-    return 0 if errors_ok else 1
+                t[f"paged_over_{name}_per_step"] = report.target(sp, ">= 1.25", sp >= 1.25)
+    return t
 
 
-def markdown(doc: dict) -> str:
-    i, s = doc["info"], doc["shape"]
-    lines = [
-        "# Dense path benchmark: one denoise step", "",
-        f"{i['device']} ({i['capability']}), torch {i['torch']}, CUDA {i['cuda']}, "
-        f"tokenspeed-fa3 {i['tokenspeed-fa3']}, flashinfer-python {i['flashinfer-python']}", "",
-        f"{s['requests']} requests x ({s['prefix']} prefix + {s['fresh']} fresh), {s['hq']} q / {s['hkv']} kv heads, "
-        f"head_dim {s['d']}, bf16, not causal, {s['layers']} layers, page size {s['page_size']}; "
-        f"medians over {s['reps']} steps", "",
-        "| variant | per layer (ms) | per step (ms, plan included) | rel. error vs float64 | rel. diff vs raw FA3 |",
-        "| --- | --- | --- | --- | --- |",
-    ]
+def page(doc: dict) -> list[str]:
+    s = doc["shape"]
+    rows = []
     for name, r in doc["results"].items():
         if "skipped" in r:
-            lines.append(f"| {name} | skipped: {r['skipped']} | | | |")
+            rows.append((name, f"skipped: {r['skipped']}", None, None, None))
             continue
-        step = r.get("step_ms", r.get("step_ms_kernels_only"))
-        note = "" if "step_ms" in r else " (kernels only)"
-        lines.append(f"| {name} | {r['layer_ms']:.3f} | {step:.2f}{note} | {r['rel_error_vs_float64']:.2e} | "
-                     f"{r.get('rel_diff_vs_raw_fa3', float('nan')):.2e} |")
-    lines += ["", "| target | value | wanted | met |", "| --- | --- | --- | --- |"]
-    for name, t in doc["targets"].items():
-        lines.append(f"| {name} | {t['value']:.3f} | {t['target']} | {'yes' if t['met'] else 'NO'} |")
-    return "\n".join(lines) + "\n"
+        step = r["step_ms"] if "step_ms" in r else f"{r['step_ms_kernels_only']:.2f} (kernels only)"
+        rows.append((name, r["layer_ms"], step, r["rel_error_vs_float64"], r.get("rel_diff_vs_raw_fa3")))
+    return ["# Dense path: one denoise step", "", report.environment_line(doc["env"]), "",
+            f"{s['requests']} requests x ({s['prefix']} prefix + {s['fresh']} fresh), {s['hq']} q / {s['hkv']} kv "
+            f"heads, head_dim {s['d']}, bf16, not causal, {s['layers']} layers, page size {s['page_size']}; "
+            f"medians over {s['reps']} steps", "",
+            *report.table(("variant", "per layer (ms)", "per step (ms, plan included)", "rel. error vs float64",
+                           "rel. diff vs raw FA3"), rows, spec=".3g"),
+            "", *report.targets_table(doc["targets"])]
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

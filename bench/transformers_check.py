@@ -12,24 +12,24 @@ tokens, one prompt at a time); then through mstar (graphs on: decode steps repla
   share of positions whose token equals the eager greedy token, and where they first part.
 
 A backend that lacks a feature the architecture needs (FlashInfer: sink logits, gpt-oss) is
-replaced by ``auto``'s pick, and the line says so. Run: ``python3 bench/hf_check.py --device cuda``.
+replaced by ``auto``'s pick, and the line says so.
+
+    python3 bench/transformers_check.py --out $OUT   # writes transformers_check.json and .md
+    python3 bench/transformers_check.py --size tiny --device cpu --backend reference   # a CPU smoke run
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import sys
+import os
 import time
 
+import report
 import torch
 
-from timing import versions
-
-from mstar_core.integrations.transformers import Engine, EngineOptions, generate_report
+from mstar_core import BackendUnavailable, Engine, EngineOptions, KVSpan, KVStep, Step, generate_report
 from mstar_core.integrations.transformers.engine import LABEL
-from mstar_core.registry.selection import BackendUnavailable
-from mstar_core.step import KVSpan, KVStep, Step
 from mstar_core.testing.hf_models import ARCHITECTURES, build
 
 LENGTHS = (1, 15, 16, 17, 64, 100, 257, 33)
@@ -127,7 +127,7 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
     }
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--archs", default=",".join(ARCHITECTURES))
     p.add_argument("--backend", default="flashinfer")
@@ -135,32 +135,42 @@ def main() -> int:
     p.add_argument("--new", type=int, default=64)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--size", default="gpu", help="gpu, or tiny (a CPU smoke run of this script)")
-    p.add_argument("--json", default=None, help="also write the results here")
-    a = p.parse_args()
+    p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT; none: print)")
+    a = p.parse_args(argv)
     rows = []
-    print(json.dumps(versions("transformers", "flashinfer-python", "mstar-core"), default=str))
+    env = report.environment("transformers")
+    print(json.dumps(env, default=str))
     for arch in a.archs.split(","):
         try:
             r = check(arch, a.backend, a.device, a.new, a.seed, a.size)
         except Exception as e:  # one architecture's failure is a result too; the others still run
             r = {"arch": arch, "error": f"{type(e).__name__}: {e}"[:400]}
-            print(json.dumps(r), flush=True)
-            rows.append(r)
-            continue
         rows.append(r)
-        print(f"{arch:8s} {r['backend']:10s} graphs={r['graphs']} replayed={r['replayed_steps']:3d} "
-              f"hd={r['head_dim']} gqa={r['gqa']}  teacher-forced max|err| {r['tf_max_abs_err']:.4g} "
-              f"(logits up to {r['logit_scale']:.3g}; bf16 vs fp32 eager {r['bf16_vs_fp32_eager_max_abs']:.4g})  "
-              f"greedy same {r['greedy_same']}/{r['greedy_total']} = {100 * r['greedy_share']:.1f}% "
-              f"(target >= 95%; eager bf16 vs fp32: {100 * r['eager_bf16_vs_fp32_greedy_share']:.1f}%), "
-              f"teacher-forced next token same {100 * r['tf_argmax_share']:.1f}%, first divergence {r['first_divergence']}"
-              + (f"  [{r['requested_backend']} refused: {r['fallback_reason']}]" if r["fallback_reason"] else ""),
+        print(json.dumps({k: v for k, v in r.items() if k not in ("steps", "first_divergence")}, default=str),
               flush=True)
-    if a.json:
-        with open(a.json, "w") as f:
-            json.dump({"versions": versions("transformers", "flashinfer-python", "mstar-core"), "rows": rows}, f, indent=2, default=str)
-    return 0 if all("error" not in r and r["greedy_share"] >= 0.95 for r in rows) else 1
+    doc = {"env": env, "rows": rows, "targets": {
+        f"{r['arch']}: greedy tokens equal to eager": report.target(r.get("greedy_share"), ">= 0.95",
+                                                                   "error" not in r and r["greedy_share"] >= 0.95)
+        for r in rows}}
+    lines = ["# transformers models through mstar against transformers' eager attention (bf16)", "",
+             report.environment_line(env), "",
+             *report.table(("arch", "backend", "graphs", "replayed steps", "head dim", "gqa", "teacher-forced max abs err",
+                            "logits up to", "bf16 vs fp32 eager max abs err", "greedy same", "eager bf16 vs fp32 greedy",
+                            "teacher-forced next token same", "first divergence", "note"),
+                           ((r["arch"], *(r.get(k) for k in ("backend", "graphs", "replayed_steps", "head_dim", "gqa",
+                                                             "tf_max_abs_err", "logit_scale",
+                                                             "bf16_vs_fp32_eager_max_abs", "greedy_share",
+                                                             "eager_bf16_vs_fp32_greedy_share", "tf_argmax_share",
+                                                             "first_divergence")),
+                             r.get("error") or (f"{r['requested_backend']} refused: {r['fallback_reason']}"
+                                                if r.get("fallback_reason") else None)) for r in rows), spec=".4g"),
+             "", *report.targets_table(doc["targets"])]
+    if a.out:
+        report.write(a.out, "transformers_check", doc, lines)
+    else:
+        print("\n".join(lines))
+    return 0 if all(t["met"] for t in doc["targets"].values()) else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

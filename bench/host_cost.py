@@ -1,42 +1,35 @@
-"""Issue 12 on the GPU: the host cost of a decode step, against raw FlashInfer in this process.
+"""The host cost of a decode step on the GPU, against raw FlashInfer in this process.
 
-    python3 bench/host_bench.py --out $OUT     (needs flashinfer: source .gpu/env.sh flashinfer)
+    python3 bench/host_cost.py --out $OUT     # writes host_cost.json and .md
 
 1. ``GraphRunner.prepare`` of a decode step (admit + KV plan + attention plan, graph mode) against
-   the raw FlashInfer decode ``plan()`` it wraps, at each shape of the issue's table: 32 query /
-   8 KV heads, head dim 128, page size 16, bf16. The raw plan is timed as an engine would call
+   the raw FlashInfer decode ``plan()`` it wraps, from 8 x 512 to 256 x 8192 (batch x context):
+   32 query / 8 KV heads, head dim 128, page size 16, bf16. The raw plan is timed as an engine would call
    it in graph mode: its static buffers given at construction, ``indptr``/``last_page_len``/
    ``seq_lens`` on the host and the page indices already on the device. Both are timed in
    alternating calls with the GPU idle before each (medians). Targets: prepare <= 1.2x raw
    plan at every shape; prepare(256 x 8192) / prepare(256 x 2048) <= 1.1.
 2. 8-layer decode (hidden 2048) with graphs + pre-planning at 256 x 8192 and 256 x 2048: median
    step time against the same step's kernels replayed back to back. Target <= 1.05.
-
-Writes host_bench.json and host_bench.md into --out.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
 import sys
 import time
-from pathlib import Path
+import traceback
 
+import report
 import torch
-from timing import paired_host_us, versions
+from paged import BF16, HKV, HQ, PS, D, workspace
 
-from mstar_core.step import StepContext
-from mstar_core.demo.decode_bench import (
-    BenchOptions,
-    build_decode_setup,
-    run_decode_bench,
-)
+from mstar_core import StepContext
+from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
+from mstar_core.testing.timing import paired_host_us
 
-HQ, HKV, D, PS = 32, 8, 128, 16
-BF16 = torch.bfloat16
 SHAPES = ((8, 512), (64, 2048), (64, 8192), (256, 2048), (256, 8192))
 
 
@@ -59,7 +52,7 @@ def prepare_vs_raw(batch: int, context: int, reps: int) -> dict:
     s.node.rollback_admit(s.decode, ctx)
     i32 = dict(dtype=torch.int32, device="cuda")
     raw = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-        torch.empty(128 << 20, dtype=torch.uint8, device="cuda"), "NHD", use_cuda_graph=True,
+        workspace(), "NHD", use_cuda_graph=True,
         use_tensor_cores=use_tensor_cores(HQ, HKV), paged_kv_indptr_buffer=torch.zeros(batch + 1, **i32),
         paged_kv_indices_buffer=torch.zeros(indices.numel() + batch, **i32),
         paged_kv_last_page_len_buffer=torch.ones(batch, **i32))
@@ -112,32 +105,35 @@ def eight_layers(batch: int, context: int, steps: int) -> dict:
     return {"batch": batch, "context": context, **out}
 
 
-def markdown(res: dict) -> str:
-    v = res["versions"]
-    lines = [f"# Host cost of a decode step (issue 12) -- {v['device']}", "",
-             f"torch {v['torch']}, CUDA {v['cuda']}, flashinfer {v['flashinfer-python']}, mstar at "
-             f"{res.get('commit', '?')}; {HQ}/{HKV} heads, head dim {D}, page size {PS}, bf16, graph mode. Medians.", "",
-             "## prepare() vs raw FlashInfer decode plan()", "",
-             "| batch x context | pages | raw plan us | mstar prepare us | ratio | admit / kv plan / attn plan us |",
-             "| --- | --- | --- | --- | --- | --- |"]
-    for r in res["prepare"]:
-        p = r["parts_us"]
-        lines.append(f"| {r['batch']} x {r['context']} | {r['pages']} | {r['raw_plan_us']:.0f} | {r['prepare_us']:.0f} | "
-                     f"{r['ratio']:.2f} | {p['admit']:.0f} / {p['kv_plan']:.0f} / {p['attn_plan']:.0f} |")
-    lines += ["", "## 8-layer decode, hidden 2048", "",
-              "| batch x context | mode | median step ms | host ms/step | GPU ms/step (back to back) | step / GPU |",
-              "| --- | --- | --- | --- | --- | --- |"]
+def page(res: dict) -> list[str]:
+    return [f"# Host cost of a decode step -- {res['env']['device']}", "", report.environment_line(res["env"]), "",
+            f"{HQ}/{HKV} heads, head dim {D}, page size {PS}, bf16, graph mode. Medians.", "",
+            "## prepare() vs raw FlashInfer decode plan()", "",
+            *report.table(("batch x context", "pages", "raw plan us", "mstar prepare us", "ratio",
+                           "admit / kv plan / attn plan us"),
+                          ((f"{r['batch']} x {r['context']}", r["pages"], round(r["raw_plan_us"]), round(r["prepare_us"]),
+                            r["ratio"], " / ".join(f"{r['parts_us'][k]:.0f}" for k in ("admit", "kv_plan", "attn_plan")))
+                           for r in res["prepare"])),
+            "", "## 8-layer decode, hidden 2048", "",
+            *report.table(("batch x context", "mode", "median step ms", "host ms/step", "GPU ms/step (back to back)",
+                           "step / GPU"),
+                          ((f"{r['batch']} x {r['context']}", mode, *(r[mode][k] for k in (
+                              "median_step_ms", "median_host_ms", "gpu_step_ms", "vs_gpu")))
+                           for r in res["eight_layers"] for mode in ("graphs", "graphs+preplan")), spec=".4g"),
+            "", *report.targets_table(res["targets"]), *report.errors_section(res["errors"])]
+
+
+def targets(res: dict) -> dict:
+    t = {f"prepare / raw plan at {r['batch']} x {r['context']}": report.target(r["ratio"], "<= 1.2", r["ratio"] <= 1.2)
+         for r in res["prepare"]}
+    by = {(r["batch"], r["context"]): r for r in res["prepare"]}
+    if (256, 8192) in by and (256, 2048) in by:
+        flat = by[(256, 8192)]["prepare_us"] / by[(256, 2048)]["prepare_us"]
+        t["prepare(256 x 8192) / prepare(256 x 2048)"] = report.target(flat, "<= 1.1", flat <= 1.1)
     for r in res["eight_layers"]:
-        for mode in ("graphs", "graphs+preplan"):
-            m = r[mode]
-            lines.append(f"| {r['batch']} x {r['context']} | {mode} | {m['median_step_ms']:.3f} | {m['median_host_ms']:.3f} | "
-                         f"{m['gpu_step_ms']:.3f} | {m['vs_gpu']:.3f} |")
-    lines += ["", "## Targets", ""]
-    for k, t in res["targets"].items():
-        lines.append(f"- {k}: {t['value']} -> {'met' if t['met'] else 'NOT met'}")
-    for name, err in res.get("errors", {}).items():
-        lines += ["", f"## Error in {name}", "", "```", err, "```"]
-    return "\n".join(lines) + "\n"
+        v = r["graphs+preplan"]["vs_gpu"]
+        t[f"8 layers, graphs+preplan, {r['batch']} x {r['context']}: step / GPU"] = report.target(v, "<= 1.05", v <= 1.05)
+    return t
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -145,22 +141,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", default=".")
     ap.add_argument("--reps", type=int, default=41)
     ap.add_argument("--steps", type=int, default=30)
-    ap.add_argument("--commit", default="?")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
-        print("host_bench: needs a CUDA GPU", file=sys.stderr)
+        print("host_cost: needs a CUDA GPU", file=sys.stderr)
         return 2
-    res: dict = {"versions": versions("flashinfer-python", "mstar-core"), "commit": a.commit, "errors": {},
-                 "prepare": [], "eight_layers": []}
+    res: dict = {"env": report.environment(), "errors": {}, "prepare": [], "eight_layers": []}
 
     def section(name, fn):
-        # one failing shape still leaves the others' figures in the results file
         try:
             res[name].append(fn())
         except Exception:  # one shape's failure is recorded, the others still run
-            import traceback
-
-            res["errors"][f"{name}"] = res["errors"].get(name, "") + traceback.format_exc()[-3000:]
+            res["errors"][name] = res["errors"].get(name, "") + traceback.format_exc()[-3000:]
             traceback.print_exc()
         torch.cuda.empty_cache()  # the setup of one shape is gone before the next is built
 
@@ -168,26 +159,10 @@ def main(argv: list[str] | None = None) -> int:
         section("prepare", lambda b=b, c=c: prepare_vs_raw(b, c, a.reps))
     for c in (8192, 2048):
         section("eight_layers", lambda c=c: eight_layers(256, c, a.steps))
-    by = {(r["batch"], r["context"]): r for r in res["prepare"]}
-    targets = {f"prepare <= 1.2x raw plan at {r['batch']} x {r['context']}": {"value": round(r["ratio"], 3),
-                                                                             "met": r["ratio"] <= 1.2}
-               for r in res["prepare"]}
-    if (256, 8192) in by and (256, 2048) in by:
-        flat = by[(256, 8192)]["prepare_us"] / by[(256, 2048)]["prepare_us"]
-        targets["prepare(256 x 8192) / prepare(256 x 2048) <= 1.1"] = {"value": round(flat, 3), "met": flat <= 1.1}
-    for r in res["eight_layers"]:
-        v = r["graphs+preplan"]["vs_gpu"]
-        targets[f"8 layers, graphs+preplan, {r['batch']} x {r['context']}: step <= 1.05x GPU"] = {
-            "value": round(v, 3), "met": v <= 1.05}
-    res["targets"] = targets
-    out = Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "host_bench.json").write_text(json.dumps(res, indent=2))
-    md = markdown(res)
-    (out / "host_bench.md").write_text(md)
-    print(md)
+    res["targets"] = targets(res)
+    report.write(a.out, "host_cost", res, page(res))
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

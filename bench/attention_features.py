@@ -1,12 +1,12 @@
-"""Issue 13 on the GPU: the attention features (FP8 KV, soft-cap, sliding window, FA3 softcap /
-window / sinks, multi-token decode) through mstar against the same call to the raw library, in one
-process on one GPU.
+"""The attention features (FP8 KV, soft-cap, sliding window, FA3 softcap / window / sinks,
+multi-token decode) through mstar against the same call to the raw library, in one process on one
+GPU.
 
-    python3 bench/features_bench.py --out $OUT [--sections fp8,softcap,...] [--quick]
+    python3 bench/attention_features.py --out $OUT [--sections fp8,softcap,...] [--quick]
 
-Writes features_bench.json and features_bench.md into --out (rewritten after every section, so a
-run cut short keeps what it measured): device, versions, shapes, every figure, each target met or
-not. Kernel times are CUDA-event medians from bench/timing.py; every mstar-vs-raw pair is timed in
+Writes attention_features.json and .md into --out (rewritten after every section, so a run cut
+short keeps what it measured): environment, shapes, every figure, each target met or not. Kernel
+times are CUDA-event medians (mstar_core.testing.timing); every mstar-vs-raw pair is timed in
 alternating rounds (``paired_ms``) and its outputs compared (relative Frobenius difference), so a
 fast wrong path is caught. bf16 queries, 32 query heads, 8 KV heads, head dim 128, page size 16.
 
@@ -25,7 +25,7 @@ Sections (each in its own try/except; a failure is recorded as ``{"error": ...}`
 - ``fa3``: mstar's FA3PrefixedPrefillWrapper vs flash_attn_varlen_func, 8 segments x (1024 prefix
   + 1024 fresh), causal: plain (control), softcap 30, window 512, sinks: <= 1.03x raw each.
 - ``multitoken``: 32-layer decode, 64 rows x 4 query tokens over 8192, CUDA graphs + pre-plan (the
-  loop of mstar_core.demo.decode_bench, which bench/runner_bench.py times for one token, with
+  loop of mstar_core.demo.decode_bench, which bench/runner_steps.py times for one token, with
   ``AttentionFeatures(decode_query_tokens=4)`` and ``GraphRunner(query_tokens=4)``): step <= 1.10x
   the step's kernels replayed back to back; the same steps eagerly, for scale. Where mstar does not
   capture 4-token rows, the refusal is the result.
@@ -44,29 +44,22 @@ import argparse
 import gc
 import json
 import math
-import pathlib
-import statistics
 import sys
 import time
 import traceback
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
+import report
 import torch
+from paged import BF16, DEV, HKV, HQ, PS, D, random_cache, uniform_layout, workspace
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent))
-
-import timing
-from flashinfer_bench import paged_layout, ws
-
-from mstar_core import features
 from mstar_core.backends.varlen import first_output as first
+from mstar_core.testing import timing
+from mstar_core.testing.oracle import rel_error
 
-HQ, HKV, D, PS = 32, 8, 128, 16
-BF16 = torch.bfloat16
 FP8 = torch.float8_e4m3fn
-DEV = torch.device("cuda")
 K_SCALE, V_SCALE = 0.5, 2.0
 SOFT_CAP = 30.0
 DECODE_WINDOW = 1024
@@ -96,14 +89,8 @@ def _err(e: BaseException, limit: int = 2000) -> str:
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
-    """Relative Frobenius difference of ``a`` from ``b`` (float32)."""
-    a, b = a.float(), b.float()
-    return float((a - b).norm() / b.norm().clamp_min(1e-30))
-
-
-def quantize(x: torch.Tensor, scale: float) -> torch.Tensor:
-    """``x / scale`` in FP8 e4m3, saturated: mstar's own quantisation (what the KV manager writes)."""
-    return features.quantize(x, scale, FP8)
+    """Relative Frobenius difference of ``a`` from ``b`` (either on the GPU)."""
+    return rel_error(a, b.to("cpu", torch.float64))
 
 
 def graphed(fn: Callable[[], Any], calls: int) -> Callable[[], None]:
@@ -156,11 +143,6 @@ def guarded(rows: list[dict], workload: str, fn: Callable[[], dict]) -> None:
     print(json.dumps({k: v for k, v in rows[-1].items() if k != "trace"}, default=str), flush=True)
 
 
-def random_cache(pages: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device=DEV).manual_seed(seed)
-    return torch.randn(pages, 2, PS, HKV, D, device=DEV, dtype=BF16, generator=g)
-
-
 def randn(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     g = torch.Generator(device=DEV).manual_seed(seed)
     x = torch.randn(*shape, device=DEV, dtype=torch.float32, generator=g)
@@ -175,19 +157,20 @@ class Fp8Data:
     cache of the very values the FP8 one holds (dequantised: exact, the scales being powers of 2)."""
 
     def __init__(self, fi: Any, rows: int, kv_len: int) -> None:
+        from mstar_core.kv.fp8 import quantize  # mstar's own quantisation: what the KV manager writes
         from mstar_flashinfer.decode import use_tensor_cores
 
         self.rows, self.kv_len = rows, kv_len
-        self.lay = paged_layout(rows, kv_len, 1)
+        self.lay = uniform_layout(rows, kv_len, 1)
         pages = self.lay["pages"]
         self.tc = use_tensor_cores(HQ, HKV)
         self.q = randn(rows, HQ, D, seed=1)
         self.cache = random_cache(pages, seed=2)  # the original bf16 values, then dequantised in place
         self.fp8 = torch.empty(pages, 2, PS, HKV, D, device=DEV, dtype=FP8)
         for i, s in ((0, K_SCALE), (1, V_SCALE)):
-            self.fp8[:, i] = quantize(self.cache[:, i], s)
+            self.fp8[:, i] = quantize(self.cache[:, i], s, FP8)
         # the bf16 decode (tensor cores, as mstar picks them): the baseline every FP8 path is timed with
-        self.bf = fi.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=self.tc)
+        self.bf = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=self.tc)
         lay = self.lay
         self.bf.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS,
                      q_data_type=BF16, kv_data_type=BF16)
@@ -211,7 +194,7 @@ def _candidate_makers(fi: Any, d: Fp8Data) -> dict[str, tuple[str, str, Callable
     sm = 1.0 / math.sqrt(D)
 
     def decode_wrapper(tc: bool) -> Callable[[], Any]:
-        w = fi.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=tc)
+        w = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tc)
         w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, q_data_type=BF16, kv_data_type=FP8)
         out = torch.empty_like(q)
         return lambda: w.run(q, cache, k_scale=K_SCALE, v_scale=V_SCALE, out=out)
@@ -244,7 +227,7 @@ def _candidate_makers(fi: Any, d: Fp8Data) -> dict[str, tuple[str, str, Callable
         return lambda: ba.run(q, cache, out=out, k_scale=K_SCALE, v_scale=V_SCALE)
 
     def prefill_fa3() -> Callable[[], Any]:
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD", backend="fa3")
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend="fa3")
         w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, causal=False,
                q_data_type=BF16, kv_data_type=FP8)
         out = torch.empty_like(q)
@@ -303,14 +286,14 @@ def bench_fp8(fi: Any, a: argparse.Namespace, sec: dict) -> None:
     def mstar_pair() -> dict:
         if raw_fp8 is None:
             raise RuntimeError(f"raw FP8 decode failed, nothing to pair with: {sec['raw_fp8_error']}")
-        w = FlashInferDecodeWrapper(ws(), HQ, HKV, D, PS, device=DEV)
+        w = FlashInferDecodeWrapper(workspace(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], dtype=BF16, kv_lens=lay["kv_lens"], kv_data_type=FP8)
         m_run = lambda: w.run(d.q, d.fp8, k_scale=K_SCALE, v_scale=V_SCALE)
         out = m_run()
         r = {"workload": f"FP8 decode {rows}x{kv_len}: mstar vs raw (tensor cores)", "rel_diff": rel(out, raw_fp8_out),
              "rel_err_vs_bf16_ref": rel(out, d.ref), **pair(raw_fp8, m_run, a)}
         judged(r)
-        # FP8 through mstar against bf16 (raw), paired too: the speed-up the issue asks for
+        # FP8 through mstar against bf16 (raw), paired too: the speed-up the FP8 target counts
         bf_ms, m_ms = timing.paired_ms(d.bf16_run, m_run, reps=a.reps, rounds=a.rounds)
         r["bf16_ms_paired"], r["ms_paired_with_bf16"] = bf_ms, m_ms
         r["speedup_vs_bf16"] = bf_ms / m_ms
@@ -367,28 +350,28 @@ def paged_pair(fi: Any, cache: torch.Tensor, kind: str, rows: int, kv_len: int, 
     from mstar_flashinfer.decode import FlashInferDecodeWrapper, use_tensor_cores
     from mstar_flashinfer.prefill import FlashInferPrefillWrapper
 
-    lay = paged_layout(rows, kv_len, q_len)
+    lay = uniform_layout(rows, kv_len, q_len)
     layer = cache[: lay["pages"]]
     q = randn(rows * q_len, HQ, D, seed=3, scale=q_std)
     tc = use_tensor_cores(HQ, HKV)
 
     def raw_wrapper(extra: dict) -> Callable[[], torch.Tensor]:
         if kind == "decode":
-            r = fi.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=tc)
+            r = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=tc)
             r.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, q_data_type=BF16,
                    kv_data_type=BF16, **extra)
         else:
-            r = fi.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD")
+            r = fi.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD")
             r.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, causal=True,
                    q_data_type=BF16, kv_data_type=BF16, **extra)
         out = torch.empty_like(q)
         return lambda: r.run(q, layer, out=out)
 
     if kind == "decode":
-        w = FlashInferDecodeWrapper(ws(), HQ, HKV, D, PS, device=DEV)
+        w = FlashInferDecodeWrapper(workspace(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], dtype=BF16, kv_lens=lay["kv_lens"], **feature)
     else:
-        w = FlashInferPrefillWrapper(ws(), HQ, HKV, D, PS, device=DEV)
+        w = FlashInferPrefillWrapper(workspace(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], causal=True, dtype=BF16,
                kv_lens=lay["kv_lens"], **feature)
     m_run = lambda: w.run(q, layer)
@@ -528,61 +511,26 @@ def bench_fa3(a: argparse.Namespace, sec: dict) -> None:
 # -- 5. multi-token decode under graphs + pre-plan ------------------------------------------------
 
 
-def _step_loop(runner: Any, step: Any, n_tokens: int, warmup: int, steps: int, preplan: bool) -> tuple[float, float]:
-    """The loop of mstar_core.demo.decode_bench.run_decode_bench for any step: median step
-    time (CUDA events between consecutive steps) and median host time per step, ms."""
-    tokens = torch.zeros(n_tokens, dtype=torch.long, device=DEV)
-    marks: list[Any] = []
-    host: list[float] = []
-    prep = runner.prepare(step) if preplan else None
-    for _ in range(warmup + steps):
-        if not preplan:
-            timing.sync(DEV)  # without pre-plan the host waits for step N
-            t0 = time.perf_counter()
-            prep = runner.prepare(step)
-        else:
-            t0 = time.perf_counter()
-        logits = runner.launch(prep, tokens)
-        tokens = logits.argmax(-1)
-        if preplan:
-            prep = runner.prepare(step)  # step N+1 planned while step N runs
-        host.append(time.perf_counter() - t0)
-        ev = timing.event(DEV)
-        ev.record()
-        marks.append(ev)
-    if preplan and prep is not None:
-        runner.discard(prep)
-    timing.sync(DEV)
-    times = [marks[i - 1].elapsed_time(marks[i]) for i in range(warmup, len(marks))]
-    return statistics.median(times), statistics.median(host[warmup:]) * 1e3
-
-
-def _multi_setup(a: argparse.Namespace, qt: int, sec: dict) -> tuple[Any, Any, Any, Any]:
+def bench_multitoken(a: argparse.Namespace, sec: dict) -> None:
     """The decode loop of mstar_core.demo.decode_bench (tiny decoder, KV cache of ``context``
     random tokens per row, FlashInfer through the registry, captured graphs) with ``qt`` query
-    tokens per decode row. Room for this section's two loops (graphs, then eager). Returns
-    (node, runner, kv, step)."""
-    from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup
+    tokens per decode row; then the same steps eagerly."""
+    from mstar_core.demo.decode_bench import BenchOptions, build_decode_setup, run_decode_bench
 
-    o = BenchOptions(layers=a.mt_layers, qo_heads=HQ, kv_heads=HKV, head_dim=D, hidden=a.mt_hidden, batch=a.mt_batch,
-                     context=a.mt_context, page_size=PS, backend=a.mt_backend, graphs=True, preplan=True,
-                     steps=2 * (a.mt_warmup + a.mt_steps), warmup=1, device="cuda",
-                     dtype=str(a.mt_dtype).removeprefix("torch."), query_tokens=qt)
-    s = build_decode_setup(o)
-    sec["backend"] = s.backend
-    return s.node, s.runner, s.kv, s.decode
-
-
-def bench_multitoken(a: argparse.Namespace, sec: dict) -> None:
     qt = a.mt_tokens
     sec.update(workload=f"decode, {a.mt_layers} layers, {a.mt_batch} rows x {qt} query tokens over {a.mt_context}, "
                         f"graphs + pre-plan, backend {a.mt_backend}",
                target="graphs+preplan step <= 1.10x GPU time back to back", met=False)
-    _, runner, _, step = _multi_setup(a, qt, sec)
-    n_tokens = a.mt_batch * qt
-    if runner.enabled and "refused" not in sec:
+    o = BenchOptions(layers=a.mt_layers, qo_heads=HQ, kv_heads=HKV, head_dim=D, hidden=a.mt_hidden, batch=a.mt_batch,
+                     context=a.mt_context, page_size=PS, backend=a.mt_backend, graphs=True, preplan=True,
+                     steps=a.mt_steps, warmup=a.mt_warmup, device="cuda",
+                     dtype=str(a.mt_dtype).removeprefix("torch."), query_tokens=qt)
+    s = build_decode_setup(replace(o, steps=2 * (o.warmup + o.steps), warmup=1))  # room for both loops
+    sec["backend"] = s.backend
+    runner = s.runner
+    if runner.enabled:
         try:
-            prep = runner.prepare(step)
+            prep = runner.prepare(s.decode)
         except Exception as e:  # mstar refusing the step is the result
             sec["refused"] = f"GraphRunner.prepare refused the {qt}-token step: {_err(e)}"
             prep = None
@@ -594,18 +542,18 @@ def bench_multitoken(a: argparse.Namespace, sec: dict) -> None:
                                   "no captured graph serves these rows")
             else:
                 sec["supports_preplan"] = runner.supports_preplan
-                step_ms, host_ms = _step_loop(runner, step, n_tokens, a.mt_warmup, a.mt_steps,
-                                              preplan=runner.supports_preplan)
-                gpu_ms = timing.kernel_ms(graph.replay, reps=10, rounds=5, warm=1)
-                sec.update(step_ms=step_ms, host_ms=host_ms, gpu_step_ms=gpu_ms, ratio=step_ms / gpu_ms,
-                           tokens_per_s=n_tokens / (step_ms * 1e-3), met=step_ms <= 1.10 * gpu_ms)
-    elif "refused" not in sec:
+                r = run_decode_bench(o, s)
+                gpu = r.gpu_step_ms  # None off CUDA
+                sec.update(step_ms=r.median_step_ms, host_ms=r.median_host_ms, gpu_step_ms=gpu,
+                           ratio=r.median_step_ms / gpu if gpu else None, tokens_per_s=r.tokens_per_s,
+                           met=bool(gpu and r.median_step_ms <= 1.10 * gpu))
+    else:
         sec["refused"] = "graphs were not captured (GraphRunner.warmup: a resource cannot be captured)"
     # the same steps eagerly, for scale (and as what mstar runs where it refuses the graphs)
     try:
         runner.enabled = False
-        sec["eager_step_ms"], sec["eager_host_ms"] = _step_loop(runner, step, n_tokens, 2, min(a.mt_steps, 10),
-                                                                preplan=False)
+        r = run_decode_bench(replace(o, graphs=False, preplan=False, warmup=2, steps=min(a.mt_steps, 10)), s)
+        sec["eager_step_ms"], sec["eager_host_ms"] = r.median_step_ms, r.median_host_ms
     except Exception as e:
         sec["eager_error"] = _err(e)
 
@@ -617,20 +565,20 @@ def bench_multitoken_kernels(fi: Any, a: argparse.Namespace, sec: dict) -> None:
     from mstar_flashinfer.decode import use_tensor_cores
 
     qt, rows, kv_len = a.mt_tokens, a.mt_batch, a.mt_context
-    lay = paged_layout(rows, kv_len, qt)
+    lay = uniform_layout(rows, kv_len, qt)
     cache = random_cache(lay["pages"], seed=10)
     q = randn(rows * qt, HQ, D, seed=11)
     q1 = q[::qt].contiguous()
     kv_bytes = rows * kv_len * HKV * D * 2 * 2
     runs: dict[str, Callable[[], torch.Tensor]] = {}
     for backend in ("auto", "fa2"):
-        w = fi.BatchPrefillWithPagedKVCacheWrapper(ws(), "NHD", backend=backend)
+        w = fi.BatchPrefillWithPagedKVCacheWrapper(workspace(), "NHD", backend=backend)
         w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, causal=True,
                q_data_type=BF16, kv_data_type=BF16)
         out = torch.empty_like(q)
         runs[f"prefill_{backend}"] = lambda w=w, out=out: w.run(q, cache, out=out)
         sec[f"prefill_{backend}_backend"] = getattr(w, "_backend", backend)
-    dw = fi.BatchDecodeWithPagedKVCacheWrapper(ws(), "NHD", use_tensor_cores=use_tensor_cores(HQ, HKV))
+    dw = fi.BatchDecodeWithPagedKVCacheWrapper(workspace(), "NHD", use_tensor_cores=use_tensor_cores(HQ, HKV))
     dw.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], HQ, HKV, D, PS, q_data_type=BF16, kv_data_type=BF16)
     out1 = torch.empty_like(q1)
     sec["workload"] = f"raw FlashInfer, one layer, {rows} rows x {qt} query tokens over {kv_len}, causal"
@@ -646,151 +594,109 @@ def bench_multitoken_kernels(fi: Any, a: argparse.Namespace, sec: dict) -> None:
 # -- report ---------------------------------------------------------------------------------------
 
 
-def _f(x: Any, fmt: str = ".3g") -> str:
-    if isinstance(x, bool):
-        return "yes" if x else "NO"
-    if isinstance(x, (int, float)):
-        return format(x, fmt)
-    return "-" if x is None else str(x)
+def targets(doc: dict) -> dict:
+    out = {}
 
+    def add(name: str, workload: str, value: Any, wanted: str, met: bool) -> None:
+        out[f"{name}: {workload}" if workload else name] = report.target(value, wanted, met)
 
-def targets(doc: dict) -> list[dict]:
-    out = []
     for name, sec in doc["sections"].items():
         if "error" in sec:  # the section stopped there; what it measured before still counts below
-            out.append({"section": name, "target": "-", "value": None, "met": False, "note": sec["error"]})
+            add(name, "ran", None, "no error", False)
         for r in sec.get("pairs", []):
-            val = r.get("ratio")
-            out.append({"section": name, "workload": r["workload"], "target": r.get("target", "-"), "value": val,
-                        "met": bool(r.get("met")), "note": r.get("error", "")})
+            add(name, r["workload"], r.get("ratio"), r.get("target", "-"), bool(r.get("met")))
             if "speedup_vs_bf16" in r:
-                out.append({"section": name, "workload": "FP8 decode through mstar vs bf16 decode",
-                            "target": "speed-up >= 1.6x", "value": r["speedup_vs_bf16"],
-                            "met": r["speedup_vs_bf16"] >= 1.6, "note": ""})
+                add(name, "FP8 decode through mstar vs bf16 decode", r["speedup_vs_bf16"], "speed-up >= 1.6x",
+                    r["speedup_vs_bf16"] >= 1.6)
         for c in sec.get("candidates", []) if name == "fp8" else []:
             if c["path"] == "raw_tensor_cores":
-                out.append({"section": name, "workload": "raw FP8 decode, tensor cores (mstar's path) vs bf16 decode",
-                            "target": "speed-up >= 1.6x", "value": c.get("speedup_vs_bf16"),
-                            "met": bool(c.get("speedup_vs_bf16", 0) >= 1.6 and c.get("correct")),
-                            "note": c.get("error", "")})
+                add(name, "raw FP8 decode, tensor cores (mstar's path) vs bf16 decode", c.get("speedup_vs_bf16"),
+                    "speed-up >= 1.6x", bool(c.get("speedup_vs_bf16", 0) >= 1.6 and c.get("correct")))
         if name == "fp8" and "fastest_correct" in sec:
             b = sec["fastest_correct"]
-            out.append({"section": name, "workload": f"fastest correct FlashInfer 0.5.3 FP8 path: {b['path']}",
-                        "target": "speed-up >= 1.6x (not mstar's path unless raw_tensor_cores)",
-                        "value": b["speedup_vs_bf16"], "met": b["speedup_vs_bf16"] >= 1.6, "note": ""})
+            add(name, f"fastest correct FlashInfer FP8 path: {b['path']}", b["speedup_vs_bf16"],
+                "speed-up >= 1.6x (not mstar's path unless raw_tensor_cores)", b["speedup_vs_bf16"] >= 1.6)
         if name == "multitoken" and "error" not in sec:
-            out.append({"section": name, "workload": sec.get("workload", ""), "target": sec.get("target", "-"),
-                        "value": sec.get("ratio"), "met": bool(sec.get("met")), "note": sec.get("refused", "")})
+            add(name, sec.get("workload", ""), sec.get("ratio"), sec.get("target", "-"), bool(sec.get("met")))
     return out
 
 
-def _cell(text: str, limit: int = 300) -> str:
-    """Text for one markdown table cell: one line, no pipes, cut."""
-    return "`" + " ".join(text.split())[:limit].replace("|", "/").replace("`", "'") + "`" if text else ""
-
-
-def markdown(doc: dict) -> str:
-    m = doc["meta"]
-    lines = [f"# Issue 13 features: mstar vs raw libraries -- {m['device']} ({m.get('capability', '?')})", "",
-             f"torch {m['torch']}, CUDA {m['cuda']}, Python {m['python']}, "
-             f"flashinfer-python {m.get('flashinfer-python')} (imported {m.get('flashinfer_imported', '?')}), "
-             f"tokenspeed-fa3 {m.get('tokenspeed-fa3')}; "
-             f"commit {m.get('commit', '?')}{' (--quick)' if m.get('quick') else ''}", "",
+def page(doc: dict) -> list[str]:
+    e = doc["env"]
+    lines = [f"# Attention features: mstar vs raw libraries -- {e['device']}", "", report.environment_line(e), "",
+             f"flashinfer imported: {e.get('flashinfer_imported', '?')}{' (--quick)' if e.get('quick') else ''}. "
              f"bf16 q, {HQ} q heads / {HKV} kv heads, head_dim {D}, page {PS}. CUDA-event medians; every "
-             f"mstar-vs-raw pair timed in alternating rounds in this process (ratio: eager calls back to back; "
-             f"graph ratio: the same calls captured in CUDA graphs, no host work between kernels). "
-             f"Device-to-device copy (read + write): "
-             f"{_f(m.get('copy_tb_per_s'))} TB/s ({m.get('copy_gib', '?')} GiB).", ""]
-    secs = doc["sections"]
+             "mstar-vs-raw pair timed in alternating rounds in this process (ratio: eager calls back to back; "
+             "graph ratio: the same calls captured in CUDA graphs, no host work between kernels). "
+             f"Device-to-device copy (read + write): {report.fmt(e.get('copy_tb_per_s'))} TB/s "
+             f"({e.get('copy_gib', '?')} GiB).", ""]
     for name in SECTIONS:
-        if name not in secs:
+        if name not in doc["sections"]:
             continue
-        sec = secs[name]
+        sec = doc["sections"][name]
         lines += [f"## {name}", ""]
         if "workload" in sec:
             lines += [sec["workload"], ""]
         if "error" in sec:
-            lines += [f"**error**: {_cell(sec['error'], 600)}", ""]
+            lines += [f"**error**: {report.fmt(sec['error'])}", ""]
         if name == "fp8" and "bf16_ms" in sec:
             lines += [f"bf16 KV decode (raw, tensor cores {sec.get('use_tensor_cores')}): "
-                      f"{_f(sec['bf16_ms'], '.4f')} ms "
-                      f"({_f(sec.get('bf16_tb_per_s'))} TB/s). FP8 storage alone moves the output by "
-                      f"{_f(sec.get('fp8_storage_rel_error'), '.2e')} (rel) from the bf16 original.", ""]
-        pairs = sec.get("pairs", [])
-        if pairs:
-            lines += ["| workload | mstar ms | raw ms | ratio | graph ratio | rel diff mstar/raw | feature effect | "
-                      "other | target | met |",
-                      "|" + " --- |" * 10]
-            for r in pairs:
-                other = [f"{k}={_f(r[k])}" for k in ("speedup_vs_bf16", "rel_err_vs_bf16_ref", "tflop_per_s",
-                                                     "raw_sinks_dtype", "mstar_sinks_dtype") if k in r]
-                if "error" in r:
-                    other.append(f"error: {_cell(r['error'])}")
-                if "mstar" in r:
-                    other.append(f"mstar: {_cell(r['mstar'])}")
-                if "graph_error" in r:
-                    other.append(f"graph capture: {_cell(r['graph_error'], 150)}")
-                if r.get("mstar_sinks_errors"):
-                    other.append(f"mstar sinks errors: {_cell(str(r['mstar_sinks_errors']))}")
-                lines.append(f"| {r['workload']} | {_f(r.get('ms'), '.4f')} | {_f(r.get('raw_ms'), '.4f')} | "
-                             f"{_f(r.get('ratio'), '.3f')} | {_f(r.get('graph_ratio'), '.3f')} | "
-                             f"{_f(r.get('rel_diff'), '.2e')} | "
-                             f"{_f(r.get('feature_effect'), '.2e')} | {'; '.join(other)} | {r.get('target', '-')} | "
-                             f"{_f(bool(r.get('met')))} |")
-            lines.append("")
+                      f"{report.fmt(sec['bf16_ms'], '.4f')} ms ({report.fmt(sec.get('bf16_tb_per_s'))} TB/s). "
+                      f"FP8 storage alone moves the output by {report.fmt(sec.get('fp8_storage_rel_error'), '.2e')} "
+                      "(rel) from the bf16 original.", ""]
+        if sec.get("pairs"):
+            lines += [*report.table(("workload", "mstar ms", "raw ms", "ratio", "graph ratio", "rel diff mstar/raw",
+                                     "feature effect", "other", "target", "met"),
+                                    ((r["workload"], r.get("ms"), r.get("raw_ms"), r.get("ratio"), r.get("graph_ratio"),
+                                      r.get("rel_diff"), r.get("feature_effect"), _other(r), r.get("target", "-"),
+                                      bool(r.get("met"))) for r in sec["pairs"]), spec=".4g"), ""]
         if name == "fp8" and sec.get("candidates"):
             lines += ["### FP8 decode paths in FlashInfer (each timed paired with the bf16 decode)", "",
                       f"correct: rel error vs the bf16 decode of the same values <= {FP8_TOL} (exact: <= {EXACT_TOL})",
-                      "", "| path | ms | bf16 ms | speed-up | TB/s | rel err | exact | correct | compile+run s | "
-                          "where | sm90 | error |", "|" + " --- |" * 12]
-            for c in sec["candidates"]:
-                err = c.get("error") or c.get("skipped") or ""
-                lines.append(f"| {c['path']} | {_f(c.get('ms'), '.4f')} | {_f(c.get('bf16_ms'), '.4f')} | "
-                             f"{_f(c.get('speedup_vs_bf16'))} | {_f(c.get('tb_per_s'))} | "
-                             f"{_f(c.get('rel_err_vs_bf16_ref'), '.2e')} | {_f(c.get('exact'))} | "
-                             f"{_f(c.get('correct'))} | {_f(c.get('seconds'))} | {c['where']} | {c['claims_sm90']} | "
-                             f"{_cell(err)} |")
-            lines.append("")
+                      "", *report.table(("path", "ms", "bf16 ms", "speed-up", "TB/s", "rel err", "exact", "correct",
+                                         "compile+run s", "where", "sm90", "error"),
+                                        ((c["path"], c.get("ms"), c.get("bf16_ms"), c.get("speedup_vs_bf16"),
+                                          c.get("tb_per_s"), c.get("rel_err_vs_bf16_ref"), c.get("exact"),
+                                          c.get("correct"), c.get("seconds"), c["where"], c["claims_sm90"],
+                                          c.get("error") or c.get("skipped")) for c in sec["candidates"]),
+                                        spec=".4g"), ""]
             for k in ("fastest_correct", "fastest_exact"):
                 if k in sec:
                     b = sec[k]
                     lines.append(f"- {k.replace('_', ' ')}: **{b['path']}** {b['ms']:.4f} ms, "
                                  f"{b['speedup_vs_bf16']:.2f}x bf16, rel err {b['rel_err_vs_bf16_ref']:.2e}")
             lines.append("")
-        if name == "multitoken_kernels" and "error" not in sec:
-            lines += [f"- {k}: {_f(v) if not isinstance(v, str) else v}" for k, v in sec.items()
-                      if k not in ("workload", "seconds")]
+        if name in ("multitoken", "multitoken_kernels") and "error" not in sec:
+            lines += [f"- {k}: {report.fmt(v)}" for k, v in sec.items() if k not in ("workload", "seconds", "target")]
             lines.append("")
-        if name == "multitoken" and "error" not in sec:
-            keys = ("backend", "step_ms", "host_ms", "gpu_step_ms", "ratio", "tokens_per_s", "refused",
-                    "eager_step_ms", "eager_host_ms", "eager_error",
-                    "supports_preplan", "features_error")
-            lines += [f"- {k}: {_f(sec[k]) if not isinstance(sec[k], str) else sec[k]}" for k in keys if k in sec]
-            lines.append("")
-    lines += ["## Targets", "", "| section | workload | target | value | met | note |",
-              "| --- | --- | --- | --- | --- | --- |"]
-    for t in doc.get("targets", []):
-        lines.append(f"| {t['section']} | {t.get('workload', '')} | {t['target']} | {_f(t['value'], '.3f')} | "
-                     f"{_f(bool(t['met']))} | {_cell(str(t.get('note', '')), 200)} |")
-    return "\n".join(lines) + "\n"
+    return [*lines, *report.targets_table(doc.get("targets", {}))]
 
 
-def write(out: pathlib.Path, doc: dict) -> None:
+def _other(r: dict) -> str:
+    """A pair's further figures and notes, in one cell."""
+    other = [f"{k}={report.fmt(r[k])}" for k in ("speedup_vs_bf16", "rel_err_vs_bf16_ref", "tflop_per_s",
+                                                "raw_sinks_dtype", "mstar_sinks_dtype") if k in r]
+    for k, label in (("error", "error"), ("mstar", "mstar"), ("graph_error", "graph capture"),
+                     ("mstar_sinks_errors", "mstar sinks errors")):
+        if r.get(k):
+            other.append(f"{label}: {r[k]}")
+    return "; ".join(other)
+
+
+def write(out: str, doc: dict) -> None:
     doc["targets"] = targets(doc)
-    (out / "features_bench.json").write_text(json.dumps(doc, indent=1, default=str))
-    (out / "features_bench.md").write_text(markdown(doc))
+    report.write(out, "attention_features", doc, page(doc), echo=False)
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", required=True, help="folder for features_bench.json and features_bench.md")
+    p.add_argument("--out", required=True, help="folder for attention_features.json and .md")
     p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {','.join(SECTIONS)}")
     p.add_argument("--quick", action="store_true", help="small shapes and few repetitions (a smoke run)")
     p.add_argument("--skip", default="",
                    help=f"FP8 candidates not to try (comma-separated: {','.join(FP8_CANDIDATES)})")
     p.add_argument("--try-trtllm-gen", action="store_true",
                    help="try the trtllm-gen FP8 decode off sm100 too (it fetches cubins over the network)")
-    p.add_argument("--commit", default="?", help="the commit measured, recorded in the results")
     p.add_argument("--reps", type=int, default=None, help="calls per timed round (default 10; --quick 3)")
     p.add_argument("--rounds", type=int, default=None, help="rounds per contender (default 15; --quick 5)")
     p.add_argument("--no-graph-timing", dest="graph_timing", action="store_false",
@@ -804,7 +710,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     a.fa3_segs, a.fa3_prefix, a.fa3_fresh = (2, 256, 256) if q else (8, 1024, 1024)
     a.mt_layers, a.mt_batch, a.mt_context, a.mt_hidden = (2, 8, 512, 256) if q else (32, 64, 8192, 2048)
     a.mt_tokens, a.mt_steps, a.mt_warmup = 4, (5 if q else 30), (2 if q else 5)
-    a.mt_backend, a.mt_dtype = "flashinfer", BF16  # (a CPU smoke test of the loop swaps in the reference)
+    a.mt_backend, a.mt_dtype = "flashinfer", BF16
     a.sections = [s for s in a.sections.split(",") if s]
     bad = [s for s in a.sections if s not in SECTIONS]
     if bad:
@@ -819,13 +725,10 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse(argv)
     if not torch.cuda.is_available():
-        print("features_bench needs a CUDA GPU", file=sys.stderr)
+        print("attention_features needs a CUDA GPU", file=sys.stderr)
         return 2
-    out = pathlib.Path(a.out)
-    out.mkdir(parents=True, exist_ok=True)
-    meta = timing.versions("flashinfer-python", "tokenspeed-fa3", "apache-tvm-ffi", "mstar-core")
-    meta.update(capability="sm{}{}".format(*torch.cuda.get_device_capability()),
-                sm_count=torch.cuda.get_device_properties(0).multi_processor_count, commit=a.commit, quick=a.quick)
+    meta = report.environment("apache-tvm-ffi")
+    meta.update(sm_count=torch.cuda.get_device_properties(0).multi_processor_count, quick=a.quick)
     try:
         import flashinfer as fi
 
@@ -852,7 +755,7 @@ def main(argv: list[str] | None = None) -> int:
               "multitoken": {"layers": a.mt_layers, "rows": a.mt_batch, "query_tokens": a.mt_tokens,
                              "context": a.mt_context, "hidden": a.mt_hidden, "steps": a.mt_steps},
               "timing": {"reps": a.reps, "rounds": a.rounds}}
-    doc: dict[str, Any] = {"meta": meta, "shapes": shapes, "sections": {}}
+    doc: dict[str, Any] = {"env": meta, "shapes": shapes, "sections": {}}
     print(json.dumps(meta, default=str), flush=True)
     runs = {
         "fp8": lambda sec: bench_fp8(fi, a, sec),
@@ -882,11 +785,10 @@ def main(argv: list[str] | None = None) -> int:
             torch.cuda.empty_cache()
         except Exception as e:  # a poisoned context: said once here, every later section will fail too
             sec["cuda_error_after"] = _err(e, 500)
-        write(out, doc)
-    md = markdown(doc)
-    print(md)
+        write(a.out, doc)
+    print("\n".join(page(doc)), flush=True)
     return 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    raise SystemExit(main())

@@ -1,0 +1,170 @@
+#!/usr/bin/env bash
+# One GPU suite per call on the H200 test machine (no network there):
+#
+#   COMMIT=<sha> bash bench/gpu/run.sh SUITE [FLASHINFER_VERSION]
+#
+# Results: $OUT/<suite>.tgz holding r/<suite>/ (the flashinfer suite: $OUT/flashinfer-<version>.tgz
+# holding r/flashinfer/<version>/): one log per step (<step>.txt, its exit status and wall seconds at
+# the end), each benchmark's .json and .md, env.txt, commit.txt and summary.txt. Unpack it here with
+# `tar xzf <file> -C /tmp/x` and copy /tmp/x/r/<suite> to results/h200/<suite>. FlashInfer modules
+# compiled during the run come back as $OUT/flashinfer-aot-<version>.tgz (split into .part-* files
+# over 15 MB: `cat` them together) to carry next time. COMMIT is recorded because the machine's copy
+# of the tree may have no git history.
+#
+# What each suite carries (the device run's `carry`; wheel sets from ../shared/gpu/fetch-wheels.sh
+# and bench/gpu/fetch_flashinfer.sh; at most 64 MiB a call, the tree included):
+#   flashinfer [0.5.3]  .gpu/flashinfer and .gpu/flashinfer-aot-0.5.3.tgz, or on a first run
+#                       .gpu/flashinfer-aot.tgz (+ .gpu/flashinfer-aot-features.tgz while it fits):
+#                       the plugin's, core and registry GPU tests, the wrapper bench, warm-up then
+#                       first use, `mstar backends`
+#   wheel 0.7.4         one call per part, on one machine kept warm (it keeps /tmp): .gpu/fi-0.7.4/part1,
+#                       then .gpu/fi-0.7.4/part2; the second call joins, checks and installs the wheel
+#   flashinfer 0.7.4    then, on that machine: .gpu/fi-0.7.4-deps [.gpu/flashinfer-aot-0.7.4.tgz]
+#   runner              as flashinfer 0.5.3 (nothing on a machine where it ran): the step runner's decode
+#                       loop and the host cost of a step
+#   features            .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz (FP8 and soft-cap modules in it):
+#                       bench/attention_features.py's FlashInfer sections
+#   dense               .gpu/fa3 .gpu/env.sh: FA3 and dense-path GPU tests, the dense bench, FA3 features,
+#                       the denoise demo (FlashInfer's variants too where a flashinfer suite ran on this
+#                       machine before: its /tmp/fi-0.5.3 stays)
+#   bounded             nothing beyond the tree: bounded KV GPU tests and bench (Triton is on the machine)
+#   transformers        .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz: the transformers check and decode bench
+#   tp                  as transformers, on kind nvidia-h200-x2: tensor parallelism over two GPUs
+# Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
+# so that its results are packed before the call's 10-minute limit.
+# (no set -u: the machine's PYTHONPATH may be unset)
+suite=${1:?"suite: flashinfer [version] | wheel <version> | runner | features | dense | bounded | transformers | tp"}
+FI=${2:-0.5.3}
+export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
+export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
+name=$suite; R=$OUT/r/$suite
+if [ "$suite" = flashinfer ]; then name=flashinfer-$FI; R=$OUT/r/flashinfer/$FI; fi
+mkdir -p "$R"
+END=$((SECONDS + ${SUITE_S:-560}))
+finish() { tar czf "$OUT/$name.tgz" -C "$OUT" r && rm -rf "$OUT/r"; ls -la "$OUT"; }
+trap finish EXIT
+
+log() { echo "== $* ($(date +%T))"; }
+# T LIMIT NAME CMD...: one step into $R/NAME.txt, within LIMIT seconds and the suite's time left
+T() {
+  local limit=$1 name=$2 left=$((END - SECONDS - 10)); shift 2
+  if [ "$left" -lt 15 ]; then echo "$name skipped: the suite's time is spent" | tee -a "$R/summary.txt"; return; fi
+  [ "$limit" -gt "$left" ] && limit=$left
+  log "$name (limit ${limit} s)"; local s=$SECONDS
+  timeout "$limit" "$@" > "$R/$name.txt" 2>&1; local rc=$?
+  echo "rc=$rc wall_s=$((SECONDS - s))" >> "$R/$name.txt"
+  echo "$name rc=$rc wall_s=$((SECONDS - s))" >> "$R/summary.txt"; tail -4 "$R/$name.txt"
+}
+# the tests' own results files (tests/gpu_results.py writes into $OUT) land beside their log
+gpu_tests() { T "$1" "$2" env OUT="$R" python3 -m pytest -m gpu -q -rs --durations=10 -p no:cacheprovider "${@:3}"; }
+envinfo() {
+  { nvidia-smi -L; nproc
+    python3 -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0],'gpus',torch.cuda.device_count())"
+    python3 -m pip list 2>/dev/null | grep -iE "^(torch|triton|flashinfer-python|tokenspeed-fa3|apache-tvm-ffi|nvidia-cudnn-frontend|cuda-|nccl|transformers|pytest) "
+    echo "PYTHONPATH=$PYTHONPATH"; env | grep -E "^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=" | sort
+  } > "$R/env.txt" 2>&1
+  echo "$COMMIT" > "$R/commit.txt"; cat "$R/env.txt"
+}
+project() {  # the core and the named plugins, editable (setuptools is on the machine)
+  local a=(-e .) p; for p in "$@"; do a+=(-e "./plugins/$p"); done
+  python3 -m pip install -q --no-build-isolation --no-deps "${a[@]}" 2>&1 | tail -2
+}
+
+# FlashInfer VERSION alone on PYTHONPATH (/tmp/fi-VERSION), with its compiled modules where it loads
+# them without compiling: 0.5.3 from .gpu/flashinfer; another release from the wheel that `wheel`
+# installed there and its dependencies in .gpu/fi-VERSION-deps.
+flashinfer_site() {
+  local v=$1 site=/tmp/fi-$1 d a
+  for d in $([ "$v" = 0.5.3 ] && echo .gpu/flashinfer || echo ".gpu/fi-$v-deps"); do
+    [ -d "$d" ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+      --target "$site" "$d"/*.whl
+  done
+  [ -d "$site/flashinfer" ] || { echo "FlashInfer $v is not installed in $site (carry its wheels; see the header)"; return 1; }
+  mkdir -p "$site/flashinfer/data/aot"
+  for a in $([ "$v" = 0.5.3 ] && echo .gpu/flashinfer-aot.tgz .gpu/flashinfer-aot-features.tgz) ".gpu/flashinfer-aot-$v.tgz"; do
+    [ -f "$a" ] && tar xzf "$a" -C "$site/flashinfer/data/aot" && echo "prebuilt modules from $a"
+  done
+  echo "$(ls "$site/flashinfer/data/aot" | wc -l) prebuilt modules"
+  export PYTHONPATH=$site${EXTRA_PATH:+:$EXTRA_PATH}
+}
+# every module prebuilt or compiled so far -> $OUT/flashinfer-aot-VERSION.tgz, when this run compiled any
+flashinfer_modules_out() {
+  local v=$1 t c d; t=$(mktemp -d)
+  ls ~/.cache/flashinfer/"$v"/*/cached_ops/*/*.so >/dev/null 2>&1 || { echo "no module compiled in this run"; return; }
+  cp -r "/tmp/fi-$v/flashinfer/data/aot/." "$t/" 2>/dev/null
+  for c in ~/.cache/flashinfer/"$v"/*/cached_ops; do
+    (cd "$c" && for d in */; do d=${d%/}; [ -f "$d/$d.so" ] && mkdir -p "$t/$d" && cp "$d/$d.so" "$t/$d/"; done)
+  done
+  tar czf "$OUT/flashinfer-aot-$v.tgz" -C "$t" . && rm -rf "$t"
+  if [ "$(stat -c %s "$OUT/flashinfer-aot-$v.tgz")" -gt 15000000 ]; then  # a file coming back is at most 16 MiB
+    split -b 15000000 "$OUT/flashinfer-aot-$v.tgz" "$OUT/flashinfer-aot-$v.tgz.part-" && rm "$OUT/flashinfer-aot-$v.tgz"
+  fi
+}
+
+case $suite in
+flashinfer)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  # on an empty module cache this is where the compiles happen (minutes): the tests then load them
+  T 480 warmup_first_use python3 bench/warmup_first_use.py --out "$R" --window 128
+  gpu_tests 300 tests tests/flashinfer tests/core tests/registry
+  T 120 flashinfer_wrappers python3 bench/flashinfer_wrappers.py --out "$R"
+  flashinfer_modules_out "$FI" ;;
+runner)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  T 150 runner_steps python3 bench/runner_steps.py --out "$R"
+  T 200 host_cost python3 bench/host_cost.py --out "$R"
+  flashinfer_modules_out "$FI" ;;
+wheel)  # a FlashInfer wheel over 64 MiB, carried in parts (bench/gpu/fetch_flashinfer.sh) onto a warm machine
+  [ -n "$2" ] || { echo "wheel: which version?"; exit 2; }
+  store=/tmp/fi-wheel-$FI; mkdir -p "$store"
+  cp .gpu/fi-"$FI"/part*/* "$store"/ 2>/dev/null
+  have=$(ls "$store"/*.part-* 2>/dev/null | wc -l); want=$(cat "$store/parts" 2>/dev/null || echo "?")
+  echo "parts here: $have of $want" | tee "$R/wheel.txt"
+  if [ "$have" = "$want" ]; then
+    whl=$store/$(cat "$store/name")
+    cat "$store"/*.part-* > "$whl"
+    (cd "$store" && sha256sum -c sha256) >> "$R/wheel.txt" 2>&1 || { echo "the joined wheel's sha256 differs"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "/tmp/fi-$FI" "$whl" \
+      && echo "installed in /tmp/fi-$FI" | tee -a "$R/wheel.txt"
+  fi ;;
+features)
+  flashinfer_site "$FI" || exit 1; project flashinfer fa3; envinfo
+  T 500 attention_features python3 bench/attention_features.py --out "$R" \
+    --sections fp8,softcap,window,multitoken,multitoken_kernels
+  flashinfer_modules_out "$FI" ;;
+dense)
+  source .gpu/env.sh fa3 || exit 1
+  [ -d "/tmp/fi-$FI/flashinfer" ] && export PYTHONPATH=$PYTHONPATH:/tmp/fi-$FI
+  project fa3 flashinfer; envinfo
+  T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+  gpu_tests 240 tests tests/dense tests/registry
+  T 60 denoise_demo python3 -m mstar_core.cli demo --workload denoise --device cuda
+  T 180 dense_prefill python3 bench/dense_prefill.py --out "$R"
+  T 150 attention_features_fa3 python3 bench/attention_features.py --out "$R" --sections fa3 ;;
+bounded)
+  [ -d "/tmp/fi-$FI/flashinfer" ] && export PYTHONPATH=/tmp/fi-$FI
+  project; envinfo
+  gpu_tests 240 tests tests/bounded
+  T 200 bounded_decode python3 bench/bounded_decode.py --out "$R" ;;
+transformers)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  T 320 transformers_decode python3 bench/transformers_decode.py --device cuda --out "$R"
+  T 240 transformers_check python3 bench/transformers_check.py --device cuda --out "$R"
+  flashinfer_modules_out "$FI" ;;
+tp)
+  # NVLink multicast stays off on this machine (the device notes): refuse to run without those settings
+  [ "${NCCL_NVLS_ENABLE:-}" = 0 ] && [ "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" = 1 ] && [ "${NVSHMEM_DISABLE_NVLS:-}" = 1 ] \
+    || { echo "NVLink multicast is not switched off here: not running"; exit 1; }
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo; nvidia-smi topo -m >> "$R/env.txt" 2>&1
+  T 120 demo_tp1 python3 -m mstar_core.cli demo --device cuda
+  T 120 demo_tp2 python3 -m torch.distributed.run --standalone --nproc-per-node 2 -m mstar_core.cli demo --tp 2 --device cuda
+  T 240 tp_scaling python3 bench/tp_scaling.py --out "$R"
+  T 120 tp_failure_graphs python3 bench/tp_failure.py --graphs --timeout 20 --out "$R"
+  T 120 tp_failure_eager python3 bench/tp_failure.py --timeout 20 --out "$R"
+  gpu_tests 300 tests tests/core/test_gpu_tensor_parallel.py tests/core/test_tensor_parallel.py \
+    tests/core/test_gpu_runner.py tests/core/test_multi_token_decode.py
+  flashinfer_modules_out "$FI" ;;
+*) echo "unknown suite $suite"; exit 2 ;;
+esac
+log done
