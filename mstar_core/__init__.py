@@ -184,6 +184,7 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "hookspec",
+    "load_config",
     "probe",
     "reset_registry",
     "select_backend",

@@ -14,9 +14,7 @@ eager ones it logs the timeout and only tears the process down later.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
-from mstar_core.errors import TensorParallelError
 import math
 import os
 import sys
@@ -29,6 +27,8 @@ from typing import TypeVar
 
 import torch
 import torch.distributed as dist
+
+from mstar_core.errors import InputError, StateError, TensorParallelError
 
 T = TypeVar("T")
 

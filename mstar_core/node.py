@@ -3,15 +3,14 @@ admit -> plan -> forward -> commit. It exists so the resources run end to end; i
 serving front end."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, UnknownName
 
-from mstar_core.errors import CommitError
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from mstar_core.errors import CommitError, InputError, UnknownName
 from mstar_core.resource import Resource
 from mstar_core.step import AdmitOutcome, Step, StepContext
 

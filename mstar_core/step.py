@@ -6,12 +6,13 @@ runner never looks inside them.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 import math
 import numbers
 from dataclasses import dataclass, field
 from typing import Any
+
+from mstar_core.errors import InputError, InputTypeError
 
 
 def is_int(value: Any) -> bool:

@@ -83,9 +83,8 @@ def graph_backend(fi: Any, backend: str, device: Any) -> str:
     if backend != "auto" or not hasattr(fi.BatchPrefillWithPagedKVCacheWrapper, "_determine_auto_backend"):
         return backend
     try:
-        from flashinfer.utils import determine_attention_backend  # type: ignore[import-not-found]
-
         import torch
+        from flashinfer.utils import determine_attention_backend  # type: ignore[import-not-found]
 
         chosen = str(determine_attention_backend(device, 0, False, False, torch.bfloat16, torch.bfloat16))
     except Exception as e:  # an API change: keep "auto" (correct, maybe slower for long prompts) and say so

@@ -1,12 +1,12 @@
 """FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError, StateError
 from mstar_flashinfer import compat, validate
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations

@@ -8,7 +8,6 @@ wrote. The same wrapper object must be used at capture and at every replay.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import contextlib
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, refuse_sinks
-
+from mstar_core.errors import InputError, StateError
 from mstar_flashinfer import validate
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from mstar_flashinfer.nvtx import Nvtx

@@ -1,14 +1,13 @@
 """FlashInferPrefillWrapper: batched prefill over a paged KV cache."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS
-
 from mstar_flashinfer import compat
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer

@@ -19,12 +19,13 @@ provoke the race on a CPU (tests/flashinfer/test_staging_race.py).
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from mstar_core.errors import InputError
 
 
 class Fence:

@@ -5,7 +5,6 @@ head-dim checks are skipped so the wrappers can be driven in float32.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from typing import Any
 
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from mstar_core.backends.varlen import check_same_device, check_window_and_scale
-
+from mstar_core.errors import InputError, InputTypeError
 from mstar_flashinfer.head_dim import check_flashinfer_head_dim
 from mstar_flashinfer.staging import host_i32
 

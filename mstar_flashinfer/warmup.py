@@ -17,7 +17,6 @@ import torch
 
 from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmedKernel, WarmupConfig
-
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.jit_notice import SHORT_QUERY, built_since, describe, jit_dir
 from mstar_flashinfer.mixed import FlashInferMixedWrapper

@@ -24,7 +24,6 @@ this walk under a graph should name the paged backend for it.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import importlib
 import itertools
@@ -35,15 +34,16 @@ from typing import Any
 
 import torch
 
-from mstar_core.kv.fp8 import dequantize
-from mstar_core.resource import BuildInfo
-from mstar_core.step import Step, StepContext
-from mstar_core.kv.config import KVConfig
-from mstar_core.kv.paged import KVManager
-from mstar_core.kv.plan import KVPlan, LabelLayout
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
 from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from mstar_core.attention.protocols import PrefixedPrefillWrapper
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.fp8 import dequantize
+from mstar_core.kv.paged import KVManager
+from mstar_core.kv.plan import KVPlan, LabelLayout
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
 
 log = logging.getLogger(__name__)
 

@@ -7,7 +7,6 @@ overwrites the state a wrapper still holds for step N.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError, UnknownName
 
 import logging
 from collections.abc import Iterable, Mapping
@@ -16,14 +15,15 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.capabilities import PAGED, paged_step_capability
+from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.features import AttentionFeatures
-from mstar_core.resource import BuildInfo
-from mstar_core.step import Step, StepContext
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.paged import KVManager
 from mstar_core.kv.plan import LabelLayout
-from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.capabilities import PAGED, paged_step_capability
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
 
 log = logging.getLogger(__name__)
 

@@ -16,7 +16,6 @@ wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_devic
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError
 
 import importlib
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from mstar_core.attention.checks import check_sinks, check_soft_cap
+from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

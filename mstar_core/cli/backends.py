@@ -6,7 +6,6 @@ the reason every other backend was passed over -- and every plugin that failed t
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import json
@@ -18,8 +17,9 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.cli.options import parse_kv_dtype
+from mstar_core.errors import InputError
+from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.device import as_device, describe, device_arch

@@ -1,15 +1,15 @@
 """``mstar bench``: time the tiny decoder's decode loop on a backend."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import json
 from dataclasses import asdict, replace
 
-from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
 from mstar_core.cli.options import add_config, config_from
 from mstar_core.cli.parallel import add_tp, launched
+from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
+from mstar_core.errors import InputError
 
 
 def register(sub: argparse._SubParsersAction) -> None:

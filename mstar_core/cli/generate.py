@@ -1,7 +1,6 @@
 """``mstar generate``: a local transformers model's greedy generation through mstar."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import argparse
 import importlib.util
@@ -12,6 +11,7 @@ from typing import Any
 
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.options import add_config, config_from
+from mstar_core.errors import InputError, StateError
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 

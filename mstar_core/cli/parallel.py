@@ -2,7 +2,6 @@
 torchrun, whose environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) says where it sits."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import logging
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, STALL_GRACE_S, TensorParallel
+from mstar_core.errors import InputError
 
 log = logging.getLogger(__name__)
 

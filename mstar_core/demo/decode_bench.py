@@ -5,7 +5,6 @@ with or without pre-planning; over ``tp`` tensor-parallel ranks, every rank runn
 loop (:mod:`mstar_core.distributed`)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import logging
 import statistics
@@ -16,15 +15,16 @@ from typing import Any
 
 import torch
 
-from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
-from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
-from mstar_core.graphs import GraphRunner, capture_graph
-from mstar_core.demo import TinyDecoder, TinyDecoderConfig
-from mstar_core.resource import resolve_dtype
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
+from mstar_core.errors import InputError, StateError
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
+from mstar_core.graphs import GraphRunner, capture_graph
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
+from mstar_core.resource import resolve_dtype
 from mstar_core.step import KVSpan, KVStep, Step
 
 LABEL = "text"

@@ -11,14 +11,14 @@ is what a denoise step looks like to the attention resource.
 """
 
 from __future__ import annotations
-from mstar_core.errors import StateError
 
 from dataclasses import dataclass, field
 
 import torch
 
-from mstar_core.config import ConfigSource
 from mstar_core.attention.dense import DENSE_CAPABILITY, DenseAttentionManager
+from mstar_core.config import ConfigSource
+from mstar_core.errors import StateError
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import AttentionStep, KVSpan, KVStep, Step, StepContext

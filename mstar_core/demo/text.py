@@ -2,7 +2,6 @@
 every generated token's logits checked against a no-cache full forward of the same model."""
 
 from __future__ import annotations
-from mstar_core.errors import StateError
 
 import logging
 import time
@@ -11,11 +10,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar_core.config import ConfigSource
-from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
-from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.attention.paged import PagedAttentionManager
 from mstar_core.capabilities import PAGED, STEP_KINDS, paged_step_capability
+from mstar_core.config import ConfigSource
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
+from mstar_core.errors import StateError
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step, StepContext

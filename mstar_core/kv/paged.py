@@ -8,7 +8,6 @@ pages held only for ``commit=False`` tokens.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -19,15 +18,16 @@ from typing import Any
 import torch
 
 from mstar_core.distributed import TensorParallel
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
-from mstar_core.kv.fp8 import quantize
-from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
-from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 from mstar_core.kv.config import KVConfig
+from mstar_core.kv.fp8 import quantize
 from mstar_core.kv.page_table import PageTable
 from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
 from mstar_core.kv.pool import PagePool
 from mstar_core.kv.streams import CacheStream
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 

@@ -1,7 +1,6 @@
 """The paged KV manager's plan: per-span layout and the FlashInfer-style arrays, per label."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError, UnknownName
 
 import itertools
 from collections.abc import Sequence
@@ -10,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.kv.page_table import PageTable
 
 

@@ -2,7 +2,6 @@
 run here, and if not why" with probe results cached per device."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import logging
 import threading
@@ -15,6 +14,7 @@ import pluggy
 import torch
 
 from mstar_core.config import check_pins
+from mstar_core.errors import InputError, InputTypeError, PluginError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry import discovery, hookspecs
 from mstar_core.registry.api import api_reasons
@@ -26,7 +26,7 @@ from mstar_core.registry.device import (
     device_key,
     device_kind,
 )
-from mstar_core.registry.discovery import LoadedPlugin, PluginError, PluginFailure
+from mstar_core.registry.discovery import LoadedPlugin, PluginFailure
 from mstar_core.registry.spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")

@@ -3,7 +3,6 @@ wrapper references), the devices, architectures, dtypes and head dims it runs, a
 Capabilities are data, refusals are reasons (lists of strings, empty = can run)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
@@ -12,11 +11,11 @@ from typing import Any, Union
 
 import torch
 
-from mstar_core.features import FEATURES, AttentionFeatures
-from mstar_core.step import is_int
 from mstar_core.capabilities import CAPABILITIES
+from mstar_core.errors import InputError, InputTypeError, UnknownName
+from mstar_core.features import FEATURES, AttentionFeatures
 from mstar_core.registry.api import parse_api_version
-
+from mstar_core.step import is_int
 
 # "cuda" is an NVIDIA device, "rocm" an AMD one (torch calls both device type "cuda").
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm")

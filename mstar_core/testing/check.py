@@ -16,7 +16,6 @@ From a plugin's own test suite, in one line (one pytest test per case)::
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import dataclasses
 import time
@@ -26,10 +25,11 @@ from typing import Any
 
 import torch
 
+from mstar_core.capabilities import STEP_KINDS
+from mstar_core.errors import InputError
 from mstar_core.registry.spec import BackendSpec, dtype_name
 from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
-from mstar_core.capabilities import STEP_KINDS
 
 NOT_COVERED: dict[str, str] = {
     "bounded": "the bounded kernel has no wrapper protocol yet: tests/bounded checks the built-in one",

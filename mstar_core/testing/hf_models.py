@@ -8,11 +8,12 @@ layer (Mistral), alternating sliding and full layers (Gemma 2, gpt-oss), logit s
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from typing import Any
 
 import torch
+
+from mstar_core.errors import InputError
 
 ARCHITECTURES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
 

@@ -7,14 +7,22 @@ its first plan passes it; these checks do not.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import dataclasses
 from typing import Any
 
 import torch
 
-from mstar_core.testing.conformance import CHECKS, PagedCase, RaggedCase, WrapperSet, assert_close, make_paged, paged_oracle
+from mstar_core.errors import InputError
+from mstar_core.testing.conformance import (
+    CHECKS,
+    PagedCase,
+    RaggedCase,
+    WrapperSet,
+    assert_close,
+    make_paged,
+    paged_oracle,
+)
 
 PAGE_SIZE, KV_HEADS, GQA = 16, 2, 4
 

@@ -30,12 +30,13 @@ query), accumulated in float32 (float64 for float64 inputs) and returned in ``q`
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import math
 from dataclasses import dataclass
 
 import torch
+
+from mstar_core.errors import InputError
 
 # Elements one scores block (plus its padded queries/outputs) may hold, and one row chunk's
 # gathered K/V. Read by build_padding at plan time; tests monkeypatch it.

@@ -7,14 +7,21 @@ place before the step runs. ``run`` (per layer) gathers each chunk's keys and co
 host sync."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError
 
 from typing import Any
 
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
-from mstar_core.backends.reference.math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
+from mstar_core.backends.reference.math import (
+    NO_EXTRAS,
+    Extras,
+    Padding,
+    attend_padded,
+    build_padding,
+    gather_paged_slots,
+)
+from mstar_core.errors import InputError, InputTypeError, StateError
 
 
 def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,

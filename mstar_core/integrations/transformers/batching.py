@@ -22,12 +22,12 @@ from typing import NamedTuple
 import torch
 
 from mstar_core.capabilities import STEP_KINDS, paged_step_capability
-from mstar_core.kv.paged import pages_for
-from mstar_core.step import KVSpan, KVStep, Step, is_int
 from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
 from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
+from mstar_core.kv.paged import pages_for
+from mstar_core.step import KVSpan, KVStep, Step, is_int
 
 log = logging.getLogger(__name__)
 

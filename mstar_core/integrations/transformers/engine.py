@@ -9,7 +9,6 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 import logging
 from dataclasses import dataclass
@@ -17,12 +16,10 @@ from typing import Any
 
 import torch
 
-from mstar_core.graphs import GraphRunner
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
-from mstar_core.kv import KVConfig, KVManager
-from mstar_core.node import Node
-from mstar_core.step import AttentionStep, StepContext, is_int
+from mstar_core.errors import InputError, InputTypeError
+from mstar_core.graphs import GraphRunner
 from mstar_core.integrations.transformers.attention import NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
@@ -31,6 +28,9 @@ from mstar_core.integrations.transformers.probe import (
     probe,
     refuse_config,
 )
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import AttentionStep, StepContext, is_int
 
 log = logging.getLogger(__name__)
 LABEL = "text"

@@ -2,7 +2,6 @@
 when present (random weights from a seed otherwise), and a tokenizer when the directory has one."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import logging
 import os
@@ -10,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mstar_core.errors import InputError
 
 log = logging.getLogger(__name__)
 

@@ -10,13 +10,13 @@ where mstar plans one per step (``sm_scale``, soft-cap).
 
 from __future__ import annotations
 
-from mstar_core.errors import UnsupportedModel
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mstar_core.errors import UnsupportedModel
 from mstar_core.features import AttentionFeatures
 from mstar_core.integrations.transformers.attention import bound
 

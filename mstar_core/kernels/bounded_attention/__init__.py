@@ -43,7 +43,6 @@ TF32 off.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import functools
 import importlib.util
@@ -52,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from mstar_core.errors import InputError
 from mstar_core.kernels.bounded_attention import table as tb
 from mstar_core.kernels.bounded_attention.reference import bounded_attention_reference, write_step_reference
 

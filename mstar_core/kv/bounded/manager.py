@@ -54,7 +54,6 @@ What a step took is recorded in its ``StepContext`` and released exactly once:
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -64,13 +63,14 @@ from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 from mstar_core.kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from mstar_core.kernels.bounded_attention import table as tb
-from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
-from mstar_core.step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from mstar_core.kv.bounded.config import BoundedKVConfig, RowLayout
 from mstar_core.kv.bounded.plan import BoundedPlan, host_table
 from mstar_core.kv.bounded.positions import BoundedStep, bounded_part
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 

@@ -7,12 +7,12 @@ A step carries it as ``Step(kv=..., extra=(("bounded", BoundedStep(...)),))``;
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from dataclasses import dataclass
 
-from mstar_core.step import Step, is_int
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.kernels.bounded_attention.table import NO_SOURCE, ROW_SOURCE
+from mstar_core.step import Step, is_int
 
 PART = "bounded"  # the step part's kind name
 
