@@ -128,7 +128,7 @@ class TensorParallel:
             _collective(f"the check of {what}", lambda t=t, op=op: dist.all_reduce(t, op=op, group=self.group),
                         self.group)
         bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
-               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist()) if a != b]
+               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist(), strict=True) if a != b]
         if bad:
             raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
 

@@ -10,7 +10,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import ContextManager
 
 import numpy as np
 import torch
@@ -64,7 +63,7 @@ _SEEN = contextlib.nullcontext()  # reusable: what a plan gets once its selectio
 def plan_first_use(
     kind: str, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int, window_left: int,
     soft_cap: float | None, backend: str, qo: np.ndarray | None = None,
-) -> ContextManager[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op (a set lookup or
     two) once the selection has been seen in this process. ``qo`` (a prefill plan's host qo_indptr)
     splits it further by the longest query (0.7.4: fa2 up to SHORT_QUERY tokens, fa3 beyond); the

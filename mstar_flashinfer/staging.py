@@ -107,7 +107,7 @@ class Staging:
         total = sum(sizes)
         buf = self._buf(name, total, dtype)
         host, at = buf.array, 0
-        for a, n in zip(arrays, sizes):
+        for a, n in zip(arrays, sizes, strict=True):
             np.copyto(host[at: at + n], a, casting="unsafe")
             at += n
         return list(buf.tensor[:total].split(sizes))

@@ -7,6 +7,7 @@ fa3 on Hopper: two modules). Decode follows the head counts (tensor cores or not
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from collections.abc import Sequence
@@ -107,16 +108,16 @@ def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[st
         win = "full" if window < 0 else f"window {window}"
         for cap in capabilities:
             if cap == "paged_decode":
-                done.append(r.timed(cap, win, lambda: r.paged_decode(window)))
+                done.append(r.timed(cap, win, functools.partial(r.paged_decode, window)))
                 continue
             for queries in QUERIES:
                 variant = f"{win}, {queries} queries"
                 if cap == "paged_prefill":
-                    done.append(r.timed(cap, variant, lambda: r.paged_prefill(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.paged_prefill, window, queries)))
                 elif cap == "mixed":
-                    done.append(r.timed(cap, variant, lambda: r.mixed(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.mixed, window, queries)))
                 elif cap == "prefixed_ragged":
-                    done.append(r.timed(cap, variant, lambda: r.prefixed_ragged(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.prefixed_ragged, window, queries)))
     compiled = len(new())
     if compiled and importlib.util.find_spec("flashinfer_jit_cache") is None:
         done.append(JIT_CACHE_HINT.format(n=compiled))

@@ -315,7 +315,7 @@ class DenseAttentionManager(AttentionManager):
             write = "none"
         else:
             write = "some"
-            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool) for s, f in zip(lay.spans, flags)])
+            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool) for s, f in zip(lay.spans, flags, strict=True)])
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
@@ -428,7 +428,7 @@ class DenseAttentionManager(AttentionManager):
             return k, v  # no prefix anywhere: the fresh K/V already are the keys
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for seg, start in zip(segs, lr.q_starts):
+        for seg, start in zip(segs, lr.q_starts, strict=True):
             if seg.prefix_len:
                 pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
                                            (seg.generation, seg.prefix_len, seg.pages),

@@ -147,7 +147,7 @@ class PagedAttentionManager(AttentionManager):
         self._layer_plan = f.layer_plans()
         self._layer_kw: tuple[dict[str, float | None], ...] | None = None
         if f.quantized:
-            self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i)))
+            self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i), strict=True))
                                    for i in range(kv_config.num_layers))
         self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
                                             kv_data_type=kv_cache.kv_dtype if f.quantized else None)

@@ -222,8 +222,8 @@ def render(data: dict[str, Any]) -> str:
         rows.append((b["name"], f"{b['distribution']} {b['version']}", ", ".join(b["provides"]),
                      ", ".join(b["dtypes"]), b["head_dims"], status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    for r in rows:  # the last column (status) is not padded: widths stop one short
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     lines += ["", *_feature_lines(data)]
     asked = data["features_requested"]
     lines += ["", f"auto picks (for features {', '.join(asked)}):" if asked else "auto picks:"]

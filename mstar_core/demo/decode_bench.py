@@ -192,9 +192,10 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
         log.warning("pre-plan off: %s (eager paged attention plans into the wrappers the running step "
                     "reads; use --graphs)", why)
     host: list[float] = []
-    marks: list[float | torch.cuda.Event] = []
+    events: list[torch.cuda.Event] = []  # on CUDA: an event recorded after each step
+    clock: list[float] = []  # elsewhere: the host clock after each step
     prep = runner.prepare(decode) if preplan else None
-    for i in range(o.warmup + o.steps):
+    for _ in range(o.warmup + o.steps):
         if not preplan:
             if cuda:
                 torch.cuda.current_stream().synchronize()  # without pre-plan the host waits for step N
@@ -212,18 +213,18 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
         if cuda:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
-            marks.append(ev)
+            events.append(ev)
         else:
-            marks.append(time.perf_counter())
+            clock.append(time.perf_counter())
     if prep is not None and preplan:
         runner.discard(prep)  # the step planned ahead of a loop that ends here
     # A step's time is the interval between its mark and the previous one: the last warm-up
     # step's mark opens the first of ``steps`` timed intervals (warmup >= 1).
     if cuda:
         torch.cuda.synchronize()
-        steps = [marks[i - 1].elapsed_time(marks[i]) for i in range(o.warmup, len(marks))]  # type: ignore[union-attr]
+        steps = [events[i - 1].elapsed_time(events[i]) for i in range(o.warmup, len(events))]
     else:
-        steps = [(marks[i] - marks[i - 1]) * 1e3 for i in range(o.warmup, len(marks))]  # type: ignore[operator]
+        steps = [(clock[i] - clock[i - 1]) * 1e3 for i in range(o.warmup, len(clock))]
     step_ms, host_ms = statistics.median(steps), statistics.median(host[o.warmup:]) * 1e3
     gpu_ms = _gpu_time(runner, o.batch) if (cuda and runner.enabled) else None
     ar_ms = None

@@ -3,6 +3,7 @@ every generated token's logits checked against a no-cache full forward of the sa
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -139,7 +140,7 @@ def run_text_demo(
                     KVSpan(r.rid, LABEL, len(r.step_tokens)) for r in batch
                 )
                 step = Step(KVStep(spans))
-                res = node.step(step, lambda ctx: forward(batch, ctx))
+                res = node.step(step, functools.partial(forward, batch))
                 if res.outcome:
                     break
                 # Refused: the newest request not yet prefilled waits for pages.
@@ -182,7 +183,7 @@ def _forward(model: TinyDecoder, kv: KVManager, attn: PagedAttentionManager, bat
     lay = ctx.plan_results[kv.name].layout(LABEL)
     toks = [t for r in batch for t in r.step_tokens]
     logits = model.forward_step(torch.tensor(toks, device=device), lay.positions, kv, attn, LABEL)
-    for r, span in zip(batch, lay.spans):
+    for r, span in zip(batch, lay.spans, strict=True):
         last = logits[span.q_start + span.to_compute - 1].float().cpu()
         r.logits.append(last)
         r.generated.append(int(last.argmax()))

@@ -411,7 +411,8 @@ class KVManager(Resource):
         decode = rows.decode  # every row one token
         pack = RowPack(len(rows.spans), decode)
         host = rows.qo + rows.kvp + rows.last + rows.lens
-        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp)]  # page_base
+        # page_base; kvp is the indptr (rows + 1 entries): row r pairs with its start, kvp[r].
+        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp, strict=False)]
         host += rows.pos_base
         host += [t * cols for t in rows.table_row]  # table_base
         if decode:  # one token per row: its page, slot and position are known here, O(1) each
@@ -424,7 +425,7 @@ class KVManager(Resource):
             block = pack.token_block(dev) if decode else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps))
             per_token = self._stage_graph(block, ctx.slot, ctx.graph_tokens)
         elif decode:
-            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev)))
+            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))
         return LabelLayout(
             spans=tuple(rows.spans),
             qo_indptr=pack.qo(host_t),

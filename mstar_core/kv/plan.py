@@ -133,7 +133,7 @@ class LabelLayout:
                 raise StateError("this layout has no per-token arrays (built without the page table)")
             arrays = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
                                   self.page_size)
-            self.per_token.update(zip(TOKEN_ARRAYS, arrays))
+            self.per_token.update(zip(TOKEN_ARRAYS, arrays, strict=True))
         return self.per_token[name]
 
     @property

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
@@ -67,8 +67,8 @@ class HeadDims:
         return f"{step} up to {self.maximum}" if self.maximum is not None else step
 
 
-ProbeRef = Union[str, Probe, None]
-WarmupRef = Union[str, Callable[..., Any], None]
+ProbeRef = str | Probe | None
+WarmupRef = str | Callable[..., Any] | None
 
 
 @dataclass(frozen=True)

@@ -93,7 +93,7 @@ class Report:
                 rows.append((r.capability, r.dtype, r.group, r.name, result, err))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [f"mstar check {self.backend} ({self.label}, plugin API {self.api_version}) on {self.device}", ""]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         for r in self.failed:
             lines += ["", f"FAIL {r.capability} {r.dtype} {r.group} {r.name}:", f"  {r.message}"]
         for cap, why in self.not_covered.items():

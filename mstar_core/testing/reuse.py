@@ -106,7 +106,7 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     with torch.cuda.graph(graph):
         out_static = w.run(q_static, layer)
     errors = []
-    for case, d in zip(cases, datas):
+    for case, d in zip(cases, datas, strict=True):
         n = d.q.shape[0]
         layer.zero_()
         layer[: d.layer.shape[0]].copy_(d.layer)

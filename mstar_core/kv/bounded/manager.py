@@ -524,8 +524,9 @@ class BoundedKVManager(Resource):
         if plan is not self._marked:  # every layer writes the same slots: mark them at the first
             self._marked = plan
             # Only where the row's request still holds that slot in the plan's epoch: a request
-            # reset or removed since (its slot maybe free, or another's) gets no mark.
-            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners):
+            # reset or removed since (its slot maybe free, or another's) gets no mark. Padding rows
+            # (past the owners) are never marked.
+            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners, strict=False):
                 if lay.commit and lay.num_tokens and self._slot.get(rid) == slot and self._epoch.get(rid) == epoch:
                     self._uncommitted_writes[slot] = lay.start
         return out
