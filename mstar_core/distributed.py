@@ -51,8 +51,9 @@ def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: 
         return
     g = math.gcd(*sizes.values())
     named = ", ".join(f"{what} {n}" for what, n in sizes.items())
-    raise InputError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
-                     f"(rank counts that divide them all: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
+    divisors = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+    raise InputError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: "
+                     f"each must be a multiple of the rank count (rank counts that divide them all: {divisors})")
 
 
 def shard_heads(num_qo_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int]:

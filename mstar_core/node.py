@@ -29,7 +29,8 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
     for r in resources:
         for dep in r.depends_on():
             if dep not in by_name:
-                raise InputError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold (it holds {sorted(by_name)})")
+                raise InputError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold "
+                                 f"(it holds {sorted(by_name)})")
     ordered: list[Resource] = []
     state: dict[str, int] = {}  # 1 visiting, 2 done
 

@@ -40,7 +40,8 @@ class BuildInfo:
         try:
             return self.built[name]
         except KeyError:
-            raise InputError(f"{owner}.build: needs resource {name!r} built first; built so far: {sorted(self.built)}") from None
+            raise InputError(f"{owner}.build: needs resource {name!r} built first; "
+                             f"built so far: {sorted(self.built)}") from None
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}

@@ -20,8 +20,8 @@ from mstar_core.registry.spec import dtype_name
 log = logging.getLogger("mstar.flashinfer")
 
 WHY = ("FlashInfer compiles each kernel family (dtype, head dim, variant) with nvcc on its first use on a machine, "
-       "20-120 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt (flashinfer-jit-cache); "
-       "`mstar warmup` does this ahead of serving")
+       "20-120 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt "
+       "(flashinfer-jit-cache); `mstar warmup` does this ahead of serving")
 
 # FlashInfer 0.7.4 picks fa2 for a paged prefill plan whose longest query is at most this long and
 # fa3 otherwise (on Hopper): a different module, so a different first use.

@@ -161,9 +161,9 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                 qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
+                per_plan = self._per_plan_backend and inner is self._inners.get(self.backend)
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
-                                    extras["logits_soft_cap"], self.backend,
-                                    keep[0] if self._per_plan_backend and inner is self._inners.get(self.backend) else None):
+                                    extras["logits_soft_cap"], self.backend, keep[0] if per_plan else None):
                     self._inner = inner
                     inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,

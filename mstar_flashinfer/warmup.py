@@ -90,7 +90,8 @@ class _Run:
         w.plan(_t(cu_q), _t(cu_k), max(q_lens), max(q_lens) + 5, causal=True, dtype=self.cfg.dtype,
                window_left=window)
         c = self.cfg
-        w.run(self.rand(int(cu_q[-1]), c.num_qo_heads, c.head_dim), self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim),
+        w.run(self.rand(int(cu_q[-1]), c.num_qo_heads, c.head_dim),
+              self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim),
               self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim))
 
 

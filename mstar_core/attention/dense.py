@@ -315,10 +315,12 @@ class DenseAttentionManager(AttentionManager):
             write = "none"
         else:
             write = "some"
-            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool) for s, f in zip(lay.spans, flags, strict=True)])
+            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool)
+                              for s, f in zip(lay.spans, flags, strict=True)])
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
-        log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
+        log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1],
+                  write)
         return _LabelRun(label, plan, tuple(starts), write, rows, self._serial, tuple(plans))
 
     @property
@@ -364,7 +366,8 @@ class DenseAttentionManager(AttentionManager):
                 raise InputError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected "
                                  f"{(n, c.num_kv_heads, c.head_dim)} [tokens, H_kv, D]")
             if t.dtype != self.dtype:
-                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
+                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} "
+                                     "(the cache's dtype)")
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)

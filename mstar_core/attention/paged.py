@@ -122,8 +122,9 @@ class PagedAttentionManager(AttentionManager):
         capacity = kv_config.max_pages * kv_config.page_size
         for w in self.features.windows(-1):
             if w >= capacity:
-                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache ({kv_config.max_pages} "
-                                 f"pages x {kv_config.page_size} = {capacity} tokens); use -1 for a full layer")
+                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache "
+                                 f"({kv_config.max_pages} pages x {kv_config.page_size} = {capacity} tokens); "
+                                 "use -1 for a full layer")
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -265,7 +266,8 @@ class PagedAttentionManager(AttentionManager):
         elif kind != "paged_decode":
             raise InputError(f"only decode steps are captured; this step is {kind}")
         if ctx.bucket is not None and ctx.bucket > self._graph_max_bs:
-            raise InputError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
+            raise InputError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' "
+                             f"max_bs {self._graph_max_bs}")
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Grow-only: graph-mode wrappers are built per (bucket, slot) at first plan."""

@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", default=None, help="device to judge (default: cuda if usable, else cpu)")
-    p.add_argument("--dtype", default=None, help="dtype for the auto picks (default: bfloat16 on a GPU, float32 on cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype for the auto picks (default: bfloat16 on a GPU, float32 on cpu)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim for the auto picks (default: 128)")
     # Feature options: one AttentionFeatures for every auto pick. Parsed in run() (strings here) so
     # a bad value is one "mstar backends: error:" line naming it, like every other bad value.
@@ -146,7 +147,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "provides": list(spec.provides),
             "devices": list(spec.devices),
             "archs": list(spec.archs) if spec.archs is not None else None,
-            "min_compute_capability": "sm{}{}".format(*spec.min_compute_capability) if spec.min_compute_capability else None,
+            "min_compute_capability": ("sm{}{}".format(*spec.min_compute_capability)
+                                       if spec.min_compute_capability else None),
             "dtypes": [dtype_name(d) for d in spec.dtypes],
             "head_dims": str(spec.head_dims),
             "capturable": list(spec.capturable),
@@ -247,7 +249,8 @@ def render(data: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.head_dim < 1:
-        raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
+        raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 "
+                         "(the head dim auto's picks are judged for)")
     features = features_from_args(args)
     device = as_device(args.device) if args.device else _default_device()
     data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)

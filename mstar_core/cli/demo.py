@@ -47,7 +47,8 @@ def run(args: argparse.Namespace) -> int:
         from mstar_core.demo import denoise
 
         if args.tp != 1:
-            raise InputError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
+            raise InputError("demo --tp: tensor parallelism runs the text workload "
+                             "(the denoise workload runs on one rank)")
         return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
     from mstar_core.demo import TinyDecoderConfig, text
     from mstar_core.distributed import check_shardable

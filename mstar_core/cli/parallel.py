@@ -66,7 +66,8 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         return
     dev = torch.device(device)
     if dev.type not in ("cuda", "cpu"):
-        raise InputError(f"{command} --tp {size}: device {device!r}; tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
+        raise InputError(f"{command} --tp {size}: device {device!r}; "
+                         "tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
     owned = not dist.is_initialized()
     if owned and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         raise InputError(

@@ -56,7 +56,8 @@ class BenchOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
-        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup", "tp"):
+        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup",
+                     "tp"):
             if getattr(self, name) < 1:
                 raise InputError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
@@ -166,11 +167,13 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
 def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:
     have = tp.world_size if tp is not None else 1
     if have != o.tp:
-        raise InputError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
+        given = "no TensorParallel" if tp is None else f"a group of {have} ranks"
+        raise InputError(f"bench: tp={o.tp} but {given} was "
                          "given; every rank passes its TensorParallel (mstar_core.distributed)")
 
 
-def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None, tp: TensorParallel | None = None) -> BenchResult:
+def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None,
+                     tp: TensorParallel | None = None) -> BenchResult:
     """Time the loop. Under tensor parallelism every rank calls this with its ``tp``, and a rank
     whose peers stopped ends itself after ``o.tp_timeout`` (plus a grace) instead of hanging."""
     _check_tp(o, tp)

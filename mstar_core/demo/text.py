@@ -119,7 +119,8 @@ def run_text_demo(
             # Before the first collective of the step: ranks that admitted different rows would
             # otherwise all-reduce tensors of different shapes.
             n = sum(len(r.step_tokens) for r in batch)
-            tp.check_same(f"step {step_no}'s admission", {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
+            tp.check_same(f"step {step_no}'s admission",
+                          {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
         _forward(model, kv, attn, batch, ctx, device)
 
     pending = make_requests(cfg.vocab_size, seed)
@@ -172,7 +173,8 @@ def run_text_demo(
             whole = model if tp is None else TinyDecoder(cfg, device, dtype, seed=seed)
             err = max(_check(whole, r) for r in finished)
         if tp is not None:
-            err = float(tp.all_reduce(torch.tensor([err], dtype=torch.float64, device=device), "the error's all-reduce"))
+            err = float(tp.all_reduce(torch.tensor([err], dtype=torch.float64, device=device),
+                                      "the error's all-reduce"))
     tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
     logits = {r.rid: torch.stack(r.logits) for r in finished}
     return DemoReport(backend_name, kinds, waits, tokens, seconds, err, tol, tp.world_size if tp else 1, logits)

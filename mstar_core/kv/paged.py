@@ -220,7 +220,8 @@ class KVManager(Resource):
         refusal is returned."""
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:
-            raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
+            raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; "
+                              f"ingested: {sorted(self._requests)}")
         if (dst_rid, label) in self.streams:
             raise InputError(f"fork: request {dst_rid!r} already has a {label!r} stream")
         # Only the committed tokens' pages: a step in flight on the source may hold more.
@@ -422,7 +423,8 @@ class KVManager(Resource):
         kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
         per_token: dict[str, torch.Tensor] = {}
         if ctx.bucket is not None:
-            block = pack.token_block(dev) if decode else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps))
+            block = (pack.token_block(dev) if decode
+                     else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps)))
             per_token = self._stage_graph(block, ctx.slot, ctx.graph_tokens)
         elif decode:
             per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))

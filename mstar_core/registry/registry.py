@@ -69,8 +69,8 @@ class Registry:
                             f"got {strict!r}")
         self.strict = discovery.strict_from_env() if strict is None else strict
         if isinstance(allowlist, str):
-            raise InputTypeError(f"Registry(allowlist=...) takes an iterable of plugin names, got the string {allowlist!r} "
-                            f"(write [{allowlist!r}])")
+            raise InputTypeError(f"Registry(allowlist=...) takes an iterable of plugin names, "
+                                 f"got the string {allowlist!r} (write [{allowlist!r}])")
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
         self.pins: dict[str, str] = discovery.pins_from_env() if pins is None else check_pins(
@@ -352,7 +352,8 @@ class Registry:
         if api:  # nothing else of an incompatible backend is looked at
             return api
         provided = [c for c in capabilities if c in spec.provides]
-        return self.device_reasons(spec, device, provided) + spec.declared_reasons(capabilities, dtype, head_dim, features)
+        return (self.device_reasons(spec, device, provided)
+                + spec.declared_reasons(capabilities, dtype, head_dim, features))
 
 
 def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:

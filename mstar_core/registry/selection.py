@@ -158,8 +158,9 @@ def select_backend(
 ) -> Selection:
     """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
     those checks; ``features`` (None: plain attention) are refused by a backend that does not
-    declare them for every requested capability, with a reason naming the feature. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
-    ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
+    declare them for every requested capability, with a reason naming the feature.
+    ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and ``config``'s
+    ``attention.backend``; without it ``requested``, then config, then "auto".
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
     if isinstance(capabilities, str):

@@ -123,7 +123,8 @@ class BackendSpec:
                             f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
-            raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; known: {list(CAPABILITIES)}")
+            raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; "
+                             f"known: {list(CAPABILITIES)}")
         for cap, ref in self.provides.items():
             if not isinstance(ref, str) or ":" not in ref:
                 raise InputError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
@@ -151,7 +152,8 @@ class BackendSpec:
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
         if capability not in self.provides:
-            raise UnknownName(f"backend {self.name!r} does not provide {capability!r}; it provides {list(self.provides)}")
+            raise UnknownName(f"backend {self.name!r} does not provide {capability!r}; "
+                              f"it provides {list(self.provides)}")
         return load_ref(self.provides[capability])
 
     def supports(self, capability: str) -> tuple[str, ...]:
@@ -168,7 +170,8 @@ class BackendSpec:
         if missing:
             reasons.append(f"does not provide {', '.join(missing)} (provides: {', '.join(self.provides)})")
         if dtype is not None and dtype not in self.dtypes:
-            reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {', '.join(map(dtype_name, self.dtypes))})")
+            supported = ", ".join(map(dtype_name, self.dtypes))
+            reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {supported})")
         if head_dim is not None:
             reasons.extend(self.head_dims.reasons(head_dim))
         if features is not None:

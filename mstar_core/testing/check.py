@@ -135,7 +135,8 @@ def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims:
         if why:
             raise InputError(f"backend {spec.name!r}: cannot check {why[0]}")
     if not dtypes or not head_dims:
-        raise InputError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(map(dtype_name, dtypes))}, "
+        raise InputError(f"backend {spec.name!r}: no dtype or head dim to check "
+                         f"(dtypes {list(map(dtype_name, dtypes))}, "
                          f"head dims {list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, "
                          f"head dims {spec.head_dims}")
     return dtypes, head_dims
@@ -189,7 +190,8 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
             for group, case in _cases(kind, spec.supports(cap), head_dims):
                 checks.append(Check(cap, group, dtype, str(case), lambda fn=fn, ws=ws, case=case: fn(ws, case)))
             d = head_dims[-1]
-            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}", lambda ws=ws, k=kind, d=d: reuse.check_replan(ws, k, d)))
+            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}",
+                                lambda ws=ws, k=kind, d=d: reuse.check_replan(ws, k, d)))
             if cap in spec.capturable and device.type == "cuda":
                 checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}",
                                     lambda ws=ws, k=kind, d=d: reuse.check_replay(ws, k, d)))

@@ -58,7 +58,8 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     """:func:`generate`, returning the :class:`Generation` (ids, steps, timings)."""
     unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:
-        raise InputTypeError(f"generate got unknown options {unknown}; it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
+        raise InputTypeError(f"generate got unknown options {unknown}; "
+                             f"it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
     # Refused before the engine is built (probing and graph capture are not free).
     check_max_new(max_new_tokens)
     prompts = check_prompts(prompts, getattr(getattr(model, "config", None), "vocab_size", None))

@@ -93,11 +93,13 @@ def switch(model: Any) -> str:
         try:
             model.set_attn_implementation(NAME)
         except (ValueError, KeyError, NotImplementedError) as e:
-            raise UnsupportedModel(f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
+            raise UnsupportedModel(
+                f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
         # transformers only warns (and changes nothing) for a class it cannot switch.
         if getattr(model.config, "_attn_implementation", None) != NAME:
-            raise UnsupportedModel(f"{type(model).__name__} did not switch to attn_implementation {NAME!r} (transformers "
-                                   "refused it for this class): its attention does not go through AttentionInterface")
+            raise UnsupportedModel(f"{type(model).__name__} did not switch to attn_implementation {NAME!r} "
+                                   "(transformers refused it for this class): its attention does not go through "
+                                   "AttentionInterface")
     return before
 
 
