@@ -31,7 +31,7 @@ SHORT_QUERY = 64
 def jit_dir() -> Path | None:
     """FlashInfer's folder of JIT-built modules, or None where this build has none to read."""
     try:
-        from flashinfer.jit import env  # type: ignore[import-not-found]
+        from flashinfer.jit import env
     except ImportError:
         return None
     d = getattr(env, "FLASHINFER_JIT_DIR", None)
