@@ -15,6 +15,7 @@ eager ones it logs the timeout and only tears the process down later.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import sys
@@ -126,7 +127,7 @@ class TensorParallel:
         lo = torch.tensor(list(values.values()), dtype=torch.int64, device=self._device)
         hi = lo.clone()
         for t, op in ((lo, dist.ReduceOp.MIN), (hi, dist.ReduceOp.MAX)):
-            _collective(f"the check of {what}", lambda t=t, op=op: dist.all_reduce(t, op=op, group=self.group),
+            _collective(f"the check of {what}", functools.partial(dist.all_reduce, t, op=op, group=self.group),
                         self.group)
         bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
                for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist(), strict=True) if a != b]

@@ -25,6 +25,7 @@ this walk under a graph should name the paged backend for it.
 
 from __future__ import annotations
 
+import functools
 import importlib
 import itertools
 import logging
@@ -384,6 +385,7 @@ class DenseAttentionManager(AttentionManager):
         if self.bound_plan() is None and self._current is None:
             raise StateError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
+        lr: _LabelRun | None
         if label is None:
             if len(runs) != 1:
                 raise InputError(f"label=None is ambiguous: this step has labels {[r.label for r in runs]}; name one")
@@ -420,7 +422,8 @@ class DenseAttentionManager(AttentionManager):
         kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * layer.shape[2], *layer.shape[3:])[:, : seg.prefix_len]
         if self.features.quantized:
             k_scale, v_scale = self.kv.scales(layer_idx)
-            return dequantize(kv[0], k_scale, self.dtype), dequantize(kv[1], v_scale, self.dtype)  # type: ignore[arg-type]
+            assert k_scale is not None and v_scale is not None  # an FP8 cache has its scales
+            return dequantize(kv[0], k_scale, self.dtype), dequantize(kv[1], v_scale, self.dtype)
         return kv[0].contiguous(), kv[1].contiguous()
 
     def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
@@ -435,7 +438,7 @@ class DenseAttentionManager(AttentionManager):
             if seg.prefix_len:
                 pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
                                            (seg.generation, seg.prefix_len, seg.pages),
-                                           lambda seg=seg: self._gather(seg, layer, layer_idx))
+                                           functools.partial(self._gather, seg, layer, layer_idx))
                 ks.append(pk)
                 vs.append(pv)
             ks.append(k[start:start + seg.q_len])

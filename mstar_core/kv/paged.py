@@ -396,10 +396,11 @@ class KVManager(Resource):
             if rows is None:
                 rows = labels[s.label] = _LabelRows()
             rows.add(s, stream, ps)
-        if ctx.bucket is not None:
+        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
+        if graph_tokens is not None:
             if len(labels) != 1:
                 raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
-            self._check_graph_step(ctx.graph_tokens, sum(r.qo[-1] for r in labels.values()))
+            self._check_graph_step(graph_tokens, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
         plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
         self._current = plan
@@ -422,10 +423,11 @@ class KVManager(Resource):
         host_t, dev = self.table.upload(host)
         kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
         per_token: dict[str, torch.Tensor] = {}
-        if ctx.bucket is not None:
+        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
+        if graph_tokens is not None:
             block = (pack.token_block(dev) if decode
                      else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps)))
-            per_token = self._stage_graph(block, ctx.slot, ctx.graph_tokens)
+            per_token = self._stage_graph(block, ctx.slot, graph_tokens)
         elif decode:
             per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))
         return LabelLayout(

@@ -144,13 +144,13 @@ def bounded_attention(
     [>= B])`` the prefix of requests whose SOURCE is -1. Does not write the cache: see
     :func:`bounded_write`. ``impl`` forces ``"reference"`` or ``"triton"``."""
     _check(q, k, v, cache, table, sink, window, query_window, source, row_source, rel_bias)
-    kw = dict(sink=sink, window=window, query_window=query_window, source=source,
-              row_source=row_source, rel_bias=rel_bias, sm_scale=sm_scale, ieee=ieee)
+    attend = bounded_attention_reference
     if pick_impl(q.device, impl) == "triton":
         from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton
 
-        return bounded_attention_triton(q, k, v, cache, table, **kw)
-    return bounded_attention_reference(q, k, v, cache, table, **kw)
+        attend = bounded_attention_triton
+    return attend(q, k, v, cache, table, sink=sink, window=window, query_window=query_window, source=source,
+                  row_source=row_source, rel_bias=rel_bias, sm_scale=sm_scale, ieee=ieee)
 
 
 def bounded_write(

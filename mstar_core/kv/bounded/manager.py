@@ -310,10 +310,10 @@ class BoundedKVManager(Resource):
             )
         return rec
 
-    def _live(self, rec: _Admitted, rid: str) -> bool:
+    def _live(self, rec: _Admitted | None, rid: str) -> bool:
         """Whether ``rid`` is still as the admit recorded in ``rec`` found it (not reset, or
-        removed and re-admitted, since)."""
-        return rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
+        removed and re-admitted, since); never without a record."""
+        return rec is not None and rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
 
     def _forget_admitted(self, ctx: StepContext, rids: set[str]) -> None:
         rec = self._record(ctx)
@@ -384,7 +384,7 @@ class BoundedKVManager(Resource):
             max_span=max((lay.num_tokens for _, lay, _ in frozen), default=0),
             reads_source=any(src >= 0 for _, _, src in frozen),
             reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
-            owners=tuple((r, rec.epochs[r]) for r in part.request_ids),
+            owners=() if rec is None else tuple((r, rec.epochs[r]) for r in part.request_ids),
         )
         self._current = plan
         return plan
