@@ -159,7 +159,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "install_hint": spec.install_hint,
             "description": spec.description,
         })
-    auto = {}
+    auto: dict[str, dict[str, Any]] = {}
     for cap in CAPABILITIES:
         try:
             sel = select_backend(capabilities=(cap,), requested="auto", device=device, dtype=dtype,

@@ -89,8 +89,8 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         torch.cuda.set_device(dev)
     if owned:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        extra = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **extra)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
         log.info("tensor parallel: rank %d of %d on %s (%s, collectives time out after %g s)",
                  dist.get_rank(), size, dev, backend, timeout_s)
     else:

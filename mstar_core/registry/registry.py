@@ -8,6 +8,7 @@ import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from types import EllipsisType
 from typing import Any, TypeVar
 
 import pluggy
@@ -56,7 +57,7 @@ class Registry:
         *,
         discover: bool = True,
         strict: bool | None = None,
-        allowlist: Iterable[str] | None | type[Ellipsis] = ...,  # ...: read MSTAR_PLUGINS
+        allowlist: Iterable[str] | None | EllipsisType = ...,  # ...: read MSTAR_PLUGINS
         pins: Mapping[str, str] | None = None,  # None: read MSTAR_BACKEND_PINS
     ) -> None:
         # name -> every spec registered under it, one per distribution (a name two distributions

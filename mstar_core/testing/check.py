@@ -18,6 +18,7 @@ From a plugin's own test suite, in one line (one pytest test per case)::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,8 @@ def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
 
 def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int]) -> list[tuple[str, Any]]:
     plain = {"prefill": C.prefill_cases, "decode": C.decode_cases, "mixed": C.mixed_cases}
+    base: Sequence[C.PagedCase | C.RaggedCase]
+    extra: Sequence[C.PagedCase | C.RaggedCase]
     if kind == "ragged":
         base, extra = C.ragged_cases(), C.ragged_feature_cases(features, head_dims[-1])
     else:
@@ -188,13 +191,13 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
                 continue
             fn = C.CHECKS[kind]
             for group, case in _cases(kind, spec.supports(cap), head_dims):
-                checks.append(Check(cap, group, dtype, str(case), lambda fn=fn, ws=ws, case=case: fn(ws, case)))
+                checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
             d = head_dims[-1]
             checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}",
-                                lambda ws=ws, k=kind, d=d: reuse.check_replan(ws, k, d)))
+                                functools.partial(reuse.check_replan, ws, kind, d)))
             if cap in spec.capturable and device.type == "cuda":
                 checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}",
-                                    lambda ws=ws, k=kind, d=d: reuse.check_replay(ws, k, d)))
+                                    functools.partial(reuse.check_replay, ws, kind, d)))
     return checks
 
 

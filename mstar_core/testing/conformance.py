@@ -112,7 +112,8 @@ class RaggedCase:
 
 
 def _feature_tag(case: PagedCase | RaggedCase) -> str:
-    tag = f"-{case.kv_dtype}" if getattr(case, "kv_dtype", "auto") != "auto" else ""
+    kv_dtype = getattr(case, "kv_dtype", "auto")  # a ragged case stores the model dtype
+    tag = f"-{kv_dtype}" if kv_dtype != "auto" else ""
     tag += f"-cap{case.soft_cap:g}" if case.soft_cap is not None else ""
     tag += f"-poison{case.poison_row}" if case.poison_row is not None else ""
     return tag + ("-sinks" if case.sinks else "")

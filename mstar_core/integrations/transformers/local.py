@@ -41,4 +41,5 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
     tokenizer = None
     if any((d / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    return model.to(device).eval(), tokenizer, weights
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind self.
+    return model.to(device).eval(), tokenizer, weights  # type: ignore[arg-type]
