@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import torch
 import torch.distributed as dist
@@ -159,7 +159,7 @@ class StallWatchdog:
         self.pets += 1
         self._last = time.monotonic()
 
-    def __enter__(self) -> StallWatchdog:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> Self:
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="mstar-stall-watchdog", daemon=True)
         self._thread.start()

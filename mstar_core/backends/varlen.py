@@ -184,8 +184,8 @@ class VarlenPrefixedWrapper:
         # The window is (left, right) around the bottom-right-aligned diagonal; causal caps right at 0.
         self._window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
         self._extra = dict(self.extra_kwargs)
-        if soft_cap is not None:
-            self._extra[self.softcap_kwarg] = soft_cap  # type: ignore[index]
+        if soft_cap is not None and self.softcap_kwarg is not None:  # a soft-cap without one was refused above
+            self._extra[self.softcap_kwarg] = soft_cap
         self._planned = True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None

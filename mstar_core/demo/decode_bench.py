@@ -265,7 +265,7 @@ def _gpu_time(runner: GraphRunner, batch: int) -> float:
     """One step's kernels back to back: the captured graph replayed with no host work between."""
     bucket = runner.bucket_for(batch)
     assert bucket is not None  # the runner's one bucket is the bench's batch
-    g = runner._graphs[(bucket, 0)]  # noqa: SLF001 - the bench is the runner's own user
+    g = runner._graphs[(bucket, 0)]  # private: the bench is the runner's own user
     return _time_ms(g.replay, runner.device)
 
 

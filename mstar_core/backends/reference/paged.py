@@ -173,6 +173,8 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
 
+    # The decode protocol's plan (no qo_indptr, no causal) over the prefill plan it reuses:
+    # a decode wrapper is not a drop-in prefill wrapper, by design.
     def plan(  # type: ignore[override]
         self,
         paged_kv_indptr: torch.Tensor,

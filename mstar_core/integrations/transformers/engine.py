@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
@@ -208,7 +208,7 @@ class Engine:
         if self._restore != NAME and getattr(self.model.config, "_attn_implementation", None) == NAME:
             self.model.set_attn_implementation(self._restore)
 
-    def __enter__(self) -> Engine:  # noqa: PYI034 - not subclassed
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -69,19 +69,20 @@ def triton_available() -> bool:
 def pick_impl(device: torch.device, impl: Impl = "auto") -> Literal["reference", "triton"]:
     """``auto``: Triton on CUDA when triton is importable, else the reference.
     ``MSTAR_BOUNDED_IMPL=reference|triton`` overrides ``auto``."""
-    if impl == "auto":
-        impl = os.environ.get("MSTAR_BOUNDED_IMPL", "auto")  # type: ignore[assignment]
-    if impl == "auto":
+    choice: str = impl  # the environment's value is any string until checked below
+    if choice == "auto":
+        choice = os.environ.get("MSTAR_BOUNDED_IMPL", "auto")
+    if choice == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "reference"
-    if impl == "triton":
+    if choice == "triton":
         if device.type != "cuda":
             raise InputError(f"bounded_attention impl='triton' needs a CUDA tensor, got device {device}")
         if not triton_available():
             raise ImportError("bounded_attention impl='triton': triton is not installed")
         return "triton"
-    if impl == "reference":
+    if choice == "reference":
         return "reference"
-    raise InputError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    raise InputError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {choice!r}")
 
 
 def _check(q, k, v, cache, tab, sink, window, query_window, source, row_source, rel_bias) -> None:
