@@ -71,14 +71,9 @@ from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Shortag
 from mstar_core.warmup import WarmedKernel, WarmupConfig, WarmupReport, warmup
 
 if TYPE_CHECKING:
-    from mstar_core.integrations.transformers import (
-        Engine,
-        EngineOptions,
-        Generation,
-        generate,
-        generate_report,
-        probe,
-    )
+    # probe from its own module: in the package the name is also a submodule's, which mypy reads as a redefinition.
+    from mstar_core.integrations.transformers import Engine, EngineOptions, Generation, generate, generate_report
+    from mstar_core.integrations.transformers.probe import probe
     from mstar_core.testing.check import check_backend, conformance_test
 
 __version__ = "0.1.0"
@@ -184,6 +179,7 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "hookspec",
+    "load_config",
     "probe",
     "reset_registry",
     "select_backend",

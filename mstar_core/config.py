@@ -13,7 +13,6 @@ user cannot see.
 """
 
 from __future__ import annotations
-from mstar_core.errors import ConfigError
 
 import difflib
 import os
@@ -22,6 +21,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+from mstar_core.errors import ConfigError
 
 CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}}'
 

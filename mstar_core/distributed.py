@@ -14,9 +14,8 @@ eager ones it logs the timeout and only tears the process down later.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
-from mstar_core.errors import TensorParallelError
+import functools
 import math
 import os
 import sys
@@ -25,10 +24,12 @@ import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Self, TypeVar
 
 import torch
 import torch.distributed as dist
+
+from mstar_core.errors import InputError, StateError, TensorParallelError
 
 T = TypeVar("T")
 
@@ -51,8 +52,9 @@ def check_shardable(world_size: int, num_qo_heads: int, num_kv_heads: int, mlp: 
         return
     g = math.gcd(*sizes.values())
     named = ", ".join(f"{what} {n}" for what, n in sizes.items())
-    raise InputError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: each must be a multiple of the rank count "
-                     f"(rank counts that divide them all: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
+    divisors = ", ".join(str(d) for d in range(1, g + 1) if g % d == 0)
+    raise InputError(f"{who + ': ' if who else ''}cannot shard {named} over {world_size} ranks: "
+                     f"each must be a multiple of the rank count (rank counts that divide them all: {divisors})")
 
 
 def shard_heads(num_qo_heads: int, num_kv_heads: int, world_size: int) -> tuple[int, int]:
@@ -125,10 +127,10 @@ class TensorParallel:
         lo = torch.tensor(list(values.values()), dtype=torch.int64, device=self._device)
         hi = lo.clone()
         for t, op in ((lo, dist.ReduceOp.MIN), (hi, dist.ReduceOp.MAX)):
-            _collective(f"the check of {what}", lambda t=t, op=op: dist.all_reduce(t, op=op, group=self.group),
+            _collective(f"the check of {what}", functools.partial(dist.all_reduce, t, op=op, group=self.group),
                         self.group)
         bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
-               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist()) if a != b]
+               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist(), strict=True) if a != b]
         if bad:
             raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
 
@@ -157,7 +159,7 @@ class StallWatchdog:
         self.pets += 1
         self._last = time.monotonic()
 
-    def __enter__(self) -> StallWatchdog:  # noqa: PYI034 - Self needs Python 3.11
+    def __enter__(self) -> Self:
         self._last = time.monotonic()
         self._thread = threading.Thread(target=self._watch, name="mstar-stall-watchdog", daemon=True)
         self._thread.start()

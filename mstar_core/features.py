@@ -21,7 +21,6 @@ reason naming it, as it does for head dims and dtypes.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
@@ -31,7 +30,8 @@ import torch
 
 from mstar_core.attention.checks import check_sinks
 from mstar_core.capabilities import FEATURE_REACH
-from mstar_core.step import check_window_and_scale, is_int, is_positive_finite
+from mstar_core.errors import InputError, InputTypeError
+from mstar_core.step import is_int, is_positive_finite
 
 # KV storage dtypes by name; "auto" is the model dtype.
 KV_DTYPES: dict[str, torch.dtype | None] = {

@@ -17,7 +17,6 @@ same static buffers — a functional check of the in-place discipline, not a spe
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import logging
 from collections.abc import Callable, Sequence
@@ -25,6 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar_core.errors import InputError, StateError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS
 from mstar_core.node import Node
 from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int

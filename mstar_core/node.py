@@ -3,15 +3,14 @@ admit -> plan -> forward -> commit. It exists so the resources run end to end; i
 serving front end."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, UnknownName
 
-from mstar_core.errors import CommitError
 import logging
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from mstar_core.errors import CommitError, InputError, UnknownName
 from mstar_core.resource import Resource
 from mstar_core.step import AdmitOutcome, Step, StepContext
 
@@ -30,7 +29,8 @@ def order_resources(resources: Sequence[Resource]) -> list[Resource]:
     for r in resources:
         for dep in r.depends_on():
             if dep not in by_name:
-                raise InputError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold (it holds {sorted(by_name)})")
+                raise InputError(f"resource {r.name!r} depends on {dep!r}, which this node does not hold "
+                                 f"(it holds {sorted(by_name)})")
     ordered: list[Resource] = []
     state: dict[str, int] = {}  # 1 visiting, 2 done
 

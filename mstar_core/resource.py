@@ -7,7 +7,6 @@ refused. The defaults here are right for a resource that needs no such hook.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.step import AdmitOutcome, Step, StepContext
 
@@ -40,7 +40,8 @@ class BuildInfo:
         try:
             return self.built[name]
         except KeyError:
-            raise InputError(f"{owner}.build: needs resource {name!r} built first; built so far: {sorted(self.built)}") from None
+            raise InputError(f"{owner}.build: needs resource {name!r} built first; "
+                             f"built so far: {sorted(self.built)}") from None
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}

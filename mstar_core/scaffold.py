@@ -7,7 +7,6 @@ failure leaves nothing half-written.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import os
 import re
@@ -15,6 +14,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from mstar_core.errors import InputError
 from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.discovery import RESERVED
 

@@ -6,15 +6,16 @@ runner never looks inside them.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 import math
 import numbers
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeGuard
+
+from mstar_core.errors import InputError, InputTypeError
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An integer (a numpy integer too), not a bool: what every count and index here accepts."""
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
@@ -32,8 +33,9 @@ def as_count(value: Any, what: str) -> int:
 
 def is_positive_finite(value: Any) -> bool:
     """A real number (not a bool), finite and > 0: what every scale, soft-cap and sm_scale is."""
+    # float(): numbers.Real declares no ">"; isfinite converts to float already.
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            and value > 0)
+            and float(value) > 0)
 
 
 def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:

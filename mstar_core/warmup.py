@@ -14,7 +14,6 @@ plain PyTorch).
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 import math
 from collections.abc import Sequence
@@ -22,10 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from mstar_core.capabilities import GROUPS
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.registry.device import as_device
 from mstar_core.registry.spec import dtype_name, load_ref
 from mstar_core.step import is_int
-from mstar_core.capabilities import GROUPS
 
 WARMABLE = tuple(c for g in GROUPS for c in g)  # every capability but bounded
 
@@ -115,7 +115,12 @@ def warmup(
     """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) selects as a
     build would, per group (paged steps; the dense path); a name warms that backend alone.
     ``capabilities`` limits what is warmed (default: all the selected backends provide)."""
-    from mstar_core.registry import BackendUnavailable, get_registry, resolve_requested, select_backend  # plugins load here
+    from mstar_core.registry import (  # plugins load here
+        BackendUnavailable,
+        get_registry,
+        resolve_requested,
+        select_backend,
+    )
 
     dev = as_device(device)
     wanted = tuple(capabilities) if capabilities is not None else WARMABLE

@@ -32,7 +32,8 @@ def tiny_call(device: torch.device) -> list[str]:
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except Exception as e:  # any failure means "no usable kernel here"; say which
-        return [f"FA3 has no working kernel on {device_arch(device) or device}: tiny call failed ({type(e).__name__}: {e})"]
+        return [f"FA3 has no working kernel on {device_arch(device) or device}: "
+                f"tiny call failed ({type(e).__name__}: {e})"]
     return []
 
 

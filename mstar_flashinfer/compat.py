@@ -42,7 +42,7 @@ def library_version(fi: Any) -> str:
     return str(getattr(fi, "__version__", "unknown"))
 
 
-def takes_row_budget(cls: type) -> bool:
+def takes_row_budget(cls: type[Any]) -> bool:
     """Does this paged prefill class take ``max_total_num_rows`` at construction (0.7.4 on)?"""
     try:
         return "max_total_num_rows" in inspect.signature(cls.__init__).parameters
@@ -50,7 +50,7 @@ def takes_row_budget(cls: type) -> bool:
         return False
 
 
-def graph_prefill(cls: type, rows: int, *args: Any, **kwargs: Any) -> Any:
+def graph_prefill(cls: type[Any], rows: int, *args: Any, **kwargs: Any) -> Any:
     """A graph-mode paged prefill wrapper whose token budget is ``rows`` from the start, so a first
     plan with fewer tokens does not refuse every larger one."""
     if takes_row_budget(cls):
@@ -83,9 +83,8 @@ def graph_backend(fi: Any, backend: str, device: Any) -> str:
     if backend != "auto" or not hasattr(fi.BatchPrefillWithPagedKVCacheWrapper, "_determine_auto_backend"):
         return backend
     try:
-        from flashinfer.utils import determine_attention_backend  # type: ignore[import-not-found]
-
         import torch
+        from flashinfer.utils import determine_attention_backend
 
         chosen = str(determine_attention_backend(device, 0, False, False, torch.bfloat16, torch.bfloat16))
     except Exception as e:  # an API change: keep "auto" (correct, maybe slower for long prompts) and say so

@@ -9,7 +9,7 @@ import torch
 
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer
-from mstar_flashinfer.paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
+from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, pad_rows, plan_extras, run_extras
 
 # FlashInfer's tensor-core decode (its prefill kernel with one query per row) wins once a KV head
 # serves several query heads; below that its CUDA-core decode kernel is the faster one.
@@ -67,11 +67,11 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
 
     def plan(
         self,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        paged_kv_indptr: PlanArray,
+        paged_kv_indices: PlanArray,
+        paged_kv_last_page_len: PlanArray,
         dtype: torch.dtype = torch.bfloat16,
-        kv_lens: torch.Tensor | None = None,
+        kv_lens: PlanArray | None = None,
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
@@ -93,12 +93,13 @@ class FlashInferDecodeWrapper(PagedWrapperBase):
             keep = (qo, indptr, indices, last, lens)
             pad = 0
             if self._bufs is not None:
+                assert self.batch_size is not None  # graph mode: required at build (_graph_buffers)
                 self._check_graph_fit(rows, rows, indices, max_page)
-                pad = self.batch_size - rows  # type: ignore[operator]
+                pad = self.batch_size - rows
                 if rows < self.batch_size:
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
-                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
+                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)
             with self._plan_slot(keep, max_page) as st:
                 indptr_s, last_s, lens_s = self._stage_rows(st, (indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)

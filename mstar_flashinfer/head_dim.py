@@ -8,9 +8,10 @@ is built instead.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import torch
+
+from mstar_core.errors import InputError
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 

@@ -10,7 +10,6 @@ import contextlib
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import ContextManager
 
 import numpy as np
 import torch
@@ -21,8 +20,8 @@ from mstar_core.registry.spec import dtype_name
 log = logging.getLogger("mstar.flashinfer")
 
 WHY = ("FlashInfer compiles each kernel family (dtype, head dim, variant) with nvcc on its first use on a machine, "
-       "20-120 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt (flashinfer-jit-cache); "
-       "`mstar warmup` does this ahead of serving")
+       "20-120 s on an H200, unless a compiled copy is cached (~/.cache/flashinfer) or prebuilt "
+       "(flashinfer-jit-cache); `mstar warmup` does this ahead of serving")
 
 # FlashInfer 0.7.4 picks fa2 for a paged prefill plan whose longest query is at most this long and
 # fa3 otherwise (on Hopper): a different module, so a different first use.
@@ -32,7 +31,7 @@ SHORT_QUERY = 64
 def jit_dir() -> Path | None:
     """FlashInfer's folder of JIT-built modules, or None where this build has none to read."""
     try:
-        from flashinfer.jit import env  # type: ignore[import-not-found]
+        from flashinfer.jit import env
     except ImportError:
         return None
     d = getattr(env, "FLASHINFER_JIT_DIR", None)
@@ -64,7 +63,7 @@ _SEEN = contextlib.nullcontext()  # reusable: what a plan gets once its selectio
 def plan_first_use(
     kind: str, dtype: torch.dtype, kv_dtype: torch.dtype | None, head_dim: int, window_left: int,
     soft_cap: float | None, backend: str, qo: np.ndarray | None = None,
-) -> ContextManager[None]:
+) -> contextlib.AbstractContextManager[None]:
     """Around FlashInfer's ``plan`` (where it builds or loads the module): a no-op (a set lookup or
     two) once the selection has been seen in this process. ``qo`` (a prefill plan's host qo_indptr)
     splits it further by the longest query (0.7.4: fa2 up to SHORT_QUERY tokens, fa3 beyond); the

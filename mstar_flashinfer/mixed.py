@@ -1,12 +1,13 @@
 """FlashInferMixedWrapper: a step mixing one-token rows with prompt rows, on two plans."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 from typing import Any
 
+import numpy as np
 import torch
 
+from mstar_core.errors import InputError, StateError
 from mstar_flashinfer import compat, validate
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
@@ -74,12 +75,12 @@ class FlashInferMixedWrapper:
             max_total_tokens=self.max_total_tokens, max_num_pages=self.max_num_pages + self.max_prefill_rows,
             device=self.device, accelerator_graph=True, backend=backend, short_rows=False)
         b, t = self.batch_size, self.max_total_tokens
-        i64 = dict(dtype=torch.int64, device=self.device)
+        i64, dev = torch.int64, self.device
         # Static per-token bookkeeping read by run (and so by a captured graph). The tails past a
         # plan's tokens keep in-range values (identity) so a static-shape run gathers in bounds.
-        self._row_token = torch.zeros(b, **i64)
-        self._perm = torch.arange(t, **i64)
-        self._gather = torch.arange(b, b + t, **i64)
+        self._row_token = torch.zeros(b, dtype=i64, device=dev)
+        self._perm = torch.arange(t, dtype=i64, device=dev)
+        self._gather = torch.arange(b, b + t, dtype=i64, device=dev)
         self._staging = Staging(self.device)
         self._staging.reserve({"row_token": b, "perm": t, "gather": t}, dtype=torch.int64)
         self._nvtx = Nvtx("mstar.flashinfer.mixed", False, self.device)
@@ -190,6 +191,7 @@ class FlashInferMixedWrapper:
         if st is None:
             raise StateError(f"{type(self).__name__}.kv_write_locations before plan")
         if st.locations is None:
+            assert isinstance(st.kv_indices, np.ndarray)  # plan keeps host indices (validate.host_index)
             pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
             st.locations = to_device(pages, offs, self.device)
         return st.locations

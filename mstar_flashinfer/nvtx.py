@@ -3,8 +3,7 @@ gets the shared no-op context."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-from typing import ContextManager
+from contextlib import AbstractContextManager, nullcontext
 
 import torch
 
@@ -31,5 +30,5 @@ class Nvtx:
         self.on = bool(enabled) and device.type == "cuda"
         self.prefix = prefix
 
-    def __call__(self, what: str) -> ContextManager[None]:
+    def __call__(self, what: str) -> AbstractContextManager[None]:
         return _Range(f"{self.prefix}.{what}") if self.on else _OFF

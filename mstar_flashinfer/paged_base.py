@@ -8,7 +8,6 @@ wrote. The same wrapper object must be used at capture and at every replay.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import contextlib
 from collections.abc import Iterator
@@ -19,7 +18,7 @@ import numpy as np
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, refuse_sinks
-
+from mstar_core.errors import InputError, StateError
 from mstar_flashinfer import validate
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from mstar_flashinfer.nvtx import Nvtx
@@ -49,6 +48,9 @@ def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: to
 # A plan's arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
 # kv_indices (host, or a device tensor), last_page_len, kv_lens (None: derived from the pages).
 Indices = np.ndarray | torch.Tensor
+# What ``plan`` takes for each index array: a tensor (host; kv_indices may be on the device) or a
+# numpy array (the mixed wrapper hands its halves numpy views).
+PlanArray = torch.Tensor | np.ndarray
 HostPlan = tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray | None]
 
 
@@ -134,14 +136,14 @@ class PagedWrapperBase:
         why = f"for {type(self).__name__} with accelerator_graph=True"
         b = validate.require("batch_size", self.batch_size, why)
         p = validate.require("max_num_pages", self.max_num_pages, why)
-        i32 = dict(dtype=torch.int32, device=self.device)
+        i32, dev = torch.int32, self.device
         bufs = {
-            "kv_indptr": torch.zeros(b + 1, **i32),
-            "kv_indices": torch.zeros(p, **i32),
-            "last_page_len": torch.ones(b, **i32),
+            "kv_indptr": torch.zeros(b + 1, dtype=i32, device=dev),
+            "kv_indices": torch.zeros(p, dtype=i32, device=dev),
+            "last_page_len": torch.ones(b, dtype=i32, device=dev),
         }
         if with_qo:
-            bufs["qo_indptr"] = torch.zeros(b + 1, **i32)
+            bufs["qo_indptr"] = torch.zeros(b + 1, dtype=i32, device=dev)
         self._staging.reserve({"rows": 4 * b + 2, "kv_indices": p})
         return bufs
 
@@ -162,6 +164,7 @@ class PagedWrapperBase:
         validate.check_window_and_scale(who, window_left, None)
         qo_a = None if qo is None else validate.host_index("qo_indptr", qo, who)
         indptr_a = validate.host_index("kv_indptr", indptr, who)
+        indices_a: Indices
         if isinstance(indices, torch.Tensor) and indices.device.type != "cpu":
             indices_a = validate.device_indices(indices, self.device, who)
         else:
@@ -242,7 +245,7 @@ class PagedWrapperBase:
         finally:
             st.end()
 
-    def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: np.ndarray, last: np.ndarray,
+    def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: Indices, last: np.ndarray,
               kv_lens: np.ndarray | None, max_page: int = -1) -> None:
         lens = kv_lens if kv_lens is not None else kv_lens_from_pages(indptr, last, self.page_size)
         self._state = PlanState(qo, indptr, indices, lens, int(qo[-1]) - int(qo[0]), max_page=max_page)

@@ -1,18 +1,17 @@
 """FlashInferPrefillWrapper: batched prefill over a paged KV cache."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS
-
 from mstar_flashinfer import compat
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer
-from mstar_flashinfer.paged_base import PagedWrapperBase, pad_rows, plan_extras, run_extras
+from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, pad_rows, plan_extras, run_extras
 
 
 class FlashInferPrefillWrapper(PagedWrapperBase):
@@ -75,6 +74,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             return inner
         fi = flashinfer()
         if self._bufs is not None:
+            assert self._static_q is not None  # graph mode: set from max_total_tokens at build
             # FlashInfer fixes the graph's token budget at its first plan; fix it at the static
             # size instead, so a first plan with fewer tokens does not refuse every larger one.
             inner = compat.graph_prefill(
@@ -102,6 +102,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             return backend
         short = self.short_rows
         if short is None:
+            assert self._static_q is not None  # graph mode (self._bufs): set from max_total_tokens
             short = self._static_q <= self.SHORT_ROWS * self.batch_size
         return "fa2" if short else backend
 
@@ -120,13 +121,13 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
 
     def plan(
         self,
-        qo_indptr: torch.Tensor,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        qo_indptr: PlanArray,
+        paged_kv_indptr: PlanArray,
+        paged_kv_indices: PlanArray,
+        paged_kv_last_page_len: PlanArray,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
-        kv_lens: torch.Tensor | None = None,
+        kv_lens: PlanArray | None = None,
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
@@ -151,20 +152,21 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             keep = (qo, indptr, indices, last, lens)
             pad = 0
             if self._bufs is not None:
+                assert self.batch_size is not None  # graph mode: required at build (_graph_buffers)
                 self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices, max_page)
-                pad = self.batch_size - (qo.shape[0] - 1)  # type: ignore[operator]
-                if qo.shape[0] - 1 < self.batch_size:  # type: ignore[operator]
+                pad = self.batch_size - (qo.shape[0] - 1)
+                if qo.shape[0] - 1 < self.batch_size:
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
-                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)  # type: ignore[arg-type]
+                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)
             inner = self._inner_for(dtype, extras["kv_data_type"])
             with self._plan_slot(keep, max_page) as st:
                 qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
+                per_plan = self._per_plan_backend and inner is self._inners.get(self.backend)
                 with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
-                                    extras["logits_soft_cap"], self.backend,
-                                    keep[0] if self._per_plan_backend and inner is self._inners.get(self.backend) else None):
+                                    extras["logits_soft_cap"], self.backend, keep[0] if per_plan else None):
                     self._inner = inner
                     inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,

@@ -19,12 +19,13 @@ provoke the race on a CPU (tests/flashinfer/test_staging_race.py).
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from collections.abc import Sequence
 
 import numpy as np
 import torch
+
+from mstar_core.errors import InputError
 
 
 class Fence:
@@ -106,7 +107,7 @@ class Staging:
         total = sum(sizes)
         buf = self._buf(name, total, dtype)
         host, at = buf.array, 0
-        for a, n in zip(arrays, sizes):
+        for a, n in zip(arrays, sizes, strict=True):
             np.copyto(host[at: at + n], a, casting="unsafe")
             at += n
         return list(buf.tensor[:total].split(sizes))

@@ -5,7 +5,6 @@ head-dim checks are skipped so the wrappers can be driven in float32.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from typing import Any
 
@@ -13,7 +12,7 @@ import numpy as np
 import torch
 
 from mstar_core.backends.varlen import check_same_device, check_window_and_scale
-
+from mstar_core.errors import InputError, InputTypeError
 from mstar_flashinfer.head_dim import check_flashinfer_head_dim
 from mstar_flashinfer.staging import host_i32
 
@@ -158,7 +157,8 @@ def check_paged_plan(
         raise InputError(f"{who}: kv_indptr[-1] = {used} exceeds len(kv_indices) = {indices.shape[0]}; "
                          "the rows would read page indices past the end of kv_indices")
     if last.shape[0] != rows:
-        raise InputError(f"{who}: last_page_len has {last.shape[0]} entries, expected {rows} (one per row of kv_indptr)")
+        raise InputError(f"{who}: last_page_len has {last.shape[0]} entries, "
+                         f"expected {rows} (one per row of kv_indptr)")
     has = n_pages > 0
     # in 0..page_size (a negative one, seen as uint32, is above it), and 0 exactly where no pages
     if np.count_nonzero(last.view(np.uint32) > page_size) or np.count_nonzero((last > 0) != has):

@@ -7,6 +7,7 @@ fa3 on Hopper: two modules). Decode follows the head counts (tensor cores or not
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import time
 from collections.abc import Sequence
@@ -17,7 +18,6 @@ import torch
 
 from mstar_core.testing import conformance as C
 from mstar_core.warmup import WarmedKernel, WarmupConfig
-
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.jit_notice import SHORT_QUERY, built_since, describe, jit_dir
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
@@ -90,7 +90,8 @@ class _Run:
         w.plan(_t(cu_q), _t(cu_k), max(q_lens), max(q_lens) + 5, causal=True, dtype=self.cfg.dtype,
                window_left=window)
         c = self.cfg
-        w.run(self.rand(int(cu_q[-1]), c.num_qo_heads, c.head_dim), self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim),
+        w.run(self.rand(int(cu_q[-1]), c.num_qo_heads, c.head_dim),
+              self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim),
               self.rand(int(cu_k[-1]), c.num_kv_heads, c.head_dim))
 
 
@@ -108,16 +109,16 @@ def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[st
         win = "full" if window < 0 else f"window {window}"
         for cap in capabilities:
             if cap == "paged_decode":
-                done.append(r.timed(cap, win, lambda: r.paged_decode(window)))
+                done.append(r.timed(cap, win, functools.partial(r.paged_decode, window)))
                 continue
             for queries in QUERIES:
                 variant = f"{win}, {queries} queries"
                 if cap == "paged_prefill":
-                    done.append(r.timed(cap, variant, lambda: r.paged_prefill(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.paged_prefill, window, queries)))
                 elif cap == "mixed":
-                    done.append(r.timed(cap, variant, lambda: r.mixed(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.mixed, window, queries)))
                 elif cap == "prefixed_ragged":
-                    done.append(r.timed(cap, variant, lambda: r.prefixed_ragged(window, queries)))
+                    done.append(r.timed(cap, variant, functools.partial(r.prefixed_ragged, window, queries)))
     compiled = len(new())
     if compiled and importlib.util.find_spec("flashinfer_jit_cache") is None:
         done.append(JIT_CACHE_HINT.format(n=compiled))

@@ -1,12 +1,12 @@
 """``AttentionManager``: a resource that plans attention once per step and runs it per layer."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.resource import Resource
 
 

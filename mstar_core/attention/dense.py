@@ -24,8 +24,8 @@ this walk under a graph should name the paged backend for it.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
+import functools
 import importlib
 import itertools
 import logging
@@ -35,15 +35,16 @@ from typing import Any
 
 import torch
 
-from mstar_core.kv.fp8 import dequantize
-from mstar_core.resource import BuildInfo
-from mstar_core.step import Step, StepContext
-from mstar_core.kv.config import KVConfig
-from mstar_core.kv.paged import KVManager
-from mstar_core.kv.plan import KVPlan, LabelLayout
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
 from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from mstar_core.attention.protocols import PrefixedPrefillWrapper
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
+from mstar_core.kv.config import KVConfig
+from mstar_core.kv.fp8 import dequantize
+from mstar_core.kv.paged import KVManager
+from mstar_core.kv.plan import KVPlan, LabelLayout
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -315,10 +316,12 @@ class DenseAttentionManager(AttentionManager):
             write = "none"
         else:
             write = "some"
-            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool) for s, f in zip(lay.spans, flags)])
+            keep = torch.cat([torch.full((s.to_compute,), f, dtype=torch.bool)
+                              for s, f in zip(lay.spans, flags, strict=True)])
             rows = keep.nonzero().flatten().to(self.device)
         plan = DensePlan(tuple(segs), cu_q, cu_k, max_q, max_k, causal, w)
-        log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1], write)
+        log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1],
+                  write)
         return _LabelRun(label, plan, tuple(starts), write, rows, self._serial, tuple(plans))
 
     @property
@@ -364,7 +367,8 @@ class DenseAttentionManager(AttentionManager):
                 raise InputError(f"{who}.run: {name} has shape {tuple(t.shape)}, expected "
                                  f"{(n, c.num_kv_heads, c.head_dim)} [tokens, H_kv, D]")
             if t.dtype != self.dtype:
-                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} (the cache's dtype)")
+                raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} "
+                                     "(the cache's dtype)")
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)
@@ -381,6 +385,7 @@ class DenseAttentionManager(AttentionManager):
         if self.bound_plan() is None and self._current is None:
             raise StateError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
+        lr: _LabelRun | None
         if label is None:
             if len(runs) != 1:
                 raise InputError(f"label=None is ambiguous: this step has labels {[r.label for r in runs]}; name one")
@@ -417,7 +422,8 @@ class DenseAttentionManager(AttentionManager):
         kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * layer.shape[2], *layer.shape[3:])[:, : seg.prefix_len]
         if self.features.quantized:
             k_scale, v_scale = self.kv.scales(layer_idx)
-            return dequantize(kv[0], k_scale, self.dtype), dequantize(kv[1], v_scale, self.dtype)  # type: ignore[arg-type]
+            assert k_scale is not None and v_scale is not None  # an FP8 cache has its scales
+            return dequantize(kv[0], k_scale, self.dtype), dequantize(kv[1], v_scale, self.dtype)
         return kv[0].contiguous(), kv[1].contiguous()
 
     def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
@@ -428,11 +434,11 @@ class DenseAttentionManager(AttentionManager):
             return k, v  # no prefix anywhere: the fresh K/V already are the keys
         ks: list[torch.Tensor] = []
         vs: list[torch.Tensor] = []
-        for seg, start in zip(segs, lr.q_starts):
+        for seg, start in zip(segs, lr.q_starts, strict=True):
             if seg.prefix_len:
                 pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
                                            (seg.generation, seg.prefix_len, seg.pages),
-                                           lambda seg=seg: self._gather(seg, layer, layer_idx))
+                                           functools.partial(self._gather, seg, layer, layer_idx))
                 ks.append(pk)
                 vs.append(pv)
             ks.append(k[start:start + seg.q_len])

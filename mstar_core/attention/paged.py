@@ -7,7 +7,6 @@ overwrites the state a wrapper still holds for step N.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError, UnknownName
 
 import logging
 from collections.abc import Iterable, Mapping
@@ -16,14 +15,15 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.capabilities import PAGED, paged_step_capability
+from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.features import AttentionFeatures
-from mstar_core.resource import BuildInfo
-from mstar_core.step import Step, StepContext
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.paged import KVManager
 from mstar_core.kv.plan import LabelLayout
-from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.capabilities import PAGED, paged_step_capability
+from mstar_core.resource import BuildInfo
+from mstar_core.step import Step, StepContext
 
 log = logging.getLogger(__name__)
 
@@ -122,8 +122,9 @@ class PagedAttentionManager(AttentionManager):
         capacity = kv_config.max_pages * kv_config.page_size
         for w in self.features.windows(-1):
             if w >= capacity:
-                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache ({kv_config.max_pages} "
-                                 f"pages x {kv_config.page_size} = {capacity} tokens); use -1 for a full layer")
+                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache "
+                                 f"({kv_config.max_pages} pages x {kv_config.page_size} = {capacity} tokens); "
+                                 "use -1 for a full layer")
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype
@@ -147,7 +148,7 @@ class PagedAttentionManager(AttentionManager):
         self._layer_plan = f.layer_plans()
         self._layer_kw: tuple[dict[str, float | None], ...] | None = None
         if f.quantized:
-            self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i)))
+            self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i), strict=True))
                                    for i in range(kv_config.num_layers))
         self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
                                             kv_data_type=kv_cache.kv_dtype if f.quantized else None)
@@ -265,7 +266,8 @@ class PagedAttentionManager(AttentionManager):
         elif kind != "paged_decode":
             raise InputError(f"only decode steps are captured; this step is {kind}")
         if ctx.bucket is not None and ctx.bucket > self._graph_max_bs:
-            raise InputError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' max_bs {self._graph_max_bs}")
+            raise InputError(f"bucket {ctx.bucket} exceeds build_accelerator_graph_buffers' "
+                             f"max_bs {self._graph_max_bs}")
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Grow-only: graph-mode wrappers are built per (bucket, slot) at first plan."""

@@ -8,13 +8,14 @@ least recently used first.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+
+from mstar_core.errors import InputError
 
 StreamId = tuple[str, str]  # (request_id, label)
 StreamKey = tuple[int, int, tuple[int, ...]]  # (generation, prefix_len, pages)

@@ -16,7 +16,6 @@ wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_devic
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError
 
 import importlib
 from typing import Any, ClassVar
@@ -24,6 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from mstar_core.attention.checks import check_sinks, check_soft_cap
+from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -184,8 +184,8 @@ class VarlenPrefixedWrapper:
         # The window is (left, right) around the bottom-right-aligned diagonal; causal caps right at 0.
         self._window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
         self._extra = dict(self.extra_kwargs)
-        if soft_cap is not None:
-            self._extra[self.softcap_kwarg] = soft_cap  # type: ignore[index]
+        if soft_cap is not None and self.softcap_kwarg is not None:  # a soft-cap without one was refused above
+            self._extra[self.softcap_kwarg] = soft_cap
         self._planned = True
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None

@@ -6,7 +6,6 @@ the reason every other backend was passed over -- and every plugin that failed t
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import json
@@ -18,8 +17,9 @@ from typing import Any
 
 import torch
 
-from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.cli.options import parse_kv_dtype
+from mstar_core.errors import InputError
+from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.device import as_device, describe, device_arch
@@ -38,7 +38,8 @@ def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.add_argument("--device", default=None, help="device to judge (default: cuda if usable, else cpu)")
-    p.add_argument("--dtype", default=None, help="dtype for the auto picks (default: bfloat16 on a GPU, float32 on cpu)")
+    p.add_argument("--dtype", default=None,
+                   help="dtype for the auto picks (default: bfloat16 on a GPU, float32 on cpu)")
     p.add_argument("--head-dim", type=int, default=128, help="head dim for the auto picks (default: 128)")
     # Feature options: one AttentionFeatures for every auto pick. Parsed in run() (strings here) so
     # a bad value is one "mstar backends: error:" line naming it, like every other bad value.
@@ -146,7 +147,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "provides": list(spec.provides),
             "devices": list(spec.devices),
             "archs": list(spec.archs) if spec.archs is not None else None,
-            "min_compute_capability": "sm{}{}".format(*spec.min_compute_capability) if spec.min_compute_capability else None,
+            "min_compute_capability": ("sm{}{}".format(*spec.min_compute_capability)
+                                       if spec.min_compute_capability else None),
             "dtypes": [dtype_name(d) for d in spec.dtypes],
             "head_dims": str(spec.head_dims),
             "capturable": list(spec.capturable),
@@ -157,7 +159,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "install_hint": spec.install_hint,
             "description": spec.description,
         })
-    auto = {}
+    auto: dict[str, dict[str, Any]] = {}
     for cap in CAPABILITIES:
         try:
             sel = select_backend(capabilities=(cap,), requested="auto", device=device, dtype=dtype,
@@ -222,8 +224,8 @@ def render(data: dict[str, Any]) -> str:
         rows.append((b["name"], f"{b['distribution']} {b['version']}", ", ".join(b["provides"]),
                      ", ".join(b["dtypes"]), b["head_dims"], status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
-    for r in rows:
-        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths)) + "  " + r[-1])
+    for r in rows:  # the last column (status) is not padded: widths stop one short
+        lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
     lines += ["", *_feature_lines(data)]
     asked = data["features_requested"]
     lines += ["", f"auto picks (for features {', '.join(asked)}):" if asked else "auto picks:"]
@@ -247,7 +249,8 @@ def render(data: dict[str, Any]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     if args.head_dim < 1:
-        raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 (the head dim auto's picks are judged for)")
+        raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 "
+                         "(the head dim auto's picks are judged for)")
     features = features_from_args(args)
     device = as_device(args.device) if args.device else _default_device()
     data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)

@@ -1,15 +1,15 @@
 """``mstar bench``: time the tiny decoder's decode loop on a backend."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import json
 from dataclasses import asdict, replace
 
-from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
 from mstar_core.cli.options import add_config, config_from
 from mstar_core.cli.parallel import add_tp, launched
+from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
+from mstar_core.errors import InputError
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -25,13 +25,16 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
     p.add_argument("--qo-heads", type=int, default=d.qo_heads, help=f"query heads (default {d.qo_heads})")
-    p.add_argument("--kv-heads", type=int, default=d.kv_heads, help=f"KV heads, dividing --qo-heads (default {d.kv_heads})")
+    p.add_argument("--kv-heads", type=int, default=d.kv_heads,
+                   help=f"KV heads, dividing --qo-heads (default {d.kv_heads})")
     p.add_argument("--head-dim", type=int, default=d.head_dim, help=f"head dimension (default {d.head_dim})")
     p.add_argument("--hidden", type=int, default=d.hidden, help=f"model width (default {d.hidden})")
     p.add_argument("--batch", type=int, default=d.batch, help=f"requests decoding together (default {d.batch})")
-    p.add_argument("--context", type=int, default=d.context, help=f"tokens each request holds before the loop (default {d.context})")
+    p.add_argument("--context", type=int, default=d.context,
+                   help=f"tokens each request holds before the loop (default {d.context})")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size in tokens (default {d.page_size})")
-    p.add_argument("--backend", default=None, help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
+    p.add_argument("--backend", default=None,
+                   help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
                    help="replay decode steps from CUDA graphs captured at warm-up (default off)")
     p.add_argument("--preplan", action=argparse.BooleanOptionalAction, default=d.preplan,
@@ -40,7 +43,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=d.steps, help=f"timed steps (default {d.steps})")
     p.add_argument("--warmup", type=int, default=d.warmup, help=f"untimed steps first, at least 1 (default {d.warmup})")
     p.add_argument("--device", default=d.device, help="torch device, e.g. cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default=d.dtype, help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default=d.dtype,
+                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--query-tokens", type=int, default=d.query_tokens,
                    help="query tokens per request per step: 1, or 2..8 for multi-token decode rows (speculative "
                    "verification), captured like one-token decode (default 1)")

@@ -2,14 +2,14 @@
 :mod:`mstar_core.testing.check`); a table of cases, exit 1 on any failure."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import json
 import sys
 
-from mstar_core.resource import as_dtype
 from mstar_core.cli.options import add_config, config_from
+from mstar_core.errors import InputError
+from mstar_core.resource import as_dtype
 
 
 def register(sub: argparse._SubParsersAction) -> None:

@@ -1,12 +1,12 @@
 """``mstar demo``: run a workload end to end and check it against a no-cache reference."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 
 from mstar_core.cli.options import add_config, config_from
 from mstar_core.cli.parallel import add_tp, launched
+from mstar_core.errors import InputError
 
 WORKLOADS = ("text", "denoise")
 
@@ -47,11 +47,11 @@ def run(args: argparse.Namespace) -> int:
         from mstar_core.demo import denoise
 
         if args.tp != 1:
-            raise InputError("demo --tp: tensor parallelism runs the text workload (the denoise workload runs on one rank)")
+            raise InputError("demo --tp: tensor parallelism runs the text workload "
+                             "(the denoise workload runs on one rank)")
         return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
+    from mstar_core.demo import TinyDecoderConfig, text
     from mstar_core.distributed import check_shardable
-    from mstar_core.demo import TinyDecoderConfig
-    from mstar_core.demo import text
 
     cfg = TinyDecoderConfig()
     # before any process group: a rank count that does not shard the model fails on its own

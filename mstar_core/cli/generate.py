@@ -1,7 +1,6 @@
 """``mstar generate``: a local transformers model's greedy generation through mstar."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import argparse
 import importlib.util
@@ -12,6 +11,7 @@ from typing import Any
 
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.options import add_config, config_from
+from mstar_core.errors import InputError, StateError
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -33,7 +33,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default=None,
                    help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="auto", help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    p.add_argument("--dtype", default="auto",
+                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed when the directory has none (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on for CUDA)")
@@ -97,7 +98,8 @@ def run(args: argparse.Namespace) -> int:
             out["texts"] = texts
         print(json.dumps(out, indent=2))
         return 0
-    print(f"model: {type(model).__name__} from {args.model} ({'weights' if weights else f'random weights, seed {args.seed}'}"
+    source = "weights" if weights else f"random weights, seed {args.seed}"
+    print(f"model: {type(model).__name__} from {args.model} ({source}"
           f", {str(dtype).replace('torch.', '')} on {device})")
     for line in rep.lines():
         print(line)

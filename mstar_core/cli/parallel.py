@@ -2,7 +2,6 @@
 torchrun, whose environment (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) says where it sits."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import argparse
 import logging
@@ -16,6 +15,7 @@ import torch
 import torch.distributed as dist
 
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, STALL_GRACE_S, TensorParallel
+from mstar_core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -66,7 +66,8 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         return
     dev = torch.device(device)
     if dev.type not in ("cuda", "cpu"):
-        raise InputError(f"{command} --tp {size}: device {device!r}; tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
+        raise InputError(f"{command} --tp {size}: device {device!r}; "
+                         "tensor parallelism runs on cuda (NCCL) or cpu (gloo)")
     owned = not dist.is_initialized()
     if owned and ("RANK" not in os.environ or "WORLD_SIZE" not in os.environ):
         raise InputError(
@@ -88,8 +89,8 @@ def launched(size: int, device: str, command: str, timeout_s: float = DEFAULT_TI
         torch.cuda.set_device(dev)
     if owned:
         backend = "nccl" if dev.type == "cuda" else "gloo"
-        extra = {"device_id": dev} if dev.type == "cuda" else {}
-        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s), **extra)
+        dist.init_process_group(backend, timeout=timedelta(seconds=timeout_s),
+                                device_id=dev if dev.type == "cuda" else None)
         log.info("tensor parallel: rank %d of %d on %s (%s, collectives time out after %g s)",
                  dist.get_rank(), size, dev, backend, timeout_s)
     else:

@@ -5,7 +5,6 @@ with or without pre-planning; over ``tp`` tensor-parallel ranks, every rank runn
 loop (:mod:`mstar_core.distributed`)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import logging
 import statistics
@@ -16,15 +15,16 @@ from typing import Any
 
 import torch
 
-from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
-from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
-from mstar_core.graphs import GraphRunner, capture_graph
-from mstar_core.demo import TinyDecoder, TinyDecoderConfig
-from mstar_core.resource import resolve_dtype
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
+from mstar_core.errors import InputError, StateError
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
+from mstar_core.graphs import GraphRunner, capture_graph
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
+from mstar_core.resource import resolve_dtype
 from mstar_core.step import KVSpan, KVStep, Step
 from mstar_core.testing.timing import event, kernel_ms, sync
 
@@ -57,7 +57,8 @@ class BenchOptions:
     def __post_init__(self) -> None:
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
-        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup", "tp"):
+        for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup",
+                     "tp"):
             if getattr(self, name) < 1:
                 raise InputError(f"bench: {name} must be >= 1, got {getattr(self, name)}")
         if self.context < 0:
@@ -167,11 +168,13 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
 def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:
     have = tp.world_size if tp is not None else 1
     if have != o.tp:
-        raise InputError(f"bench: tp={o.tp} but {'no TensorParallel' if tp is None else f'a group of {have} ranks'} was "
+        given = "no TensorParallel" if tp is None else f"a group of {have} ranks"
+        raise InputError(f"bench: tp={o.tp} but {given} was "
                          "given; every rank passes its TensorParallel (mstar_core.distributed)")
 
 
-def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None, tp: TensorParallel | None = None) -> BenchResult:
+def run_decode_bench(o: BenchOptions, setup: DecodeSetup | None = None,
+                     tp: TensorParallel | None = None) -> BenchResult:
     """Time the loop. Under tensor parallelism every rank calls this with its ``tp``, and a rank
     whose peers stopped ends itself after ``o.tp_timeout`` (plus a grace) instead of hanging."""
     _check_tp(o, tp)
@@ -195,7 +198,7 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
     host: list[float] = []
     marks: list[Any] = []  # CUDA events, or the host clock's stand-ins
     prep = runner.prepare(decode) if preplan else None
-    for i in range(o.warmup + o.steps):
+    for _ in range(o.warmup + o.steps):
         if not preplan:
             if cuda:
                 torch.cuda.current_stream().synchronize()  # without pre-plan the host waits for step N
@@ -242,7 +245,9 @@ def _time_ms(run: Callable[[], None], device: torch.device, reps: int = 20) -> f
 
 def _gpu_time(runner: GraphRunner, batch: int) -> float:
     """One step's kernels back to back: the captured graph replayed with no host work between."""
-    g = runner._graphs[(runner.bucket_for(batch), 0)]  # noqa: SLF001 - the bench is the runner's own user
+    bucket = runner.bucket_for(batch)
+    assert bucket is not None  # the runner's one bucket is the bench's batch
+    g = runner._graphs[(bucket, 0)]  # private: the bench is the runner's own user
     return _time_ms(g.replay, runner.device)
 
 

@@ -11,14 +11,14 @@ is what a denoise step looks like to the attention resource.
 """
 
 from __future__ import annotations
-from mstar_core.errors import StateError
 
 from dataclasses import dataclass, field
 
 import torch
 
-from mstar_core.config import ConfigSource
 from mstar_core.attention.dense import DENSE_CAPABILITY, DenseAttentionManager
+from mstar_core.config import ConfigSource
+from mstar_core.errors import StateError
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import AttentionStep, KVSpan, KVStep, Step, StepContext
@@ -110,7 +110,8 @@ class _Denoiser:
 
         def forward(ctx: StepContext) -> None:
             for layer in range(self.s.num_layers):
-                q, k, v = self._rand(n, self.s.num_qo_heads), self._rand(n, self.s.num_kv_heads), self._rand(n, self.s.num_kv_heads)
+                q, k, v = (self._rand(n, self.s.num_qo_heads), self._rand(n, self.s.num_kv_heads),
+                           self._rand(n, self.s.num_kv_heads))
                 out = self.attn.run(q, LABEL, self.kv.layer_view(layer), k=k, v=v, layer_idx=layer)
                 self._check(out, [(q, k.double(), v.double())])
                 self.truth[(rid, layer)] = (k.double(), v.double())
@@ -148,12 +149,14 @@ class _Denoiser:
 
         def forward(ctx: StepContext) -> None:
             for layer in range(self.s.num_layers):
-                q, k, v = self._rand(total, self.s.num_qo_heads), self._rand(total, self.s.num_kv_heads), self._rand(total, self.s.num_kv_heads)
+                q, k, v = (self._rand(total, self.s.num_qo_heads), self._rand(total, self.s.num_kv_heads),
+                           self._rand(total, self.s.num_kv_heads))
                 out = self.attn.run(q, LABEL, self.kv.layer_view(layer), k=k, v=v, layer_idx=layer)
                 rows, at = [], 0
                 for r, n in fresh:
                     pk, pv = self.truth[(r, layer)]
-                    rows.append((q[at:at + n], torch.cat([pk, k[at:at + n].double()]), torch.cat([pv, v[at:at + n].double()])))
+                    rows.append((q[at:at + n], torch.cat([pk, k[at:at + n].double()]),
+                                 torch.cat([pv, v[at:at + n].double()])))
                     at += n
                 self._check(out, rows)
 
@@ -165,7 +168,8 @@ class _Denoiser:
 
 
 def run_denoise(wrapper_class: type, backend: str, device: torch.device | str = "cpu",
-                dtype: torch.dtype = torch.float32, seed: int = 0, shape: DenoiseShape = DenoiseShape()) -> DenoiseReport:
+                dtype: torch.dtype = torch.float32, seed: int = 0,
+                shape: DenoiseShape = DenoiseShape()) -> DenoiseReport:
     """Run the example through ``wrapper_class`` (a prefixed ragged wrapper) and report."""
     d = _Denoiser(shape, wrapper_class, torch.device(device), dtype, seed)
     rep = DenoiseReport(backend, tolerance=TOLERANCE[dtype])

@@ -2,8 +2,8 @@
 every generated token's logits checked against a no-cache full forward of the same model."""
 
 from __future__ import annotations
-from mstar_core.errors import StateError
 
+import functools
 import logging
 import time
 from collections.abc import Mapping
@@ -11,11 +11,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar_core.config import ConfigSource
-from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
-from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.attention.paged import PagedAttentionManager
 from mstar_core.capabilities import PAGED, STEP_KINDS, paged_step_capability
+from mstar_core.config import ConfigSource
+from mstar_core.demo import TinyDecoder, TinyDecoderConfig
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, stall_guard
+from mstar_core.errors import StateError
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.node import Node
 from mstar_core.step import KVSpan, KVStep, Step, StepContext
@@ -118,7 +119,8 @@ def run_text_demo(
             # Before the first collective of the step: ranks that admitted different rows would
             # otherwise all-reduce tensors of different shapes.
             n = sum(len(r.step_tokens) for r in batch)
-            tp.check_same(f"step {step_no}'s admission", {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
+            tp.check_same(f"step {step_no}'s admission",
+                          {"rows": len(batch), "tokens": n, "free pages": kv.num_free_pages})
         _forward(model, kv, attn, batch, ctx, device)
 
     pending = make_requests(cfg.vocab_size, seed)
@@ -139,7 +141,7 @@ def run_text_demo(
                     KVSpan(r.rid, LABEL, len(r.step_tokens)) for r in batch
                 )
                 step = Step(KVStep(spans))
-                res = node.step(step, lambda ctx: forward(batch, ctx))
+                res = node.step(step, functools.partial(forward, batch))
                 if res.outcome:
                     break
                 # Refused: the newest request not yet prefilled waits for pages.
@@ -171,7 +173,8 @@ def run_text_demo(
             whole = model if tp is None else TinyDecoder(cfg, device, dtype, seed=seed)
             err = max(_check(whole, r) for r in finished)
         if tp is not None:
-            err = float(tp.all_reduce(torch.tensor([err], dtype=torch.float64, device=device), "the error's all-reduce"))
+            err = float(tp.all_reduce(torch.tensor([err], dtype=torch.float64, device=device),
+                                      "the error's all-reduce"))
     tol = 1e-3 if dtype in (torch.float32, torch.float64) else 5e-2
     logits = {r.rid: torch.stack(r.logits) for r in finished}
     return DemoReport(backend_name, kinds, waits, tokens, seconds, err, tol, tp.world_size if tp else 1, logits)
@@ -182,7 +185,7 @@ def _forward(model: TinyDecoder, kv: KVManager, attn: PagedAttentionManager, bat
     lay = ctx.plan_results[kv.name].layout(LABEL)
     toks = [t for r in batch for t in r.step_tokens]
     logits = model.forward_step(torch.tensor(toks, device=device), lay.positions, kv, attn, LABEL)
-    for r, span in zip(batch, lay.spans):
+    for r, span in zip(batch, lay.spans, strict=True):
         last = logits[span.q_start + span.to_compute - 1].float().cpu()
         r.logits.append(last)
         r.generated.append(int(last.argmax()))

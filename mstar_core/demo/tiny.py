@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mstar_core.distributed import TensorParallel, check_shardable
 from mstar_core.attention.base import AttentionManager
+from mstar_core.distributed import TensorParallel, check_shardable
 from mstar_core.kv.paged import KVManager
 
 

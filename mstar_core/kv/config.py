@@ -1,9 +1,10 @@
 """Shape of a paged KV cache."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from dataclasses import dataclass
+
+from mstar_core.errors import InputError
 
 
 @dataclass(frozen=True)

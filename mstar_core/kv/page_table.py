@@ -16,11 +16,12 @@ to another stream only once nothing in flight can still plan from it (:meth:`rel
 """
 
 from __future__ import annotations
-from mstar_core.errors import StateError
 
 from collections.abc import Sequence
 
 import torch
+
+from mstar_core.errors import StateError
 
 _I32_MAX = (1 << 31) - 1
 

@@ -8,7 +8,6 @@ pages held only for ``commit=False`` tokens.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -19,15 +18,16 @@ from typing import Any
 import torch
 
 from mstar_core.distributed import TensorParallel
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
-from mstar_core.kv.fp8 import quantize
-from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
-from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 from mstar_core.kv.config import KVConfig
+from mstar_core.kv.fp8 import quantize
 from mstar_core.kv.page_table import PageTable
 from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
 from mstar_core.kv.pool import PagePool
 from mstar_core.kv.streams import CacheStream
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
@@ -220,7 +220,8 @@ class KVManager(Resource):
         refusal is returned."""
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:
-            raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; ingested: {sorted(self._requests)}")
+            raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; "
+                              f"ingested: {sorted(self._requests)}")
         if (dst_rid, label) in self.streams:
             raise InputError(f"fork: request {dst_rid!r} already has a {label!r} stream")
         # Only the committed tokens' pages: a step in flight on the source may hold more.
@@ -395,10 +396,11 @@ class KVManager(Resource):
             if rows is None:
                 rows = labels[s.label] = _LabelRows()
             rows.add(s, stream, ps)
-        if ctx.bucket is not None:
+        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
+        if graph_tokens is not None:
             if len(labels) != 1:
                 raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
-            self._check_graph_step(ctx.graph_tokens, sum(r.qo[-1] for r in labels.values()))
+            self._check_graph_step(graph_tokens, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
         plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
         self._current = plan
@@ -411,7 +413,8 @@ class KVManager(Resource):
         decode = rows.decode  # every row one token
         pack = RowPack(len(rows.spans), decode)
         host = rows.qo + rows.kvp + rows.last + rows.lens
-        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp)]  # page_base
+        # page_base; kvp is the indptr (rows + 1 entries): row r pairs with its start, kvp[r].
+        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp, strict=False)]
         host += rows.pos_base
         host += [t * cols for t in rows.table_row]  # table_base
         if decode:  # one token per row: its page, slot and position are known here, O(1) each
@@ -420,11 +423,13 @@ class KVManager(Resource):
         host_t, dev = self.table.upload(host)
         kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
         per_token: dict[str, torch.Tensor] = {}
-        if ctx.bucket is not None:
-            block = pack.token_block(dev) if decode else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps))
-            per_token = self._stage_graph(block, ctx.slot, ctx.graph_tokens)
+        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
+        if graph_tokens is not None:
+            block = (pack.token_block(dev) if decode
+                     else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps)))
+            per_token = self._stage_graph(block, ctx.slot, graph_tokens)
         elif decode:
-            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev)))
+            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))
         return LabelLayout(
             spans=tuple(rows.spans),
             qo_indptr=pack.qo(host_t),

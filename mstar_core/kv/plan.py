@@ -1,7 +1,6 @@
 """The paged KV manager's plan: per-span layout and the FlashInfer-style arrays, per label."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError, UnknownName
 
 import itertools
 from collections.abc import Sequence
@@ -10,6 +9,7 @@ from typing import NamedTuple
 
 import torch
 
+from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.kv.page_table import PageTable
 
 
@@ -133,7 +133,7 @@ class LabelLayout:
                 raise StateError("this layout has no per-token arrays (built without the page table)")
             arrays = token_arrays(self.table, RowPack(len(self.spans)), self.rows_device, self.num_tokens,
                                   self.page_size)
-            self.per_token.update(zip(TOKEN_ARRAYS, arrays))
+            self.per_token.update(zip(TOKEN_ARRAYS, arrays, strict=True))
         return self.per_token[name]
 
     @property

@@ -1,6 +1,7 @@
 """A free-page pool with ownership tracking."""
 
 from __future__ import annotations
+
 from mstar_core.errors import StateError
 
 

@@ -7,7 +7,8 @@ entry points; selection picks one by name or by probing, and says why it passed 
     sel.name, sel.classes["paged_decode"], sel.rejected
 """
 
-from mstar_core.registry.discovery import GROUP, LoadedPlugin, PluginError, PluginFailure
+from mstar_core.errors import PluginError
+from mstar_core.registry.discovery import GROUP, LoadedPlugin, PluginFailure
 from mstar_core.registry.hookspecs import hookimpl, hookspec
 from mstar_core.registry.registry import Registry, get_registry, reset_registry
 from mstar_core.registry.selection import (

@@ -18,9 +18,10 @@ spec or picked.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import re
+
+from mstar_core.errors import InputError
 
 API_VERSION = "1.0"
 

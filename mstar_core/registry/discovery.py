@@ -3,9 +3,7 @@ loaded in isolation so one broken install never hides the others (pluggy's own
 ``load_setuptools_entrypoints`` stops at the first failure)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
-from mstar_core.errors import PluginError
 import ast
 import importlib.metadata as md
 import os
@@ -14,6 +12,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mstar_core.config import check_pins
+from mstar_core.errors import InputError
 
 GROUP = "mstar.backends"
 ENV_ALLOWLIST = "MSTAR_PLUGINS"

@@ -4,7 +4,7 @@ a module holding ``@hookimpl`` functions for these; that module must import no k
 
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import pluggy
 

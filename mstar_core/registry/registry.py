@@ -2,19 +2,20 @@
 run here, and if not why" with probe results cached per device."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import logging
 import threading
 import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
+from types import EllipsisType
 from typing import Any, TypeVar
 
 import pluggy
 import torch
 
 from mstar_core.config import check_pins
+from mstar_core.errors import InputError, InputTypeError, PluginError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry import discovery, hookspecs
 from mstar_core.registry.api import api_reasons
@@ -26,7 +27,7 @@ from mstar_core.registry.device import (
     device_key,
     device_kind,
 )
-from mstar_core.registry.discovery import LoadedPlugin, PluginError, PluginFailure
+from mstar_core.registry.discovery import LoadedPlugin, PluginFailure
 from mstar_core.registry.spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")
@@ -56,7 +57,7 @@ class Registry:
         *,
         discover: bool = True,
         strict: bool | None = None,
-        allowlist: Iterable[str] | None | type[Ellipsis] = ...,  # ...: read MSTAR_PLUGINS
+        allowlist: Iterable[str] | None | EllipsisType = ...,  # ...: read MSTAR_PLUGINS
         pins: Mapping[str, str] | None = None,  # None: read MSTAR_BACKEND_PINS
     ) -> None:
         # name -> every spec registered under it, one per distribution (a name two distributions
@@ -69,8 +70,8 @@ class Registry:
                             f"got {strict!r}")
         self.strict = discovery.strict_from_env() if strict is None else strict
         if isinstance(allowlist, str):
-            raise InputTypeError(f"Registry(allowlist=...) takes an iterable of plugin names, got the string {allowlist!r} "
-                            f"(write [{allowlist!r}])")
+            raise InputTypeError(f"Registry(allowlist=...) takes an iterable of plugin names, "
+                                 f"got the string {allowlist!r} (write [{allowlist!r}])")
         self.allowlist = discovery.allowlist_from_env() if allowlist is ... else (
             None if allowlist is None else frozenset(allowlist))
         self.pins: dict[str, str] = discovery.pins_from_env() if pins is None else check_pins(
@@ -352,7 +353,8 @@ class Registry:
         if api:  # nothing else of an incompatible backend is looked at
             return api
         provided = [c for c in capabilities if c in spec.provides]
-        return self.device_reasons(spec, device, provided) + spec.declared_reasons(capabilities, dtype, head_dim, features)
+        return (self.device_reasons(spec, device, provided)
+                + spec.declared_reasons(capabilities, dtype, head_dim, features))
 
 
 def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:

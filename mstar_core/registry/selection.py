@@ -3,9 +3,7 @@
 one error that says why not and which backends can run here."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
-from mstar_core.errors import BackendUnavailable
 import logging
 import os
 from collections.abc import Mapping, Sequence
@@ -14,14 +12,15 @@ from typing import Any
 
 import torch
 
+from mstar_core.capabilities import PAGED
 from mstar_core.config import ConfigSource, load_config
 from mstar_core.config import short as _short
+from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
 from mstar_core.features import PLAIN, AttentionFeatures
-from mstar_core.step import is_int
-from mstar_core.capabilities import PAGED
 from mstar_core.registry.device import as_device, describe
 from mstar_core.registry.registry import Registry, get_registry
 from mstar_core.registry.spec import CAPABILITIES, BackendSpec, dtype_name
+from mstar_core.step import is_int
 
 log = logging.getLogger("mstar.registry")
 
@@ -159,8 +158,9 @@ def select_backend(
 ) -> Selection:
     """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
     those checks; ``features`` (None: plain attention) are refused by a backend that does not
-    declare them for every requested capability, with a reason naming the feature. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and
-    ``config``'s ``attention.backend``; without it ``requested``, then config, then "auto".
+    declare them for every requested capability, with a reason naming the feature.
+    ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and ``config``'s
+    ``attention.backend``; without it ``requested``, then config, then "auto".
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
     if isinstance(capabilities, str):

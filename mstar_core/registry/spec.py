@@ -3,20 +3,19 @@ wrapper references), the devices, architectures, dtypes and head dims it runs, a
 Capabilities are data, refusals are reasons (lists of strings, empty = can run)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, UnknownName
 
 import importlib
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Union
+from typing import Any
 
 import torch
 
-from mstar_core.features import FEATURES, AttentionFeatures
-from mstar_core.step import is_int
 from mstar_core.capabilities import CAPABILITIES
+from mstar_core.errors import InputError, InputTypeError, UnknownName
+from mstar_core.features import FEATURES, AttentionFeatures
 from mstar_core.registry.api import parse_api_version
-
+from mstar_core.step import is_int
 
 # "cuda" is an NVIDIA device, "rocm" an AMD one (torch calls both device type "cuda").
 DEVICE_KINDS: tuple[str, ...] = ("cpu", "cuda", "rocm")
@@ -68,8 +67,8 @@ class HeadDims:
         return f"{step} up to {self.maximum}" if self.maximum is not None else step
 
 
-ProbeRef = Union[str, Probe, None]
-WarmupRef = Union[str, Callable[..., Any], None]
+ProbeRef = str | Probe | None
+WarmupRef = str | Callable[..., Any] | None
 
 
 @dataclass(frozen=True)
@@ -124,7 +123,8 @@ class BackendSpec:
                             f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
-            raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; known: {list(CAPABILITIES)}")
+            raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; "
+                             f"known: {list(CAPABILITIES)}")
         for cap, ref in self.provides.items():
             if not isinstance(ref, str) or ":" not in ref:
                 raise InputError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
@@ -152,7 +152,8 @@ class BackendSpec:
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
         if capability not in self.provides:
-            raise UnknownName(f"backend {self.name!r} does not provide {capability!r}; it provides {list(self.provides)}")
+            raise UnknownName(f"backend {self.name!r} does not provide {capability!r}; "
+                              f"it provides {list(self.provides)}")
         return load_ref(self.provides[capability])
 
     def supports(self, capability: str) -> tuple[str, ...]:
@@ -169,7 +170,8 @@ class BackendSpec:
         if missing:
             reasons.append(f"does not provide {', '.join(missing)} (provides: {', '.join(self.provides)})")
         if dtype is not None and dtype not in self.dtypes:
-            reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {', '.join(map(dtype_name, self.dtypes))})")
+            supported = ", ".join(map(dtype_name, self.dtypes))
+            reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {supported})")
         if head_dim is not None:
             reasons.extend(self.head_dims.reasons(head_dim))
         if features is not None:

@@ -16,9 +16,9 @@ From a plugin's own test suite, in one line (one pytest test per case)::
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -26,10 +26,11 @@ from typing import Any
 
 import torch
 
+from mstar_core.capabilities import STEP_KINDS
+from mstar_core.errors import InputError
 from mstar_core.registry.spec import BackendSpec, dtype_name
 from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
-from mstar_core.capabilities import STEP_KINDS
 
 NOT_COVERED: dict[str, str] = {
     "bounded": "the bounded kernel has no wrapper protocol yet: tests/bounded checks the built-in one",
@@ -93,7 +94,7 @@ class Report:
                 rows.append((r.capability, r.dtype, r.group, r.name, result, err))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [f"mstar check {self.backend} ({self.label}, plugin API {self.api_version}) on {self.device}", ""]
-        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths)).rstrip() for row in rows]
+        lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         for r in self.failed:
             lines += ["", f"FAIL {r.capability} {r.dtype} {r.group} {r.name}:", f"  {r.message}"]
         for cap, why in self.not_covered.items():
@@ -135,7 +136,8 @@ def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims:
         if why:
             raise InputError(f"backend {spec.name!r}: cannot check {why[0]}")
     if not dtypes or not head_dims:
-        raise InputError(f"backend {spec.name!r}: no dtype or head dim to check (dtypes {list(map(dtype_name, dtypes))}, "
+        raise InputError(f"backend {spec.name!r}: no dtype or head dim to check "
+                         f"(dtypes {list(map(dtype_name, dtypes))}, "
                          f"head dims {list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, "
                          f"head dims {spec.head_dims}")
     return dtypes, head_dims
@@ -158,6 +160,8 @@ def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
 
 def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int]) -> list[tuple[str, Any]]:
     plain = {"prefill": C.prefill_cases, "decode": C.decode_cases, "mixed": C.mixed_cases}
+    base: Sequence[C.PagedCase | C.RaggedCase]
+    extra: Sequence[C.PagedCase | C.RaggedCase]
     if kind == "ragged":
         base, extra = C.ragged_cases(), C.ragged_feature_cases(features, head_dims[-1])
     else:
@@ -187,12 +191,13 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
                 continue
             fn = C.CHECKS[kind]
             for group, case in _cases(kind, spec.supports(cap), head_dims):
-                checks.append(Check(cap, group, dtype, str(case), lambda fn=fn, ws=ws, case=case: fn(ws, case)))
+                checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
             d = head_dims[-1]
-            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}", lambda ws=ws, k=kind, d=d: reuse.check_replan(ws, k, d)))
+            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}",
+                                functools.partial(reuse.check_replan, ws, kind, d)))
             if cap in spec.capturable and device.type == "cuda":
                 checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}",
-                                    lambda ws=ws, k=kind, d=d: reuse.check_replay(ws, k, d)))
+                                    functools.partial(reuse.check_replay, ws, kind, d)))
     return checks
 
 

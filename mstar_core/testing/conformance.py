@@ -85,7 +85,7 @@ class PagedCase:
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
-        return tuple(p + q for p, q in zip(self.prefix_lens, self.q_lens))
+        return tuple(p + q for p, q in zip(self.prefix_lens, self.q_lens, strict=True))
 
 
 @dataclass(frozen=True)
@@ -112,7 +112,8 @@ class RaggedCase:
 
 
 def _feature_tag(case: PagedCase | RaggedCase) -> str:
-    tag = f"-{case.kv_dtype}" if getattr(case, "kv_dtype", "auto") != "auto" else ""
+    kv_dtype = getattr(case, "kv_dtype", "auto")  # a ragged case stores the model dtype
+    tag = f"-{kv_dtype}" if kv_dtype != "auto" else ""
     tag += f"-cap{case.soft_cap:g}" if case.soft_cap is not None else ""
     tag += f"-poison{case.poison_row}" if case.poison_row is not None else ""
     return tag + ("-sinks" if case.sinks else "")
@@ -322,7 +323,7 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
         seen = torch.stack([stored[:, 0].double() * K_SCALE, stored[:, 1].double() * V_SCALE], dim=1)
     indices, indptr, last, keys = [], [0], [], []
     cursor = 0
-    for n, pages in zip(kv_lens, n_pages):
+    for n, pages in zip(kv_lens, n_pages, strict=True):
         own = perm[cursor:cursor + pages]
         cursor += pages
         indices.extend(own.tolist())
@@ -456,7 +457,7 @@ def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> 
     gen = torch.Generator().manual_seed(case.seed)
     hkv, d = case.num_kv_heads, case.head_dim
     hq = hkv * case.gqa
-    k_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens)]
+    k_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens, strict=True)]
     q = torch.randn((sum(case.q_lens), hq, d), generator=gen)
     k = torch.randn((sum(k_lens), hkv, d), generator=gen)
     v = torch.randn((sum(k_lens), hkv, d), generator=gen)

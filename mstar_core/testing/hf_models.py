@@ -8,11 +8,12 @@ layer (Mistral), alternating sliding and full layers (Gemma 2, gpt-oss), logit s
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 from typing import Any
 
 import torch
+
+from mstar_core.errors import InputError
 
 ARCHITECTURES = ("llama", "qwen3", "mistral", "gemma2", "gpt_oss")
 
@@ -54,7 +55,8 @@ def config(arch: str, size: str = "tiny", **overrides: Any) -> Any:
     cfg_name, _, own = _SPECS[arch]
     if size == "tiny":
         # initializer_range 0.2: random logits peaked enough that greedy ties are vanishingly rare.
-        kw = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4, initializer_range=0.2)
+        kw: dict[str, Any] = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                                  initializer_range=0.2)
     else:
         # initializer_range 0.01: at this width a wider init leaves the random logits so flat that
         # bf16 rounding alone flips greedy tokens (transformers' own eager, bf16 against fp32, agreed

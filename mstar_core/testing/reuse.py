@@ -7,14 +7,22 @@ its first plan passes it; these checks do not.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import dataclasses
 from typing import Any
 
 import torch
 
-from mstar_core.testing.conformance import CHECKS, PagedCase, RaggedCase, WrapperSet, assert_close, make_paged, paged_oracle
+from mstar_core.errors import InputError
+from mstar_core.testing.conformance import (
+    CHECKS,
+    PagedCase,
+    RaggedCase,
+    WrapperSet,
+    assert_close,
+    make_paged,
+    paged_oracle,
+)
 
 PAGE_SIZE, KV_HEADS, GQA = 16, 2, 4
 
@@ -32,11 +40,16 @@ STEPS: dict[str, list[tuple[tuple[int, ...], tuple[int, ...]]]] = {
 BATCH, TOKENS, PAGES, PREFILL_ROWS = 8, 128, 96, 4
 
 
-def steps(kind: str, head_dim: int = 128) -> list[PagedCase] | list[RaggedCase]:
+def steps(kind: str, head_dim: int = 128) -> list[PagedCase | RaggedCase]:
     """The step sequence of ``kind`` ("prefill", "decode", "mixed", "ragged") as cases."""
     if kind == "ragged":
         return [RaggedCase(head_dim, GQA, q, p, num_kv_heads=KV_HEADS, seed=1100 + i)
                 for i, (q, p) in enumerate(STEPS[kind])]
+    return [*paged_steps(kind, head_dim)]
+
+
+def paged_steps(kind: str, head_dim: int = 128) -> list[PagedCase]:
+    """The step sequence of a paged ``kind`` ("prefill", "decode", "mixed") as cases."""
     return [PagedCase(PAGE_SIZE, head_dim, GQA, q, p, num_kv_heads=KV_HEADS, seed=1100 + i)
             for i, (q, p) in enumerate(STEPS[kind])]
 
@@ -76,7 +89,7 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
         raise InputError(f"check_replay needs a CUDA device, got {backend.device!r}")
     w = _wrapper(backend, kind, head_dim, graph=True)
     dev, dt = backend.device, backend.dtype
-    cases = steps(kind, head_dim)
+    cases = paged_steps(kind, head_dim)
     datas = [make_paged(c, dev, dt) for c in cases]
     q_static = torch.randn(BATCH if kind == "decode" else TOKENS, KV_HEADS * GQA, head_dim, device=dev, dtype=dt)
     layer = torch.randn(PAGES + 1, 2, PAGE_SIZE, KV_HEADS, head_dim, device=dev, dtype=dt)
@@ -98,7 +111,7 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     with torch.cuda.graph(graph):
         out_static = w.run(q_static, layer)
     errors = []
-    for case, d in zip(cases, datas):
+    for case, d in zip(cases, datas, strict=True):
         n = d.q.shape[0]
         layer.zero_()
         layer[: d.layer.shape[0]].copy_(d.layer)

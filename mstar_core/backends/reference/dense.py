@@ -3,13 +3,13 @@
 chunk's key index once; ``run`` gathers one chunk's keys at a time (see :mod:`.math`)."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import torch
 
 from mstar_core.attention.checks import check_soft_cap
 from mstar_core.backends.reference.math import Padding, attend_padded, build_padding, gather_ragged_slots
 from mstar_core.backends.reference.paged import run_extras
+from mstar_core.errors import InputError, StateError
 
 
 class ReferencePrefixedPrefillWrapper:

@@ -30,12 +30,13 @@ query), accumulated in float32 (float64 for float64 inputs) and returned in ``q`
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import math
 from dataclasses import dataclass
 
 import torch
+
+from mstar_core.errors import InputError
 
 # Elements one scores block (plus its padded queries/outputs) may hold, and one row chunk's
 # gathered K/V. Read by build_padding at plan time; tests monkeypatch it.
@@ -90,7 +91,7 @@ def _row_chunks(q_lens: list[int], kv_lens: list[int], hq: int, hkv: int, d: int
     """``(r0, r1, max_q, max_k)`` of consecutive row chunks within the budget (see the module
     docstring). A row without queries counts no keys: nothing of it is computed."""
     rows = len(q_lens)
-    keys = [k if q else 0 for q, k in zip(q_lens, kv_lens)]
+    keys = [k if q else 0 for q, k in zip(q_lens, kv_lens, strict=True)]
 
     def fits(n: int, m: int, k: int) -> bool:
         return n * m * hq * (k + d) <= budget and n * k * 2 * hkv * d <= budget

@@ -7,14 +7,21 @@ place before the step runs. ``run`` (per layer) gathers each chunk's keys and co
 host sync."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError
 
 from typing import Any
 
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
-from mstar_core.backends.reference.math import NO_EXTRAS, Extras, Padding, attend_padded, build_padding, gather_paged_slots
+from mstar_core.backends.reference.math import (
+    NO_EXTRAS,
+    Extras,
+    Padding,
+    attend_padded,
+    build_padding,
+    gather_paged_slots,
+)
+from mstar_core.errors import InputError, InputTypeError, StateError
 
 
 def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype, num_qo_heads: int,
@@ -23,7 +30,8 @@ def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype,
     """What a run applies beyond the plan's mask, checked: the cache in the planned KV dtype,
     scales finite and > 0, sinks ``[Hq]``."""
     if kv_dtype is not None and cache_dtype != kv_dtype:
-        raise InputTypeError(f"{who}.run: kv_cache_layer has dtype {cache_dtype}, the plan's kv_data_type is {kv_dtype}")
+        raise InputTypeError(f"{who}.run: kv_cache_layer has dtype {cache_dtype}, "
+                             f"the plan's kv_data_type is {kv_dtype}")
     check_scale(k_scale, "k_scale", f"{who}.run")
     check_scale(v_scale, "v_scale", f"{who}.run")
     if sinks is not None:
@@ -94,7 +102,10 @@ class ReferencePrefillWrapper:
         sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__)
         qo_indptr = qo_indptr.cpu().to(torch.int64)
         indptr = paged_kv_indptr.cpu().to(torch.int64)
-        lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size) if kv_lens is None else kv_lens.cpu().to(torch.int64)
+        if kv_lens is None:
+            lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size)
+        else:
+            lens = kv_lens.cpu().to(torch.int64)
         # The padding (row chunks, each key's page slot) is built at the first run, not here: it
         # grows with the keys, and a plan's host work stays O(rows) (the paged manager plans while
         # the previous step runs). Every layer's run reuses it.
@@ -122,7 +133,8 @@ class ReferencePrefillWrapper:
         want = (self._total, self.num_qo_heads, self.head_dim)
         padded = self.accelerator_graph and q.shape[0] == self._static_q and q.shape[0] > self._total
         if tuple(q.shape) != want and not padded:
-            raise InputError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, expected {want} [tokens, Hq, D]")
+            raise InputError(f"{type(self).__name__}.run: q has shape {tuple(q.shape)}, "
+                             f"expected {want} [tokens, Hq, D]")
         if padded:
             out = q.new_zeros(q.shape)
             out[: self._total] = self.run(q[: self._total], kv_cache_layer, k_scale=k_scale, v_scale=v_scale,
@@ -161,6 +173,8 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
 
+    # The decode protocol's plan (no qo_indptr, no causal) over the prefill plan it reuses:
+    # a decode wrapper is not a drop-in prefill wrapper, by design.
     def plan(  # type: ignore[override]
         self,
         paged_kv_indptr: torch.Tensor,

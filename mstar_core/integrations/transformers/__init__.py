@@ -15,19 +15,19 @@ that build once and generate several times (benchmarks).
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputTypeError
 
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
 
-from mstar_core.kv.paged import pages_for
+from mstar_core.errors import InputTypeError
 from mstar_core.integrations.transformers.attention import NAME, mstar_attention, register
 from mstar_core.integrations.transformers.batching import run, run_checked
-from mstar_core.integrations.transformers.generation import Generation, StepRecord
-from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
 from mstar_core.integrations.transformers.engine import Engine, EngineOptions
+from mstar_core.integrations.transformers.generation import Generation, StepRecord
 from mstar_core.integrations.transformers.probe import LayerAttention, ModelAttention, UnsupportedModel, probe
+from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
+from mstar_core.kv.paged import pages_for
 
 __all__ = [
     "NAME", "Engine", "EngineOptions", "Generation", "LayerAttention", "ModelAttention", "StepRecord",
@@ -58,7 +58,8 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     """:func:`generate`, returning the :class:`Generation` (ids, steps, timings)."""
     unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:
-        raise InputTypeError(f"generate got unknown options {unknown}; it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
+        raise InputTypeError(f"generate got unknown options {unknown}; "
+                             f"it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
     # Refused before the engine is built (probing and graph capture are not free).
     check_max_new(max_new_tokens)
     prompts = check_prompts(prompts, getattr(getattr(model, "config", None), "vocab_size", None))

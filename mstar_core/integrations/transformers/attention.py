@@ -10,7 +10,6 @@ instead of computing something else.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, StateError
 
 import contextvars
 from collections.abc import Iterator
@@ -18,6 +17,8 @@ from contextlib import contextmanager
 from typing import Any, Protocol
 
 import torch
+
+from mstar_core.errors import InputError, StateError
 
 NAME = "mstar"
 

@@ -22,12 +22,12 @@ from typing import NamedTuple
 import torch
 
 from mstar_core.capabilities import STEP_KINDS, paged_step_capability
-from mstar_core.kv.paged import pages_for
-from mstar_core.step import KVSpan, KVStep, Step, is_int
 from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
 from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
+from mstar_core.kv.paged import pages_for
+from mstar_core.step import KVSpan, KVStep, Step, is_int
 
 log = logging.getLogger(__name__)
 
@@ -90,7 +90,7 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
     o, ps = engine.options, engine.options.page_size
     reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
-            for i, (p, a) in enumerate(zip(prompts, arrivals))]
+            for i, (p, a) in enumerate(zip(prompts, arrivals, strict=True))]
     assert o.max_pages is not None
     for r in reqs:
         if r.pages > o.max_pages:
@@ -229,7 +229,7 @@ class _Loop:
         parts = []
         if decode:
             assert inflight is not None
-            if len(decode) == len(inflight.rows) and all(a is b for a, b in zip(decode, inflight.rows)):
+            if len(decode) == len(inflight.rows) and all(a is b for a, b in zip(decode, inflight.rows, strict=True)):
                 parts.append(inflight.toks)  # the steady state: the same rows in the same order
             else:
                 where = {id(r): i for i, r in enumerate(inflight.rows)}
@@ -244,7 +244,7 @@ class _Loop:
         ids = step.host.tolist()
         now = time.perf_counter()
         self.steps.append(StepRecord(step.kind, len(step.rows), step.tokens, step.graph, now - self.t0))
-        for r, t in zip(step.rows, ids):
+        for r, t in zip(step.rows, ids, strict=True):
             if r.stopped:
                 continue  # computed before its end-of-sequence token was seen: dropped
             r.generated.append(t)

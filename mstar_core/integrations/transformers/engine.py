@@ -9,20 +9,17 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 import logging
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Self
 
 import torch
 
-from mstar_core.graphs import GraphRunner
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
-from mstar_core.kv import KVConfig, KVManager
-from mstar_core.node import Node
-from mstar_core.step import AttentionStep, StepContext, is_int
+from mstar_core.errors import InputError, InputTypeError
+from mstar_core.graphs import GraphRunner
 from mstar_core.integrations.transformers.attention import NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
@@ -31,6 +28,9 @@ from mstar_core.integrations.transformers.probe import (
     probe,
     refuse_config,
 )
+from mstar_core.kv import KVConfig, KVManager
+from mstar_core.node import Node
+from mstar_core.step import AttentionStep, StepContext, is_int
 
 log = logging.getLogger(__name__)
 LABEL = "text"
@@ -93,11 +93,13 @@ def switch(model: Any) -> str:
         try:
             model.set_attn_implementation(NAME)
         except (ValueError, KeyError, NotImplementedError) as e:
-            raise UnsupportedModel(f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
+            raise UnsupportedModel(
+                f"{type(model).__name__} does not take a custom attention implementation: {e}") from e
         # transformers only warns (and changes nothing) for a class it cannot switch.
         if getattr(model.config, "_attn_implementation", None) != NAME:
-            raise UnsupportedModel(f"{type(model).__name__} did not switch to attn_implementation {NAME!r} (transformers "
-                                   "refused it for this class): its attention does not go through AttentionInterface")
+            raise UnsupportedModel(f"{type(model).__name__} did not switch to attn_implementation {NAME!r} "
+                                   "(transformers refused it for this class): its attention does not go through "
+                                   "AttentionInterface")
     return before
 
 
@@ -206,7 +208,7 @@ class Engine:
         if self._restore != NAME and getattr(self.model.config, "_attn_implementation", None) == NAME:
             self.model.set_attn_implementation(self._restore)
 
-    def __enter__(self) -> Engine:  # noqa: PYI034 - not subclassed
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -2,7 +2,6 @@
 when present (random weights from a seed otherwise), and a tokenizer when the directory has one."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import logging
 import os
@@ -10,6 +9,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+from mstar_core.errors import InputError
 
 log = logging.getLogger(__name__)
 
@@ -40,4 +41,5 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
     tokenizer = None
     if any((d / f).is_file() for f in TOKENIZER_FILES):
         tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-    return model.to(device).eval(), tokenizer, weights
+    # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind self.
+    return model.to(device).eval(), tokenizer, weights  # type: ignore[arg-type]

@@ -10,13 +10,13 @@ where mstar plans one per step (``sm_scale``, soft-cap).
 
 from __future__ import annotations
 
-from mstar_core.errors import UnsupportedModel
 import math
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from mstar_core.errors import UnsupportedModel
 from mstar_core.features import AttentionFeatures
 from mstar_core.integrations.transformers.attention import bound
 
@@ -190,5 +190,6 @@ def probe(model: Any) -> ModelAttention:
         problems.append(f"{first.qo_heads} query heads are not a multiple of {first.kv_heads} KV heads")
     if problems:
         raise UnsupportedModel(f"{name} cannot run with attn_implementation 'mstar': " + "; ".join(problems)
-                               + " (mstar serves decoder-only causal self-attention; the README's 'Use with transformers' lists what is served)")
+                               + " (mstar serves decoder-only causal self-attention; the README's "
+                               "'Use with transformers' lists what is served)")
     return ModelAttention(name, layers, param.dtype, param.device)

@@ -43,7 +43,6 @@ TF32 off.
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError
 
 import functools
 import importlib.util
@@ -52,6 +51,7 @@ from typing import Literal
 
 import torch
 
+from mstar_core.errors import InputError
 from mstar_core.kernels.bounded_attention import table as tb
 from mstar_core.kernels.bounded_attention.reference import bounded_attention_reference, write_step_reference
 
@@ -69,19 +69,20 @@ def triton_available() -> bool:
 def pick_impl(device: torch.device, impl: Impl = "auto") -> Literal["reference", "triton"]:
     """``auto``: Triton on CUDA when triton is importable, else the reference.
     ``MSTAR_BOUNDED_IMPL=reference|triton`` overrides ``auto``."""
-    if impl == "auto":
-        impl = os.environ.get("MSTAR_BOUNDED_IMPL", "auto")  # type: ignore[assignment]
-    if impl == "auto":
+    choice: str = impl  # the environment's value is any string until checked below
+    if choice == "auto":
+        choice = os.environ.get("MSTAR_BOUNDED_IMPL", "auto")
+    if choice == "auto":
         return "triton" if device.type == "cuda" and triton_available() else "reference"
-    if impl == "triton":
+    if choice == "triton":
         if device.type != "cuda":
             raise InputError(f"bounded_attention impl='triton' needs a CUDA tensor, got device {device}")
         if not triton_available():
             raise ImportError("bounded_attention impl='triton': triton is not installed")
         return "triton"
-    if impl == "reference":
+    if choice == "reference":
         return "reference"
-    raise InputError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {impl!r}")
+    raise InputError(f"bounded_attention impl must be 'auto', 'reference' or 'triton', got {choice!r}")
 
 
 def _check(q, k, v, cache, tab, sink, window, query_window, source, row_source, rel_bias) -> None:
@@ -144,13 +145,13 @@ def bounded_attention(
     [>= B])`` the prefix of requests whose SOURCE is -1. Does not write the cache: see
     :func:`bounded_write`. ``impl`` forces ``"reference"`` or ``"triton"``."""
     _check(q, k, v, cache, table, sink, window, query_window, source, row_source, rel_bias)
-    kw = dict(sink=sink, window=window, query_window=query_window, source=source,
-              row_source=row_source, rel_bias=rel_bias, sm_scale=sm_scale, ieee=ieee)
+    attend = bounded_attention_reference
     if pick_impl(q.device, impl) == "triton":
         from mstar_core.kernels.bounded_attention.triton_kernel import bounded_attention_triton
 
-        return bounded_attention_triton(q, k, v, cache, table, **kw)
-    return bounded_attention_reference(q, k, v, cache, table, **kw)
+        attend = bounded_attention_triton
+    return attend(q, k, v, cache, table, sink=sink, window=window, query_window=query_window, source=source,
+                  row_source=row_source, rel_bias=rel_bias, sm_scale=sm_scale, ieee=ieee)
 
 
 def bounded_write(

@@ -1,11 +1,11 @@
 """Geometry of a bounded KV cache, and one request's layout within a step."""
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.step import is_int
 
 

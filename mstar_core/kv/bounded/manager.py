@@ -54,7 +54,6 @@ What a step took is recorded in its ``StepContext`` and released exactly once:
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 
 import itertools
 import logging
@@ -64,13 +63,14 @@ from typing import Any
 
 import torch
 
+from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 from mstar_core.kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from mstar_core.kernels.bounded_attention import table as tb
-from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
-from mstar_core.step import AdmitOutcome, Shortage, Step, StepContext, is_int
 from mstar_core.kv.bounded.config import BoundedKVConfig, RowLayout
 from mstar_core.kv.bounded.plan import BoundedPlan, host_table
 from mstar_core.kv.bounded.positions import BoundedStep, bounded_part
+from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
+from mstar_core.step import AdmitOutcome, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +92,8 @@ class BoundedKVManager(Resource):
 
     name = "bounded"
 
-    def __init__(self, config: BoundedKVConfig, device: torch.device | str, kv_dtype: torch.dtype | None = None) -> None:
+    def __init__(self, config: BoundedKVConfig, device: torch.device | str,
+                 kv_dtype: torch.dtype | None = None) -> None:
         self.config = config
         self.device = torch.device(device)
         self.kv_dtype = kv_dtype if kv_dtype is not None else torch.get_default_dtype()
@@ -239,7 +240,8 @@ class BoundedKVManager(Resource):
         part = bounded_part(step)
         unknown = [r for r in part.request_ids if r not in self._requests]
         if unknown:
-            raise UnknownName(f"{self.name}: requests {unknown} were never ingested; ingested: {sorted(self._requests)}")
+            raise UnknownName(f"{self.name}: requests {unknown} were never ingested; "
+                              f"ingested: {sorted(self._requests)}")
         return part
 
     def admit(self, step: Step, ctx: StepContext) -> AdmitOutcome:
@@ -308,10 +310,10 @@ class BoundedKVManager(Resource):
             )
         return rec
 
-    def _live(self, rec: _Admitted, rid: str) -> bool:
+    def _live(self, rec: _Admitted | None, rid: str) -> bool:
         """Whether ``rid`` is still as the admit recorded in ``rec`` found it (not reset, or
-        removed and re-admitted, since)."""
-        return rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
+        removed and re-admitted, since); never without a record."""
+        return rec is not None and rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
 
     def _forget_admitted(self, ctx: StepContext, rids: set[str]) -> None:
         rec = self._record(ctx)
@@ -382,7 +384,7 @@ class BoundedKVManager(Resource):
             max_span=max((lay.num_tokens for _, lay, _ in frozen), default=0),
             reads_source=any(src >= 0 for _, _, src in frozen),
             reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
-            owners=tuple((r, rec.epochs[r]) for r in part.request_ids),
+            owners=() if rec is None else tuple((r, rec.epochs[r]) for r in part.request_ids),
         )
         self._current = plan
         return plan
@@ -397,7 +399,8 @@ class BoundedKVManager(Resource):
         if ctx.bucket is None:
             return host.to(self.device)
         if not self._graph_tables:
-            raise StateError(f"{self.name}: a graph step (bucket {ctx.bucket}) needs build_accelerator_graph_buffers first")
+            raise StateError(f"{self.name}: a graph step (bucket {ctx.bucket}) "
+                             "needs build_accelerator_graph_buffers first")
         if not 0 <= ctx.slot < len(self._graph_tables):
             raise InputError(f"{self.name}: staging slot {ctx.slot} out of range: {len(self._graph_tables)} slots")
         i = ctx.slot
@@ -499,18 +502,22 @@ class BoundedKVManager(Resource):
         if plan is not None and not isinstance(plan, BoundedPlan):
             raise InputTypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
         if row_source is not None and (not isinstance(row_source, tuple) or len(row_source) != 2):
-            raise InputTypeError(f"{self.name}.attend: row_source must be a (storage, slots) tuple, got {type(row_source).__name__}")
+            raise InputTypeError(f"{self.name}.attend: row_source must be a (storage, slots) tuple, "
+                                 f"got {type(row_source).__name__}")
         self._check_tensors(q=q, k=k, v=v, source=source, rel_bias=rel_bias,
                             row_source_storage=None if row_source is None else row_source[0])
         plan = self.current if plan is None else plan
         cfg = self.config
         B = plan.batch
         if q.dim() != 4 or q.shape[0] != B * cfg.rows:
-            raise InputError(f"{self.name}.attend: q must be [B * rows = {B * cfg.rows}, H, T, D], got {tuple(q.shape)}")
+            raise InputError(f"{self.name}.attend: q must be [B * rows = {B * cfg.rows}, H, T, D], "
+                             f"got {tuple(q.shape)}")
         if q.shape[2] < plan.max_span:
-            raise InputError(f"{self.name}.attend: T = {q.shape[2]} is shorter than the step's longest span {plan.max_span}")
+            raise InputError(f"{self.name}.attend: T = {q.shape[2]} is shorter than the step's longest span "
+                             f"{plan.max_span}")
         if tuple(k.shape[1:2]) != (cfg.num_heads,) or k.shape[3] != cfg.head_dim:
-            raise InputError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], got {tuple(k.shape)}")
+            raise InputError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], "
+                             f"got {tuple(k.shape)}")
         self._check_sources(plan, source, row_source)
         layer = self.layer(layer_idx)
         geo = dict(sink=cfg.sink, window=cfg.window)
@@ -524,8 +531,9 @@ class BoundedKVManager(Resource):
         if plan is not self._marked:  # every layer writes the same slots: mark them at the first
             self._marked = plan
             # Only where the row's request still holds that slot in the plan's epoch: a request
-            # reset or removed since (its slot maybe free, or another's) gets no mark.
-            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners):
+            # reset or removed since (its slot maybe free, or another's) gets no mark. Padding rows
+            # (past the owners) are never marked.
+            for (slot, lay, _), (rid, epoch) in zip(plan.rows, plan.owners, strict=False):
                 if lay.commit and lay.num_tokens and self._slot.get(rid) == slot and self._epoch.get(rid) == epoch:
                     self._uncommitted_writes[slot] = lay.start
         return out
@@ -554,7 +562,8 @@ class BoundedKVManager(Resource):
             if src >= store.shape[0]:
                 raise InputError(f"{self.name}.attend: source index {src} out of range: {store.shape[0]} sources")
             if lay.source_len > store.shape[3]:
-                raise InputError(f"{self.name}.attend: source_len {lay.source_len} exceeds {what}'s length {store.shape[3]}")
+                raise InputError(f"{self.name}.attend: source_len {lay.source_len} exceeds {what}'s length "
+                                 f"{store.shape[3]}")
 
     # -- capture -----------------------------------------------------------------------------
     def can_capture(self) -> bool:

@@ -7,12 +7,12 @@ A step carries it as ``Step(kv=..., extra=(("bounded", BoundedStep(...)),))``;
 """
 
 from __future__ import annotations
-from mstar_core.errors import InputError, InputTypeError
 
 from dataclasses import dataclass
 
-from mstar_core.step import Step, is_int
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.kernels.bounded_attention.table import NO_SOURCE, ROW_SOURCE
+from mstar_core.step import Step, is_int
 
 PART = "bounded"  # the step part's kind name
 
@@ -39,7 +39,8 @@ class StreamPosition:
     def __post_init__(self) -> None:
         who = f"StreamPosition({self.request_id!r})"
         if not isinstance(self.request_id, str):
-            raise InputTypeError(f"{who}: request_id must be a str, got {type(self.request_id).__name__} {self.request_id!r}")
+            raise InputTypeError(f"{who}: request_id must be a str, "
+                                 f"got {type(self.request_id).__name__} {self.request_id!r}")
         _set_int(self, who, "num_tokens", low=0, what=">= 0")
         _set_int(self, who, "start", low=0, what="None or >= 0", optional=True)
         _set_int(self, who, "source", low=ROW_SOURCE, what="None, -1 (row source) or >= 0", optional=True)
@@ -62,11 +63,13 @@ class BoundedStep:
 
     def __post_init__(self) -> None:
         if not isinstance(self.positions, (tuple, list)):
-            raise InputTypeError(f"BoundedStep: positions must be a tuple of StreamPosition, got {type(self.positions).__name__}")
+            raise InputTypeError(f"BoundedStep: positions must be a tuple of StreamPosition, "
+                                 f"got {type(self.positions).__name__}")
         object.__setattr__(self, "positions", tuple(self.positions))  # a list is taken, stored as a tuple
         for i, p in enumerate(self.positions):
             if not isinstance(p, StreamPosition):
-                raise InputTypeError(f"BoundedStep: positions[{i}] must be a StreamPosition, got {type(p).__name__} {p!r}")
+                raise InputTypeError(f"BoundedStep: positions[{i}] must be a StreamPosition, "
+                                     f"got {type(p).__name__} {p!r}")
         ids = [p.request_id for p in self.positions]
         if len(ids) != len(set(ids)):
             raise InputError(f"BoundedStep: a request appears more than once: {ids}")
@@ -100,7 +103,8 @@ def _set_int(obj: object, who: str, name: str, low: int, what: str, optional: bo
     if value is None and optional:
         return
     if not is_int(value):
-        raise InputTypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, got {type(value).__name__} {value!r}")
+        raise InputTypeError(f"{who}: {name} must be {'None or ' if optional else ''}an int, "
+                             f"got {type(value).__name__} {value!r}")
     value = int(value)
     if value < low:
         raise InputError(f"{who}: {name} must be {what}, got {value}")
