@@ -14,12 +14,14 @@ __all__ = [
     "CommitError",
     "ConfigError",
     "InputError",
+    "InputIndexError",
     "InputTypeError",
     "MstarError",
     "PluginError",
     "StateError",
     "TensorParallelError",
     "UnknownName",
+    "Unsupported",
     "UnsupportedModel",
 ]
 
@@ -34,6 +36,14 @@ class InputError(MstarError, ValueError):
 
 class InputTypeError(MstarError, TypeError):
     """A value passed in has the wrong type (the message names it and the type expected)."""
+
+
+class InputIndexError(MstarError, IndexError):
+    """An index passed in (e.g. ``layer_idx``) is outside what the object holds."""
+
+
+class Unsupported(MstarError, NotImplementedError):
+    """A backend was asked for something it does not implement (the message names a backend that does)."""
 
 
 class UnknownName(MstarError, KeyError):

@@ -1,6 +1,6 @@
 """What differs between the FlashInfer releases this plugin supports, in one place.
 
-Verified on the H200 (see ``results/versions.md``): 0.5.3, 0.7.2.post1 and 0.7.4. Each difference is
+Verified on the H200 (see ``results/README.md``): 0.5.3, 0.7.2.post1 and 0.7.4. Each difference is
 detected from the library itself (a constructor parameter, an attribute), not from the version
 string, so a build between or after those releases takes whichever path it actually offers; the
 version is only logged.

@@ -96,7 +96,7 @@ class _Run:
 
 
 JIT_CACHE_HINT = ("FlashInfer compiled {n} module(s) here; its prebuilt-kernel package flashinfer-jit-cache (not "
-                  "installed) may hold them prebuilt: see the README, 'First-use compiles'")
+                  "installed) may hold them prebuilt: see docs/BACKENDS.md, 'First-use compiles'")
 
 
 def warmup(config: WarmupConfig, device: torch.device, capabilities: Sequence[str]) -> list[WarmedKernel | str]:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError
+from mstar_core.errors import InputError, InputTypeError, Unsupported
 from mstar_core.step import check_window_and_scale, is_positive_finite
 
 # FP8 KV storage dtypes a plan's kv_data_type may name (besides the query dtype).
@@ -67,5 +67,5 @@ def check_plan_kwargs(kwargs: dict[str, Any], who: str) -> tuple[float | None, f
 def refuse_sinks(sinks: torch.Tensor | None, who: str, why: str) -> None:
     """A wrapper whose kernel takes no sink logits refuses them rather than compute without."""
     if sinks is not None:
-        raise NotImplementedError(f"{who}.run: sink logits are not supported by {why}; use a backend that declares "
+        raise Unsupported(f"{who}.run: sink logits are not supported by {why}; use a backend that declares "
                                   "sink_logits")

@@ -23,7 +23,7 @@ from typing import Any, ClassVar
 import torch
 
 from mstar_core.attention.checks import check_sinks, check_soft_cap
-from mstar_core.errors import InputError, InputTypeError, StateError
+from mstar_core.errors import InputError, InputTypeError, StateError, Unsupported
 from mstar_core.step import check_window_and_scale, is_int
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
@@ -198,7 +198,7 @@ class VarlenPrefixedWrapper:
         extra = self._extra
         if sinks is not None:
             if self.sinks_kwarg is None:
-                raise NotImplementedError(f"{who}.run: {self.library} varlen attention takes no sink logits; use a "
+                raise Unsupported(f"{who}.run: {self.library} varlen attention takes no sink logits; use a "
                                           "backend that declares sink_logits")
             check_sinks(sinks, self.num_qo_heads, self.device, f"{who}.run")
             extra = {**extra, self.sinks_kwarg: sinks.to(self.sinks_dtype).contiguous()}

@@ -23,7 +23,7 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load a causal LM from a local directory (config.json; safetensors weights when present, "
         "else random weights from --seed; nothing is downloaded), switch its attention to mstar and generate "
         "greedily with continuous batching. Prints the backend, steps by kind, tokens/s and the generated ids "
-        "(and text, with a tokenizer). Needs the transformers extra: pip install 'mstar-core[transformers]'.",
+        "(and text, with a tokenizer). Needs the transformers extra: pip install '.[transformers]' in a clone of mstar.",
     )
     p.add_argument("model", help="local model directory (config.json, optional *.safetensors and tokenizer)")
     p.add_argument("--prompt", action="append", required=True, metavar="P",
@@ -71,7 +71,7 @@ def run(args: argparse.Namespace) -> int:
     if args.max_new_tokens < 1:
         raise InputError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if importlib.util.find_spec("transformers") is None:
-        raise StateError("mstar generate needs transformers: pip install 'mstar-core[transformers]'")
+        raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
     import torch
 
     from mstar_core.integrations.transformers import generate_report

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from mstar_core.distributed import TensorParallel
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
+from mstar_core.errors import InputError, InputIndexError, InputTypeError, StateError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.fp8 import quantize
@@ -543,7 +543,8 @@ class KVManager(Resource):
         n = self.config.num_layers
         if not is_int(layer_idx) or not 0 <= layer_idx < n:
             # -1 too: it would silently address the last layer
-            raise IndexError(f"{self.name}: layer_idx {layer_idx!r} out of range: this cache holds layers 0..{n - 1}")
+            raise InputIndexError(f"{self.name}: layer_idx {layer_idx!r} out of range: this cache holds layers "
+                                  f"0..{n - 1}")
         return layer_idx
 
     def layer_view(self, layer_idx: int) -> torch.Tensor:

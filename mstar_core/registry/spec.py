@@ -104,7 +104,7 @@ class BackendSpec:
     # prepares every kernel a configuration uses. None: nothing to prepare.
     warmup: WarmupRef = None
     # Order among backends that no built-in auto list names (higher first, ties by name); see
-    # selection.auto_order and docs/PLUGINS.md.
+    # selection.auto_order and docs/ARCHITECTURE.md.
     priority: int = 0
     # The plugin contract version this backend was written for (registry.api). A spec that
     # leaves it out is held to 1.0, the first versioned contract.

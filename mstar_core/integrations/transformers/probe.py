@@ -190,6 +190,6 @@ def probe(model: Any) -> ModelAttention:
         problems.append(f"{first.qo_heads} query heads are not a multiple of {first.kv_heads} KV heads")
     if problems:
         raise UnsupportedModel(f"{name} cannot run with attn_implementation 'mstar': " + "; ".join(problems)
-                               + " (mstar serves decoder-only causal self-attention; the README's "
-                               "'Use with transformers' lists what is served)")
+                               + " (mstar serves decoder-only causal self-attention; docs/TRANSFORMERS.md "
+                               "lists what is served)")
     return ModelAttention(name, layers, param.dtype, param.device)

@@ -63,7 +63,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
+from mstar_core.errors import InputError, InputIndexError, InputTypeError, StateError, UnknownName
 from mstar_core.kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from mstar_core.kernels.bounded_attention import table as tb
 from mstar_core.kv.bounded.config import BoundedKVConfig, RowLayout
@@ -463,7 +463,7 @@ class BoundedKVManager(Resource):
                             f"got {type(layer_idx).__name__} {layer_idx!r}")
         i = int(layer_idx)
         if not 0 <= i < n:
-            raise IndexError(f"{self.name}.{where}: layer_idx {i} out of range: {n} layers (0..{n - 1})")
+            raise InputIndexError(f"{self.name}.{where}: layer_idx {i} out of range: {n} layers (0..{n - 1})")
         return i
 
     def _check_tensors(self, **tensors: torch.Tensor | None) -> None:
