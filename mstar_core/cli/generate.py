@@ -23,7 +23,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Load a causal LM from a local directory (config.json; safetensors weights when present, "
         "else random weights from --seed; nothing is downloaded), switch its attention to mstar and generate "
         "greedily with continuous batching. Prints the backend, steps by kind, tokens/s and the generated ids "
-        "(and text, with a tokenizer). Needs the transformers extra: pip install '.[transformers]' in a clone of mstar.",
+        "(and text, with a tokenizer). Needs the transformers extra: pip install '.[transformers]' in a clone "
+        "of mstar.",
     )
     p.add_argument("model", help="local model directory (config.json, optional *.safetensors and tokenizer)")
     p.add_argument("--prompt", action="append", required=True, metavar="P",
