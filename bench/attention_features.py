@@ -288,7 +288,10 @@ def bench_fp8(fi: Any, a: argparse.Namespace, sec: dict) -> None:
             raise RuntimeError(f"raw FP8 decode failed, nothing to pair with: {sec['raw_fp8_error']}")
         w = FlashInferDecodeWrapper(workspace(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["kv_indptr"], lay["kv_indices"], lay["last"], dtype=BF16, kv_lens=lay["kv_lens"], kv_data_type=FP8)
-        m_run = lambda: w.run(d.q, d.fp8, k_scale=K_SCALE, v_scale=V_SCALE)
+
+        def m_run():
+            return w.run(d.q, d.fp8, k_scale=K_SCALE, v_scale=V_SCALE)
+
         out = m_run()
         r = {"workload": f"FP8 decode {rows}x{kv_len}: mstar vs raw (tensor cores)", "rel_diff": rel(out, raw_fp8_out),
              "rel_err_vs_bf16_ref": rel(out, d.ref), **pair(raw_fp8, m_run, a)}
@@ -374,7 +377,10 @@ def paged_pair(fi: Any, cache: torch.Tensor, kind: str, rows: int, kv_len: int, 
         w = FlashInferPrefillWrapper(workspace(), HQ, HKV, D, PS, device=DEV)
         w.plan(lay["qo_indptr"], lay["kv_indptr"], lay["kv_indices"], lay["last"], causal=True, dtype=BF16,
                kv_lens=lay["kv_lens"], **feature)
-    m_run = lambda: w.run(q, layer)
+
+    def m_run():
+        return w.run(q, layer)
+
     raw_run = raw_wrapper(feature)
     raw_out = raw_run().clone()
     plain_out = raw_wrapper({})().clone()

@@ -71,7 +71,7 @@ def flatness(B: int, sink: int, window: int, spans=(1, 64), at=(1024, 65536)) ->
     rows = []
     for T in spans:
         res = {"B": B, "sink": sink, "window": window, "T": T, "at": list(at)}
-        for tag, pos in zip(("lo", "hi"), at):
+        for tag, pos in zip(("lo", "hi"), at, strict=False):
             res.update({f"{k}_{tag}": v for k, v in _attend_at(B, sink, window, T, pos).items()})
             torch.cuda.empty_cache()  # this position's manager went with _attend_at's frame
         res["ratio"] = res["attend_ms_hi"] / res["attend_ms_lo"]
@@ -158,7 +158,8 @@ def _decode_row(copy_tbps: float, B: int, cap: int, sink: int) -> dict:
     return row
 
 
-def memory(layers: int = 32, sink: int = 4, window: int = 4092, page: int = 16, streams=(1024, 4096, 65536)) -> list[dict]:
+def memory(layers: int = 32, sink: int = 4, window: int = 4092, page: int = 16,
+           streams=(1024, 4096, 65536)) -> list[dict]:
     """Bytes one request holds, by arithmetic on the two layouts (bf16)."""
     el = torch.tensor([], dtype=DT).element_size()
     bcfg = BoundedKVConfig(num_layers=layers, max_slots=1, rows=1, num_heads=HKV, head_dim=D, sink=sink, window=window)
@@ -180,12 +181,14 @@ def page(res: dict) -> list[str]:
     lines = ["# Bounded KV: decode over retained keys, flatness, memory", "", report.environment_line(res["env"]), "",
              f"{res['impl']} kernel; bf16, {HQ} query heads, {HKV} KV heads, head_dim {D}. Copy bandwidth "
              f"(read + write): {res.get('copy', {}).get('tb_per_s', float('nan')):.2f} TB/s.", "",
-             "## Step time vs stream length (one layer's attend = attention + ring write; target hi/lo <= 1.1)", "",
-             *report.table(("B", "sink+window", "T", "tokens into stream lo / hi", "retained lo / hi", "attend ms lo",
-                            "hi", "ratio", "plan host ms lo / hi"),
+             "## Step time vs stream length (one layer's attend = attention + ring write; target hi/lo <= 1.1)",
+             "",
+             *report.table(("B", "sink+window", "T", "tokens into stream lo / hi", "retained lo / hi",
+                            "attend ms lo", "hi", "ratio", "plan host ms lo / hi"),
                            ((r["B"], f"{r['sink']}+{r['window']}", r["T"], f"{r['at'][0]} / {r['at'][1]}",
-                             f"{r['retained_lo']} / {r['retained_hi']}", r["attend_ms_lo"], r["attend_ms_hi"], r["ratio"],
-                             f"{r['plan_host_ms_lo']:.3f} / {r['plan_host_ms_hi']:.3f}") for r in res.get("flatness", [])),
+                             f"{r['retained_lo']} / {r['retained_hi']}", r["attend_ms_lo"], r["attend_ms_hi"],
+                             r["ratio"], f"{r['plan_host_ms_lo']:.3f} / {r['plan_host_ms_hi']:.3f}")
+                            for r in res.get("flatness", [])),
                            spec=".4g"),
              "", "## Decode over retained keys vs copy bandwidth (target >= 70%) and vs SDPA (target <= 1.10x)", "",
              *report.table(("B", "keys/row", "MB read", "default (block_n, warps, stages)", "default ms", "% of copy",
@@ -198,10 +201,11 @@ def page(res: dict) -> list[str]:
                            spec=".4g")]
     sweep = [(r["B"], k, v) for r in res.get("decode", []) for k, v in r.items() if k.startswith("ms[")]
     if sweep:
-        lines += ["", "Sweep (ms, [block_n, warps, stages]): " + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
+        lines += ["", "Sweep (ms, [block_n, warps, stages]): "
+                  + "; ".join(f"B{b} {k[2:]} {v:.4f}" for b, k, v in sweep)]
     lines += ["", "## Memory per request (32 layers, sink 4 + window 4092, page size 16)", "",
-              *report.table(("stream tokens", "bounded MiB", "paged, all pages MiB", "paged, evicting behind window MiB",
-                             "bounded / all", "bounded / evicting"),
+              *report.table(("stream tokens", "bounded MiB", "paged, all pages MiB",
+                             "paged, evicting behind window MiB", "bounded / all", "bounded / evicting"),
                             ((r["stream_tokens"], r["bounded_bytes"] / 2**20, r["paged_keep_all_bytes"] / 2**20,
                               r["paged_evicting_bytes"] / 2**20, r["bounded_vs_keep_all"], r["bounded_vs_evicting"])
                              for r in res.get("memory", []))),

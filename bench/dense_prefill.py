@@ -80,7 +80,8 @@ def raw_fa3(d: Data) -> dict:
     a = d.a
 
     def call():
-        out = fa3.flash_attn_varlen_func(d.q, d.k_all, d.v_all, d.cu_q, d.cu_k, a.fresh, a.prefix + a.fresh, causal=False)
+        out = fa3.flash_attn_varlen_func(d.q, d.k_all, d.v_all, d.cu_q, d.cu_k, a.fresh, a.prefix + a.fresh,
+                                         causal=False)
         return out[0] if isinstance(out, (tuple, list)) else out
 
     out = call()

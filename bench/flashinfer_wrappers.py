@@ -175,7 +175,8 @@ def targets(results: list[dict]) -> dict:
 def page(doc: dict) -> list[str]:
     cols = ("ms", "raw_ms", "kernel_ratio", "plan_us", "raw_plan_us", "tb_per_s", "tflop_per_s", "fraction_of_copy",
             "packed_raw_plan_us", "packed_wrapper_plan_us", "packed_raw_ms")
-    return [f"# FlashInfer wrappers vs raw FlashInfer -- {doc['env']['device']}", "", report.environment_line(doc["env"]),
+    return [f"# FlashInfer wrappers vs raw FlashInfer -- {doc['env']['device']}", "",
+            report.environment_line(doc["env"]),
             "", f"bf16, {HQ} q heads / {HKV} kv heads, head_dim {D}, page {PS}. Medians. Device-to-device copy, "
             f"4 GiB: {doc['copy']['tb_per_s']:.2f} TB/s (read + write).", "",
             *report.table(("workload", *cols, "error"),

@@ -84,7 +84,7 @@ def prepare_vs_raw(batch: int, context: int, reps: int) -> dict:
         s.attn.plan(s.decode, ctx)
         t3 = time.perf_counter()
         s.node.rollback_admit(s.decode, ctx)
-        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2)):
+        for k, v in zip(parts, (t1 - t0, t2 - t1, t3 - t2), strict=False):
             parts[k].append(v * 1e6)
     res = {"batch": batch, "context": context, "pages": int(indices.numel()), "raw_plan_us": raw_us,
            "prepare_us": prep_us, "ratio": prep_us / raw_us,
@@ -111,8 +111,9 @@ def page(res: dict) -> list[str]:
             "## prepare() vs raw FlashInfer decode plan()", "",
             *report.table(("batch x context", "pages", "raw plan us", "mstar prepare us", "ratio",
                            "admit / kv plan / attn plan us"),
-                          ((f"{r['batch']} x {r['context']}", r["pages"], round(r["raw_plan_us"]), round(r["prepare_us"]),
-                            r["ratio"], " / ".join(f"{r['parts_us'][k]:.0f}" for k in ("admit", "kv_plan", "attn_plan")))
+                          ((f"{r['batch']} x {r['context']}", r["pages"], round(r["raw_plan_us"]),
+                            round(r["prepare_us"]), r["ratio"],
+                            " / ".join(f"{r['parts_us'][k]:.0f}" for k in ("admit", "kv_plan", "attn_plan")))
                            for r in res["prepare"])),
             "", "## 8-layer decode, hidden 2048", "",
             *report.table(("batch x context", "mode", "median step ms", "host ms/step", "GPU ms/step (back to back)",
@@ -132,7 +133,8 @@ def targets(res: dict) -> dict:
         t["prepare(256 x 8192) / prepare(256 x 2048)"] = report.target(flat, "<= 1.1", flat <= 1.1)
     for r in res["eight_layers"]:
         v = r["graphs+preplan"]["vs_gpu"]
-        t[f"8 layers, graphs+preplan, {r['batch']} x {r['context']}: step / GPU"] = report.target(v, "<= 1.05", v <= 1.05)
+        t[f"8 layers, graphs+preplan, {r['batch']} x {r['context']}: step / GPU"] = report.target(
+            v, "<= 1.05", v <= 1.05)
     return t
 
 

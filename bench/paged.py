@@ -25,7 +25,7 @@ def paged_layout(q_lens: Sequence[int], kv_lens: Sequence[int], seed: int = 0) -
         qo_indptr=torch.tensor([0, *accumulate(q_lens)], **i32),
         kv_indptr=torch.tensor([0, *accumulate(pages)], **i32),
         kv_indices=torch.randperm(total, generator=torch.Generator().manual_seed(seed)).to(torch.int32),
-        last=torch.tensor([n - (p - 1) * PS for n, p in zip(kv_lens, pages)], **i32),
+        last=torch.tensor([n - (p - 1) * PS for n, p in zip(kv_lens, pages, strict=False)], **i32),
         kv_lens=torch.tensor(list(kv_lens), **i32),
         pages=total,
     )

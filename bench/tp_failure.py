@@ -97,10 +97,12 @@ def write(folder: str, out: dict) -> None:
     out["env"] = report.environment()
     mode = "graphs" if out["graphs"] else "eager"
     report.write(folder, f"tp_failure-{mode}", out, [
-        f"# A rank failing mid-run ({mode}, rank 1 raises at its step {out['fail_at']}, timeout {out['timeout_s']:g} s)",
+        f"# A rank failing mid-run ({mode}, rank 1 raises at its step {out['fail_at']}, "
+        f"timeout {out['timeout_s']:g} s)",
         "", report.environment_line(out["env"]), "",
         *report.table(("rank", "exit", "seconds", "hung", "stderr tail"),
-                      ((r, x["exit"], x["seconds"], x["hung"], " / ".join(x["stderr_tail"])) for r, x in out["ranks"].items())),
+                      ((r, x["exit"], x["seconds"], x["hung"], " / ".join(x["stderr_tail"]))
+                       for r, x in out["ranks"].items())),
         "", *report.targets_table(out["targets"])], echo=False)
 
 

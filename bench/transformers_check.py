@@ -59,7 +59,8 @@ def teacher_forced(engine: Engine, prompts: list[list[int]], conts: list[list[in
     try:
         for r in rids:
             node.ingest_request(r)
-        step = Step(KVStep(tuple(KVSpan(r, LABEL, len(p)) for r, p in zip(rids, prompts))), engine.step_attn)
+        step = Step(KVStep(tuple(KVSpan(r, LABEL, len(p)) for r, p in zip(rids, prompts, strict=False))),
+                    engine.step_attn)
         tokens = torch.tensor([t for p in prompts for t in p], device=dev)
         with torch.no_grad():
             logits = runner.step(step, tokens)
@@ -88,12 +89,12 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
     vocab = model.config.vocab_size
     prompts = [torch.randint(0, vocab, (n,), generator=g).tolist() for n in LENGTHS]
     conts = [eager_greedy(model, p, new) for p in prompts]
-    want = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
+    want = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts, strict=False)]
     model.float()
-    want32 = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts)]
+    want32 = [eager_logits(model, p + c[:-1], len(p) - 1) for p, c in zip(prompts, conts, strict=False)]
     conts32 = [eager_greedy(model, p, new) for p in prompts]  # the yardstick: eager's own bf16 vs fp32
     model.to(torch.bfloat16)
-    bf16_cost = max(float((a - b).abs().max()) for a, b in zip(want, want32))
+    bf16_cost = max(float((a - b).abs().max()) for a, b in zip(want, want32, strict=False))
     scale = max(float(w.abs().max()) for w in want)
     used, why = backend, ""
     pages = sum(-(-(len(p) + new) // 16) for p in prompts) + 16
@@ -105,14 +106,15 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
     with engine:
         got = teacher_forced(engine, prompts, conts)
         picked, graphs = engine.backend, engine.runner.enabled
-    err = max(float((a - b).abs().max()) for a, b in zip(got, want))
+    err = max(float((a - b).abs().max()) for a, b in zip(got, want, strict=False))
     # Next-token agreement under teacher forcing: no divergence compounds.
-    tf_same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, want))
+    tf_same = sum(int((a.argmax(-1) == b.argmax(-1)).sum()) for a, b in zip(got, want, strict=False))
     rep = generate_report(model, prompts, new, used, arrivals=list(ARRIVALS[: len(prompts)]),
                           max_batch_size=len(prompts))
-    same = sum(a == b for x, y in zip(rep.ids, conts) for a, b in zip(x, y))
+    same = sum(a == b for x, y in zip(rep.ids, conts, strict=False) for a, b in zip(x, y, strict=False))
     total = sum(len(c) for c in conts)
-    first = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), len(y)) for x, y in zip(rep.ids, conts)]
+    first = [next((i for i, (a, b) in enumerate(zip(x, y, strict=False)) if a != b), len(y))
+             for x, y in zip(rep.ids, conts, strict=False)]
     cfg = model.config
     return {
         "arch": arch, "backend": picked, "requested_backend": backend, "fallback_reason": why, "graphs": graphs,
@@ -122,7 +124,8 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
         "tf_max_abs_err": err, "logit_scale": scale, "bf16_vs_fp32_eager_max_abs": bf16_cost,
         "greedy_same": same, "greedy_total": total, "greedy_share": same / total, "first_divergence": first,
         "tf_argmax_same": tf_same, "tf_argmax_share": tf_same / total,
-        "eager_bf16_vs_fp32_greedy_share": sum(a == b for x, y in zip(conts, conts32) for a, b in zip(x, y)) / total,
+        "eager_bf16_vs_fp32_greedy_share": sum(a == b for x, y in zip(conts, conts32, strict=False)
+                                               for a, b in zip(x, y, strict=False)) / total,
         "seconds": time.perf_counter() - t0,
     }
 
@@ -154,9 +157,10 @@ def main(argv: list[str] | None = None) -> int:
         for r in rows}}
     lines = ["# transformers models through mstar against transformers' eager attention (bf16)", "",
              report.environment_line(env), "",
-             *report.table(("arch", "backend", "graphs", "replayed steps", "head dim", "gqa", "teacher-forced max abs err",
-                            "logits up to", "bf16 vs fp32 eager max abs err", "greedy same", "eager bf16 vs fp32 greedy",
-                            "teacher-forced next token same", "first divergence", "note"),
+             *report.table(("arch", "backend", "graphs", "replayed steps", "head dim", "gqa",
+                            "teacher-forced max abs err", "logits up to", "bf16 vs fp32 eager max abs err",
+                            "greedy same", "eager bf16 vs fp32 greedy", "teacher-forced next token same",
+                            "first divergence", "note"),
                            ((r["arch"], *(r.get(k) for k in ("backend", "graphs", "replayed_steps", "head_dim", "gqa",
                                                              "tf_max_abs_err", "logit_scale",
                                                              "bf16_vs_fp32_eager_max_abs", "greedy_share",

@@ -73,7 +73,8 @@ def bench_mstar(model, prompts, new: int, backend: str, max_prefill_tokens: int)
         out = {
             "backend": rep.backend, "graphs": engine.runner.enabled, "preplan": engine.runner.supports_preplan,
             "build_s": build_s, "seconds": rep.seconds, "new_tokens": rep.new_tokens, "tok_per_s": rep.tokens_per_s,
-            "steps": rep.kinds, "replayed_steps": sum(1 for s in rep.steps if s.graph), "decode_steps_timed": len(steps),
+            "steps": rep.kinds, "replayed_steps": sum(1 for s in rep.steps if s.graph),
+            "decode_steps_timed": len(steps),
             "decode_step_ms": step_ms, "decode_tok_per_s": batch / (step_ms / 1e3),
             "decode_step_ms_p10_p90": [statistics.quantiles(steps, n=10)[0], statistics.quantiles(steps, n=10)[-1]]
             if len(steps) >= 10 else None,
@@ -109,7 +110,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=os.environ.get("OUT"), help="folder for the results (default $OUT; none: print)")
     a = p.parse_args(argv)
     if a.smoke:
-        a.device, a.backend, a.batch, a.prompt_len, a.new, a.layers, a.hidden, a.vocab = "cpu", "reference", 4, 16, 6, 2, 128, 512
+        a.device, a.backend, a.batch, a.prompt_len, a.new, a.layers, a.hidden, a.vocab = (
+            "cpu", "reference", 4, 16, 6, 2, 128, 512)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
     model = llama_1b(a.vocab, a.hidden, a.layers, dtype, a.device)
     g = torch.Generator().manual_seed(1)
@@ -156,7 +158,7 @@ def summary(res: dict, model, batch: int) -> list[str]:
     lines: list[str] = []
     t = res.setdefault("targets", {})
     if "ids" in m and "output_ids" in hf:
-        same = sum(x == y for a, b in zip(m["ids"], hf["output_ids"]) for x, y in zip(a, b))
+        same = sum(x == y for a, b in zip(m["ids"], hf["output_ids"], strict=False) for x, y in zip(a, b, strict=False))
         total = sum(len(b) for b in hf["output_ids"])
         res["greedy_same_share_vs_generate_sdpa"] = same / total
         lines.append(f"- greedy tokens equal to transformers' generate (sdpa, same weights and dtype): {same}/{total} "
@@ -165,8 +167,8 @@ def summary(res: dict, model, batch: int) -> list[str]:
         return lines
     lines.append(f"- mstar ({m['backend']}, graphs {m['graphs']}, pre-plan {m['preplan']}): decode step "
                  f"{m['decode_step_ms']:.3f} ms = {m['decode_tok_per_s']:.0f} tokens/s; TTFT median "
-                 f"{m['ttft_s_median'] * 1e3:.0f} ms, max {m['ttft_s_max'] * 1e3:.0f} ms; {m['tok_per_s']:.0f} tokens/s "
-                 "with prefill")
+                 f"{m['ttft_s_median'] * 1e3:.0f} ms, max {m['ttft_s_max'] * 1e3:.0f} ms; "
+                 f"{m['tok_per_s']:.0f} tokens/s with prefill")
     if "graph_gpu_ms" in m and "copy" in res:
         b = step_bytes(model, batch, m["median_context"])
         floor_ms = b["total"] / (res["copy"]["tb_per_s"] * 1e12) * 1e3

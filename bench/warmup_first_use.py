@@ -118,7 +118,8 @@ def main(argv: list[str] | None = None) -> int:
     warm["log"] = p.stderr.splitlines()[-60:]
     runs = []
     for _ in range(2):
-        child = [sys.executable, __file__, "--out", str(args.out), "--child", *[a for w in windows[1:] for a in ("--window", str(w))]]
+        child = [sys.executable, __file__, "--out", str(args.out), "--child",
+                 *[a for w in windows[1:] for a in ("--window", str(w))]]
         c = subprocess.run(child, capture_output=True, text=True, check=True)
         runs.append(json.loads(c.stdout.splitlines()[-1]))
     built = sum(r["modules_built"] for r in runs)
@@ -128,7 +129,8 @@ def main(argv: list[str] | None = None) -> int:
              f"bf16, 32/8 heads, head_dim 128, page 16, windows {windows}.", "",
              f"`mstar warmup`: {warm['seconds']:.1f} s in its kernels ({wall:.1f} s for the whole command).", "",
              *report.table(("variant", "seconds", "what happened"),
-                           ((f"{k['capability']} [{k['variant']}]", k["seconds"], k["detail"]) for k in warm["kernels"]),
+                           ((f"{k['capability']} [{k['variant']}]", k["seconds"], k["detail"])
+                            for k in warm["kernels"]),
                            spec=".2f")]
     for title, run in (("First plan + run in a new process after the warm-up", runs[0]),
                        ("The same in one more process", runs[1])):
