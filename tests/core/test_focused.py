@@ -7,16 +7,24 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core import AttentionStep, KVSpan, KVStep, Step, StepContext
+from mstar_core import (
+    AttentionStep,
+    CommitError,
+    KVConfig,
+    KVManager,
+    KVSpan,
+    KVStep,
+    Node,
+    PagedAttentionManager,
+    Shortage,
+    Step,
+    StepContext,
+)
 from mstar_core.backends import reference as R
-from mstar_core.attention.paged import PagedAttentionManager
-from mstar_core.kv import KVConfig, KVManager
 from mstar_core.kv.pool import PagePool
-from mstar_core.node import CommitError, Node
-from mstar_core.step import Shortage
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
-from .helpers import REF_WRAPPERS, Logged, small_kv, tiny_graph_node
+from ..helpers import REF_WRAPPERS, Logged, small_kv, tiny_graph_node
 
 
 def step(*spans):

@@ -8,8 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mstar_core import (
+    BackendSpec,
+    BackendUnavailable,
+    HeadDims,
+    Registry,
+    select_backend,
+)
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.registry import BackendSpec, BackendUnavailable, HeadDims, Registry, config_backend, select_backend
+from mstar_core.registry import config_backend
 from mstar_core.registry.discovery import ENV_STRICT, strict_from_env
 
 PAGED = ("paged_prefill", "paged_decode", "mixed")

@@ -11,17 +11,17 @@ import textwrap
 import pytest
 import torch
 
-from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.cli import main
-from mstar_core.registry import (
+from mstar_core import (
     BackendSpec,
     BackendUnavailable,
     PluginError,
     Registry,
-    api,
     hookimpl,
     select_backend,
 )
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.cli import main
+from mstar_core.registry import api
 
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
 CPU, F32 = "cpu", torch.float32
@@ -205,7 +205,7 @@ def test_a_hook_failure_names_its_distribution_entry_point_and_backend(raising_p
     assert "unknown devices ['gpu']" in f.error
     with pytest.raises(BackendUnavailable, match=r"'tpk' \(from argument\) is unknown: its plugin failed: plugin "
                                                  r"'tpkernel' \(tpkernel-mstar 0.3, meant to register 'tpk'\) failed at "
-                                                 r"register: ValueError"):
+                                                 r"register: InputError"):
         select_backend(("paged_decode",), requested="tpk", device=CPU, dtype=F32, registry=reg)
 
 

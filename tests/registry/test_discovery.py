@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from mstar_core.registry import BackendSpec, PluginError, Registry, hookimpl
+from mstar_core import BackendSpec, PluginError, Registry, hookimpl
 
 
 def spec(name: str) -> BackendSpec:

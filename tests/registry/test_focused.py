@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from mstar_core import BackendSpec, Registry, hookimpl, select_backend
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.registry import BackendSpec, Registry, hookimpl, select_backend
 from mstar_core.registry.discovery import entry_points, env_flag
 
 F32 = torch.float32

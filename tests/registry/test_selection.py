@@ -11,17 +11,18 @@ import pytest
 import torch
 
 import mstar_fa3.probe
-from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
-from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.features import AttentionFeatures
-from mstar_core.registry import (
+from mstar_core import (
+    AttentionFeatures,
     BackendSpec,
     BackendUnavailable,
     Registry,
-    auto_order,
+    dense_or_flashinfer,
+    dense_selection,
     select_backend,
 )
-from mstar_core.registry.dense import dense_or_flashinfer, dense_selection
+from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.registry import auto_order
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
 from mstar_rocm.plugin import AITER

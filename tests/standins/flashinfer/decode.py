@@ -6,9 +6,19 @@ from typing import Any, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (apply_v_scale, build_module, canonicalize_torch_dtype, check_cached_qkv_data_type,
-                      check_kv_layout, check_shape_dtype_device, paged_attention, refuse_sinks, run_sm_scale,
-                      unpack_paged_kv_cache, unsupported)
+from ._common import (
+    apply_v_scale,
+    build_module,
+    canonicalize_torch_dtype,
+    check_cached_qkv_data_type,
+    check_kv_layout,
+    check_shape_dtype_device,
+    paged_attention,
+    refuse_sinks,
+    run_sm_scale,
+    unpack_paged_kv_cache,
+    unsupported,
+)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:

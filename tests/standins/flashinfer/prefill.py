@@ -7,9 +7,23 @@ from typing import Any, Dict, List, Optional, Tuple, Union
 
 import torch
 
-from ._common import (PROFILE, apply_v_scale, build_module, canonicalize_torch_dtype, check_q_rows, new_out,
-                      check_cached_qkv_data_type, check_kv_layout, check_shape_dtype_device, paged_attention,
-                      ragged_attention, refuse_sinks, run_sm_scale, unpack_paged_kv_cache, unsupported)
+from ._common import (
+    PROFILE,
+    apply_v_scale,
+    build_module,
+    canonicalize_torch_dtype,
+    check_cached_qkv_data_type,
+    check_kv_layout,
+    check_q_rows,
+    check_shape_dtype_device,
+    new_out,
+    paged_attention,
+    ragged_attention,
+    refuse_sinks,
+    run_sm_scale,
+    unpack_paged_kv_cache,
+    unsupported,
+)
 from .page import get_seq_lens
 
 
