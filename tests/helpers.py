@@ -79,6 +79,18 @@ def bstep(*spans) -> Step:
     return Step(KVStep(()), extra=(("bounded", BoundedStep(positions)),))
 
 
+def bounded_step_through(mgr: BoundedKVManager, rid: str, n: int, commit: bool = True) -> None:
+    """A bounded step of ``n`` tokens of ``rid`` that wrote its keys into the ring (layer 0), then
+    committed -- or was rolled back (a later layer failed), leaving its writes abandoned."""
+    s = bstep((rid, n))
+    ctx = StepContext()
+    assert mgr.admit(s, ctx)
+    cfg = mgr.config
+    q = torch.randn(cfg.rows, cfg.num_heads, n, cfg.head_dim, dtype=torch.float64)
+    mgr.attend(0, q, q, q, plan=mgr.plan(s, ctx))
+    (mgr.commit if commit else mgr.rollback_admit)(s, ctx)
+
+
 # -- small managers ------------------------------------------------------------------------------
 
 

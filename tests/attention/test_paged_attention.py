@@ -3,10 +3,19 @@
 import pytest
 import torch
 
-from mstar_core import AttentionStep, KVSpan, KVStep, Node, PagedAttentionManager, Step
+from mstar_core import (
+    AttentionStep,
+    KVSpan,
+    KVStep,
+    Node,
+    PagedAttentionManager,
+    Step,
+    StepContext,
+)
+from mstar_core.backends import reference as R
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
-from ..helpers import REF_WRAPPERS, small_kv
+from ..helpers import REF_WRAPPERS, small_kv, step
 
 
 def make(dtype=torch.float64, **kw):
@@ -137,3 +146,113 @@ def test_build_from_spec_selects_through_the_registry():
     assert attn.can_capture()  # on a CPU the graph runner re-runs closures, which any backend supports
     with pytest.raises(ValueError, match="'nope'"):
         PagedAttentionManager.build({"backend": "nope"}, info)
+
+
+def paged_node(wrappers=REF_WRAPPERS, **kw):
+    kv = small_kv(max_pages=32, page_size=4)
+    attn = PagedAttentionManager(kv, "cpu", torch.float64, kv.config, wrappers, **kw)
+    return kv, attn, Node([kv, attn])
+
+
+def commit_prefill(node, *spans):
+    """Commit ``(rid, tokens)`` prompts of label "t" (the K/V content does not matter here)."""
+    st = step(*((r, "t", n) for r, n in spans))
+    assert node.step(st, lambda ctx: None).outcome
+
+
+@pytest.mark.parametrize("prompts,kind", [((3,), "mixed"), ((3, 2), "mixed"), ((3, 2, 5), "paged_prefill")])
+def test_mixed_step_uses_the_mixed_wrapper_up_to_max_prefill_rows(prompts, kind):
+    """A step mixing one-token rows with prompt rows runs on the mixed wrapper while its prompt
+    rows number at most ``max_prefill_rows`` (the boundary included); only more prompt rows than
+    that fall back to one packed prefill plan."""
+    kv, attn, node = paged_node(max_prefill_rows=2)
+    rids = [f"p{i}" for i in range(len(prompts))]
+    for r in ["d", *rids]:
+        node.ingest_request(r)
+    commit_prefill(node, ("d", 3))
+    st = step(("d", "t", 1), *((r, "t", n) for r, n in zip(rids, prompts)))
+    ctx = StepContext()
+    assert node.admit(st, ctx)
+    node.plan(st, ctx)
+    (entry,) = ctx.plan_results["attn"].entries
+    assert entry.kind == kind
+    assert entry.num_tokens == 1 + sum(prompts)
+    node.rollback_admit(st, ctx)
+
+
+def test_decode_step_applies_the_steps_window():
+    """A decode-only step plans its wrapper with the step's ``window_left``: each one-token row
+    sees only its last ``window_left + 1`` keys (checked against the oracle, and against the
+    unwindowed result, which differs)."""
+    kv, attn, node = paged_node()
+    g = torch.Generator().manual_seed(3)
+    hq, hkv, d = kv.config.qo_heads, kv.config.num_kv_heads, kv.config.head_dim
+    lens = {"a": 9, "b": 6}
+    keys = {r: (torch.randn(n, hkv, d, generator=g, dtype=torch.float64),
+                torch.randn(n, hkv, d, generator=g, dtype=torch.float64)) for r, n in lens.items()}
+    for r in lens:
+        node.ingest_request(r)
+    pre = step(*((r, "t", n) for r, n in lens.items()))
+
+    def write_prefix(ctx):
+        kv.write_kv(torch.cat([keys[r][0] for r in lens]), torch.cat([keys[r][1] for r in lens]), 0, "t")
+
+    assert node.step(pre, write_prefix).outcome
+    q = torch.randn(2, hq, d, generator=g, dtype=torch.float64)
+    k1 = torch.randn(2, hkv, d, generator=g, dtype=torch.float64)
+    v1 = torch.randn(2, hkv, d, generator=g, dtype=torch.float64)
+    outs = {}
+    for window in (2, -1):
+        st = Step(KVStep((KVSpan("a", "t", 1, False), KVSpan("b", "t", 1, False))), AttentionStep(True, window))
+
+        def forward(ctx):
+            assert ctx.plan_results["attn"].entries[0].kind == "paged_decode"
+            kv.write_kv(k1, v1, 0, "t")
+            return attn.run(q, "t", layer_idx=0)
+
+        outs[window] = node.step(st, forward).output
+        for i, r in enumerate(lens):
+            ref = attention_oracle(q[i:i + 1], torch.cat([keys[r][0], k1[i:i + 1]]),
+                                   torch.cat([keys[r][1], v1[i:i + 1]]), True, window)
+            assert rel_error(outs[window][i:i + 1], ref) < 1e-12, (window, r)
+    assert rel_error(outs[2], outs[-1]) > 1e-3  # the window really cut keys off
+
+
+class _FlakyPrefill(R.ReferencePrefillWrapper):
+    fail = False
+
+    def plan(self, *args, **kwargs):
+        if type(self).fail:
+            raise RuntimeError("planted plan failure")
+        return super().plan(*args, **kwargs)
+
+
+def test_a_failed_replan_leaves_the_wrappers_older_plan_unusable():
+    """When a later step's plan of a wrapper fails, the step that wrapper was planned for before
+    may not run on it any more (the wrapper may hold half of the new plan): its ``run`` is
+    refused, not silently computed from a mixed state."""
+    kv, attn, node = paged_node({**REF_WRAPPERS, "paged_prefill": _FlakyPrefill}, slots=2)
+    for r in "abc":
+        node.ingest_request(r)
+    ctxs = []
+    for r in "ab":  # slot 0, then slot 1
+        st, ctx = step((r, "t", 3)), StepContext()
+        assert node.admit(st, ctx)
+        node.plan(st, ctx)
+        ctxs.append((st, ctx))
+    _FlakyPrefill.fail = True
+    try:
+        st3, ctx3 = step(("c", "t", 3)), StepContext()
+        assert node.admit(st3, ctx3)
+        with pytest.raises(RuntimeError, match="planted plan failure"):
+            node.plan(st3, ctx3)  # slot 0 again: the wrapper step a planned
+    finally:
+        _FlakyPrefill.fail = False
+    q = torch.zeros(3, kv.config.qo_heads, kv.config.head_dim, dtype=torch.float64)
+    st_a, ctx_a = ctxs[0]
+    with node.bound(ctx_a), pytest.raises(RuntimeError, match="re-planned by a later step"):
+        attn.run(q, "t", layer_idx=0)
+    with node.bound(ctxs[1][1]):
+        assert attn.run(q, "t", layer_idx=0).shape == q.shape  # slot 1 was not touched
+    for st, ctx in ctxs:
+        node.rollback_admit(st, ctx)

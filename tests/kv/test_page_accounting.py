@@ -1,10 +1,12 @@
 """Property: after any sequence of lifecycle calls, free + used pages equal the total and no
 page belongs to two streams."""
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
+from mstar_core.kv.pool import PagePool
 
 from ..helpers import small_kv
 
@@ -61,3 +63,26 @@ def test_page_accounting(ops):
                 kv.commit(step, ctx)
         check(kv)
     kv.post_warmup_validate()
+
+
+def test_pool_hands_returned_pages_out_again_in_the_order_they_were_returned():
+    """The pool is a stack: the pages just given back are the next handed out, in the order they
+    were given back, so the same calls always give the same pages."""
+    pool = PagePool(8)
+    assert pool.take(5) == [0, 1, 2, 3, 4]
+    pool.give_back([3, 1, 4])
+    assert pool.take(2) == [3, 1]
+    assert pool.take(2) == [4, 5]
+    assert pool.num_free == 2 and pool.used == frozenset({0, 1, 2, 3, 4, 5})
+
+
+def test_pool_refuses_a_page_given_back_twice_in_one_call():
+    """Returning the same page twice in one ``give_back`` is a double free: refused, and the pool
+    is left as it was (the page is not listed free twice)."""
+    pool = PagePool(4)
+    pages = pool.take(3)
+    with pytest.raises(RuntimeError, match=r"pages \[1\] returned but not in use \(double free\)"):
+        pool.give_back([1, 2, 1])
+    assert pool.num_free == 1 and pool.used == frozenset(pages)
+    pool.give_back(pages)
+    assert pool.num_free == 4 and sorted(pool.take(4)) == [0, 1, 2, 3]

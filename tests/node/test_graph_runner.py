@@ -3,9 +3,9 @@
 
 import torch
 
-from mstar_core import KVSpan, KVStep, Step
+from mstar_core import AttentionStep, KVSpan, KVStep, Step
 
-from ..helpers import tiny_graph_node
+from ..helpers import step, tiny_graph_node
 
 
 def build(graphs=True):
@@ -119,11 +119,61 @@ def test_a_refused_graph_step_does_not_take_a_slot():
 def test_a_decode_step_with_other_mask_parameters_runs_eagerly():
     """A replay reuses the kernel arguments recorded at capture: a step asking for another
     window must not be replayed with the captured one."""
-    from mstar_core import AttentionStep
-
     _, _, runner, decode = warm_with_two_prompts()
     windowed = Step(decode.kv, AttentionStep(window_left=1))
     prep = runner.prepare(windowed)
     assert prep.graph is None and prep.ctx.bucket is None
     runner.launch(prep, torch.tensor([7, 8]))
     assert runner.prepare(Step(windowed.kv)).graph is not None  # the captured parameters replay
+
+
+def graph_build(graphs=True, buckets=(2, 4)):
+    *_, node, runner = tiny_graph_node(graphs, buckets=buckets, layers=1, hidden=32, head_dim=8, seed=5)
+    runner.warmup()
+    return node, runner
+
+
+def prompt(node, runner, prompts):
+    for r in prompts:
+        node.ingest_request(r)
+    st = Step(KVStep(tuple(KVSpan(r, "text", len(p)) for r, p in prompts.items())))
+    runner.launch(runner.prepare(st), torch.tensor([t for p in prompts.values() for t in p]))
+
+
+def test_a_decode_step_fills_the_bucket_equal_to_its_rows():
+    """A decode step replays in the smallest captured bucket that holds its rows — the bucket
+    equal to its row count included — and a step larger than every bucket runs eagerly."""
+    node, runner = graph_build(buckets=(2, 4))
+    assert [runner.bucket_for(n) for n in (1, 2, 3, 4, 5)] == [2, 2, 4, 4, None]
+    prompt(node, runner, {"a": [1, 2], "b": [3, 4]})
+    prep = runner.prepare(Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1)))))
+    assert prep.graph is not None and prep.ctx.bucket == 2
+    runner.discard(prep)
+
+
+def test_a_decode_step_of_another_label_runs_eagerly():
+    """Graphs are captured for one label: a decode step of another label is not replayed
+    (it gets no bucket and no graph)."""
+    node, runner = graph_build()
+    node.ingest_request("a")
+    assert node.step(step(("a", "audio", 3)), lambda ctx: None).outcome
+    prep = runner.prepare(step(("a", "audio", 1)))
+    assert prep.outcome and prep.graph is None and prep.ctx.bucket is None
+    runner.discard(prep)
+
+
+def test_a_decode_step_with_another_sm_scale_is_not_replayed():
+    """A replay reuses the kernel arguments recorded at capture, so a decode step whose
+    ``sm_scale`` (or causal flag) differs from the captured ones is prepared eagerly — no bucket,
+    no graph, its own wrappers — while the same rows with the captured parameters replay."""
+    node, runner = graph_build(buckets=(2,))
+    prompt(node, runner, {"a": [1, 2, 3], "b": [4, 5]})
+    kv_step = KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1)))
+    for other in (AttentionStep(sm_scale=2.0), AttentionStep(causal=False)):
+        prep = runner.prepare(Step(kv_step, other))
+        assert prep.outcome and prep.graph is None and prep.ctx.bucket is None, other
+        out = runner.launch(prep, torch.tensor([6, 7]))
+        assert out.shape[0] == 2 and torch.isfinite(out).all()
+    prep = runner.prepare(Step(kv_step))
+    assert prep.graph is not None and prep.ctx.bucket == 2
+    runner.discard(prep)

@@ -30,6 +30,7 @@ from mstar_rocm.plugin import AITER
 PAGED = ("paged_prefill", "paged_decode", "mixed")
 ALL_LIBS = {"flashinfer": "0.5.3", "flash_attn_interface": "3.0.0", "aiter": "0.1.7"}
 BF16 = torch.bfloat16
+F32 = torch.float32
 
 
 def on_reference(spec: BackendSpec) -> BackendSpec:
@@ -427,3 +428,39 @@ def test_plain_attention_is_asked_of_nobody(reg):
     assert AttentionFeatures(layer_windows=(64, 64)).requested() == ()
     sel = pick(reg, ("bounded",), device="cpu", dtype=torch.float32, features=AttentionFeatures(layer_windows=(4, -1)))
     assert sel.name == "reference"  # windows per layer do not reach the bounded kernels
+
+
+def cpu_spec(name: str, priority: int = 0) -> BackendSpec:
+    """A backend that can serve ``bounded`` on the CPU in float32 (through the reference's wrapper)."""
+    return BackendSpec(name=name, provides={"bounded": REFERENCE.provides["bounded"]}, devices=("cpu",),
+                       dtypes=(F32,), priority=priority)
+
+
+def test_auto_picks_the_third_party_backend_of_highest_priority():
+    """Among third-party plugins that can all serve the request, auto takes the one with the
+    highest declared priority — whatever the registration or alphabetical order — and records
+    none of the lower ones as rejected (they were never tried)."""
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg.register(cpu_spec("alpha", priority=1))
+    reg.register(cpu_spec("omega", priority=9))
+    reg.register(cpu_spec("mid", priority=4))
+    sel = select_backend(("bounded",), requested="auto", device="cpu", dtype=F32, head_dim=64, registry=reg)
+    assert sel.name == "omega" and sel.rejected == {}
+    reg2 = Registry(discover=False)
+    reg2.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg2.register(cpu_spec("low", priority=-3))
+    reg2.register(cpu_spec("high", priority=2))
+    sel = select_backend(("bounded",), requested="auto", device="cpu", dtype=F32, head_dim=64, registry=reg2)
+    assert sel.name == "high"
+
+
+def test_a_requested_name_with_blanks_around_it_selects_that_backend():
+    """A backend name given with blanks around it (``" reference "``, as a config line or an
+    argument may hold it) names that backend."""
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg.register(cpu_spec("toy"))
+    for requested, want in ((" reference ", "reference"), ("toy\n", "toy")):
+        sel = select_backend(("bounded",), requested=requested, device="cpu", dtype=F32, head_dim=64, registry=reg)
+        assert sel.name == want and sel.requested == want and sel.source == "argument"

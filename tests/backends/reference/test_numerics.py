@@ -14,20 +14,12 @@ from mstar_core.backends.reference import math as RM
 from mstar_core.testing import conformance as C
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only contend
+
 PS, HKV, GQA, D = 4, 2, 2, 16
 HQ = HKV * GQA
 FILLS = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="inf"),
          pytest.param(float("-inf"), id="-inf")]
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """The tensors here are tiny: on a shared 2-core machine intra-op threads only contend
-    (a 6 ms softmax of a few hundred elements). One thread, restored afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # -- a paged batch whose page table we control -----------------------------------------------------

@@ -23,9 +23,10 @@ from mstar_core import (
     StreamPosition,
 )
 
-from ...helpers import bstep
+from ...helpers import bounded_step_through, bstep
 
 CFG = BoundedKVConfig(num_layers=2, max_slots=3, rows=1, num_heads=2, head_dim=8, sink=1, window=3)
+ONE_LAYER = BoundedKVConfig(num_layers=1, max_slots=4, rows=1, num_heads=2, head_dim=8, sink=1, window=3)
 
 
 def new_mgr(*rids: str, max_slots: int = CFG.max_slots) -> BoundedKVManager:
@@ -583,3 +584,28 @@ def test_bounded_step_and_config_fields_are_checked():
         BoundedKVConfig(1, 1, 1, 1, 8, sink=0, window=4.0)
     with pytest.raises(TypeError, match="BoundedKVConfig.query_window must be an int, got str '2'"):
         BoundedKVConfig(1, 1, 1, 1, 8, sink=0, window=4, query_window="2")
+
+
+def test_reset_clears_the_ring_mark_of_that_request_only():
+    """``reset_request(rid)`` (without ``free``) clears the uncommitted-write mark of ``rid``'s
+    slot, so the request plans again from position 0 at once; another request whose ring was
+    overwritten by an abandoned step keeps its mark and is still refused."""
+    mgr = BoundedKVManager(ONE_LAYER, "cpu", kv_dtype=torch.float64)
+    for r in "ab":
+        mgr.ingest_request(r)
+        bounded_step_through(mgr, r, 2)
+        bounded_step_through(mgr, r, 2, commit=False)
+    slot_a = mgr.slot_of("a")
+    mgr.reset_request("a")
+    assert mgr.slot_of("a") == slot_a and mgr.length("a") == 0
+    mgr.post_warmup_validate()
+    ctx = StepContext()
+    s = bstep(("a", 3))
+    assert mgr.admit(s, ctx)
+    plan = mgr.plan(s, ctx)  # no "wrote its keys into the ring" refusal after the reset
+    assert plan.rows[0][0] == slot_a
+    mgr.rollback_admit(s, ctx)
+    ctx = StepContext()
+    assert mgr.admit(bstep(("b", 1)), ctx)
+    with pytest.raises(RuntimeError, match=r"request 'b': a step from position 2 wrote its keys"):
+        mgr.plan(bstep(("b", 1)), ctx)

@@ -16,9 +16,10 @@ from mstar_core import (
     StreamPosition,
 )
 
-from ...helpers import Scenario, StreamOracle, bstep
+from ...helpers import Scenario, StreamOracle, bounded_step_through, bstep
 
 CFG = BoundedKVConfig(num_layers=2, max_slots=2, rows=1, num_heads=2, head_dim=8, sink=2, window=4)
+ONE_LAYER = BoundedKVConfig(num_layers=1, max_slots=4, rows=1, num_heads=2, head_dim=8, sink=1, window=3)
 
 
 def run(mgr: BoundedKVManager, step: Step, gen: torch.Generator) -> torch.Tensor:
@@ -182,3 +183,40 @@ def test_plan_errors_name_what_is_wrong():
     with pytest.raises(ValueError, match="shorter than the step's longest span"):
         mgr.plan(bstep(("a", 3)), ctx)
         mgr.attend(0, q, q, q)
+
+
+def test_a_declared_start_behind_the_committed_length_is_refused():
+    """A step that declares ``start`` must start exactly where its stream is: a start before the
+    committed length (positions already in the ring) is refused like one past it."""
+    mgr = BoundedKVManager(ONE_LAYER, "cpu", kv_dtype=torch.float64)
+    mgr.ingest_request("a")
+    bounded_step_through(mgr, "a", 3)
+    for start in (0, 2):
+        s = bstep(("a", 1, start))
+        ctx = StepContext()
+        assert mgr.admit(s, ctx)
+        with pytest.raises(ValueError, match=rf"'a' declares start {start}, but its stream holds 3"):
+            mgr.plan(s, ctx)
+        mgr.rollback_admit(s, ctx)
+    s = bstep(("a", 1, 3))  # exactly where the stream is: fine
+    ctx = StepContext()
+    assert mgr.admit(s, ctx)
+    assert mgr.plan(s, ctx).rows[0][1].start == 3
+
+
+def test_a_new_request_takes_the_lowest_free_slot():
+    """Slots are handed out lowest first, also after requests were freed in any order: the
+    same sequence of calls always gives the same slots."""
+    mgr = BoundedKVManager(ONE_LAYER, "cpu", kv_dtype=torch.float64)
+    for r in "abcd":
+        mgr.ingest_request(r)
+        bounded_step_through(mgr, r, 1)
+    assert [mgr.slot_of(r) for r in "abcd"] == [0, 1, 2, 3]
+    mgr.remove_request("b")  # frees 1
+    mgr.reset_request("a", free=True)  # frees 0
+    mgr.remove_request("d")  # frees 3
+    for r, want in (("e", 0), ("f", 1), ("g", 3)):
+        mgr.ingest_request(r)
+        bounded_step_through(mgr, r, 1)
+        assert mgr.slot_of(r) == want, f"{r} took slot {mgr.slot_of(r)}, the lowest free was {want}"
+    mgr.post_warmup_validate()

@@ -9,10 +9,16 @@ from mstar_flashinfer.mixed import FlashInferMixedWrapper
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
 from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
+from ...helpers import case as paged_case
+from ...helpers import err, oracle
+
 FI = C.WrapperSet("flashinfer-standin", FlashInferPrefillWrapper, FlashInferDecodeWrapper, FlashInferMixedWrapper,
                   FlashInferPrefixedPrefillWrapper, device="cpu", dtype=torch.float32)
 
 pytestmark = pytest.mark.usefixtures("standin_flashinfer")
+WS = torch.empty(1024, dtype=torch.uint8)
+F32 = torch.float32
+CPU = torch.device("cpu")
 
 
 @pytest.mark.parametrize("case", C.prefill_cases(), ids=str)
@@ -85,3 +91,23 @@ def test_edge_rows_and_replanning(check):
     assert result.refused == ("-p-" in check.name or "_-" in check.name), result.message
     if result.refused:
         assert "at least as many keys as queries" in result.message
+
+
+@pytest.mark.parametrize("make", ["prefill", "decode"])
+def test_kv_data_type_reaches_flashinfers_plan(make):
+    """``plan(..., kv_data_type=...)`` is forwarded to FlashInfer: a float16 cache under float32
+    queries runs (FlashInfer checks the cache's dtype against what was planned) and matches the
+    oracle within float16's precision."""
+    c = paged_case((1, 1, 1), (5, 8, 2)) if make == "decode" else paged_case((3, 2), (4, 0))
+    d = C.make_paged(c, "cpu", F32)
+    if make == "decode":
+        w = FlashInferDecodeWrapper(WS, 4, 2, 16, 4, device=CPU)
+        w.plan(d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32, kv_data_type=torch.float16)
+    else:
+        w = FlashInferPrefillWrapper(WS, 4, 2, 16, 4, device=CPU)
+        w.plan(d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, dtype=F32, kv_data_type=torch.float16)
+    half = d.layer.to(torch.float16)
+    out = w.run(d.q, half)
+    keys = [(k.half().double(), v.half().double()) for k, v in d.keys]  # what the float16 cache holds
+    ref = oracle(c, C.PagedData(d.q, half, d.qo_indptr, d.kv_indptr, d.kv_indices, d.last_page_len, d.kv_lens, keys))
+    assert out.dtype == F32 and err(out, ref) < 2e-5
