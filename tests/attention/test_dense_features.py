@@ -1,4 +1,4 @@
-"""Attention features on the dense path (issue 13): an FP8 KV cache (the gathered prefix is
+"""Attention features on the dense path: an FP8 KV cache (the gathered prefix is
 dequantised once per stream and layer), soft-cap, sink logits and per-layer windows, through
 DenseAttentionManager against the float64 oracle."""
 

@@ -4,7 +4,7 @@ suite's ragged cases, the DenseAttentionManager end to end with the KVManager â€
 stand-ins against the real kernels on the same inputs. Errors go to
 ``$OUT/dense_gpu_conformance.json`` when ``OUT`` is set.
 
-    source .gpu/env.sh fa3 ... ; source .gpu/env.sh flashinfer && python3 -m pytest -m gpu tests/dense/test_gpu_dense.py
+    source .gpu/env.sh fa3 ... ; source .gpu/env.sh flashinfer && python3 -m pytest -m gpu tests/attention/test_gpu_dense.py
 """
 
 from __future__ import annotations
@@ -119,7 +119,7 @@ def test_fa3_standin_matches_the_real_kernel(monkeypatch):
         assert err < 1e-2, (kw, err)
 
 
-# -- attention features (issue 13) --------------------------------------------------------------
+# -- attention features --------------------------------------------------------------------------
 
 def _fa3_feature_cases():
     from mstar_fa3.plugin import FA3

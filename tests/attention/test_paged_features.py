@@ -1,4 +1,4 @@
-"""Attention features through the paged managers (issue 13): FP8 KV with per-layer scales,
+"""Attention features through the paged managers: FP8 KV with per-layer scales,
 soft-cap, sink logits and per-layer windows, step by step against the float64 oracle; and every
 bad input refused with the cache untouched."""
 

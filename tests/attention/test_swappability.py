@@ -1,4 +1,4 @@
-"""Seed 000's point: one step declaration, two backends. The same steps (commit=True prefixes,
+"""One step declaration, two backends. The same steps (commit=True prefixes,
 commit=False denoise steps, causal chunks, decode-like one-token rows) run under the paged
 manager and the dense manager give the same outputs; so does the tiny decoder, whose layer is
 written once for every backend."""

@@ -1,6 +1,6 @@
 """The FA3 / AITER prefixed ragged wrappers (their shared base, ``VarlenPrefixedWrapper``) refuse
 bad ``cu`` arrays, bounds, mask parameters and devices with errors naming the bad value, before
-anything changes: a refused plan keeps the previous one (issue 10)."""
+anything changes: a refused plan keeps the previous one."""
 
 from __future__ import annotations
 

@@ -184,7 +184,7 @@ def test_fa3_declares_no_soft_cap_and_its_build_refuses_one(fa3_standin):
         C.check_ragged(fa3_set(torch.bfloat16), case)
 
 
-# -- what `mstar check` adds (issue 15), over the stand-ins: rows poisoned or seeing no key, re-planning
+# -- what `mstar check` adds, over the stand-ins: rows poisoned or seeing no key, re-planning
 
 from mstar_core.testing import check as K
 

@@ -76,7 +76,7 @@ def test_bad_dtype_is_a_clear_error(registry):
         cli.run(_args("--dtype", "float9"))
 
 
-# -- attention features (issue 13) ---------------------------------------------------------------
+# -- attention features ---------------------------------------------------------------------------
 
 SINK = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator)"
 FP8 = "does not support feature fp8_e4m3 (FP8 (e4m3) KV cache with per-layer K/V scales)"

@@ -1,5 +1,5 @@
 """Bad command-line values refused with one clear line and exit status 2, naming the value and
-what is allowed (issue 10), before any model is built."""
+what is allowed, before any model is built."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Strict configuration (issue 15): unknown tables and keys are errors naming them and the
+"""Strict configuration: unknown tables and keys are errors naming them and the
 closest known one; `--config FILE` on demo, bench and generate; a kernel's exception names its
 backend and wrapper, and `mstar -v` prints its traceback; `mstar new-backend` writes all or
 nothing."""

@@ -1,4 +1,4 @@
-"""Issue 12: the host work of planning a decode step grows with its rows, not with the context
+"""The host work of planning a decode step grows with its rows, not with the context
 they hold (persistent page tables, indices gathered on the device). A ratio of two medians
 measured interleaved in one process, not a time: the machine's speed cancels out."""
 
@@ -55,7 +55,7 @@ def test_prepare_cost_grows_with_rows_not_context(graphs):
     finally:
         torch.set_num_threads(threads)
     ratio = statistics.median(times[1]) / statistics.median(times[0])
-    # 16x the context: before persistent page tables this was 6.2x (issue 12)
+    # 16x the context: without persistent page tables this was 6.2x
     assert ratio <= 1.3, f"prepare at {ROWS} x 8192 costs {ratio:.2f}x prepare at {ROWS} x 512"
 
 

@@ -1,4 +1,4 @@
-"""The persistent page table (issue 12): what a plan gathers on the device equals what the host
+"""The persistent page table: what a plan gathers on the device equals what the host
 page lists say, across table growth, row reuse, fork, reset, rollback and uncommitted tokens."""
 
 import random

@@ -1,4 +1,4 @@
-"""Uniform multi-token decode rows (speculative verification, issue 13): every row 2..8 query
+"""Uniform multi-token decode rows (speculative verification): every row 2..8 query
 tokens, captured and replayed like one-token decode, pre-planned, against the no-cache forward."""
 
 import pytest

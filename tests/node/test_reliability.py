@@ -1,4 +1,4 @@
-"""Issue 10's rules for the paged KV manager, the attention managers and the runners: what a
+"""The lifecycle rules of the paged KV manager, the attention managers and the runners: what a
 step took is recorded in its context and released exactly once; plans are per step, not per
 manager; a failure anywhere leaves the managers as they were."""
 

@@ -1,4 +1,4 @@
-"""Bad inputs to the registry refused at the boundary (issue 10): a type or value that fits, a
+"""Bad inputs to the registry refused at the boundary: a type or value that fits, a
 message that names the bad value and what is allowed, and nothing changed."""
 
 from __future__ import annotations

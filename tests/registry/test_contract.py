@@ -1,4 +1,4 @@
-"""The plugin contract's registry side (issue 15): API versions, a name two distributions
+"""The plugin contract's registry side: API versions, a name two distributions
 claim, ``provides`` references that do not resolve, failing hooks named by distribution and
 entry point, and strict mode failing one way."""
 

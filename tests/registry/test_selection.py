@@ -82,7 +82,7 @@ def test_auto_on_cpu_picks_the_reference_and_says_why_not_the_others(reg, caplog
 
     ragged = pick(reg, ("prefixed_ragged",), device="cpu", dtype=torch.float32)
     assert ragged.name == "reference"
-    assert list(ragged.rejected) == ["fa3", "rocm", "flashinfer"]  # seed 000's order
+    assert list(ragged.rejected) == ["fa3", "rocm", "flashinfer"]  # the dense rule's order: FA3, AITER, FlashInfer
 
 
 def test_auto_sm80_flashinfer_everywhere_fa3_has_no_kernel(reg, fake_gpu, fake_installed, fa3_kernel):
@@ -256,7 +256,7 @@ def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
 
 
 def test_env_overrides_the_constructor_argument_too(reg, monkeypatch, caplog):
-    """Issue 3 counts the constructor argument (a manager spec's "backend") as config: an
+    """The constructor argument (a manager spec's "backend") counts as config: an
     operator's MSTAR_ATTENTION_BACKEND wins over it, and the log says what it overrode."""
     caplog.set_level(logging.INFO, logger="mstar.registry")
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
@@ -362,7 +362,7 @@ def test_dense_probe_runs_once_per_device(reg, fake_gpu, fake_installed, fa3_ker
     assert calls == ["cuda"]
 
 
-# -- attention features (issue 13) --------------------------------------------------------------
+# -- attention features --------------------------------------------------------------------------
 
 SINK_REASON = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator) in"
 

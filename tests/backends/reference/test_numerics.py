@@ -1,4 +1,4 @@
-"""The reference backend's numerics (issue 10): non-finite values never cross rows and are never
+"""The reference backend's numerics: non-finite values never cross rows and are never
 hidden, and the row-chunked / query-blocked path is exact and stays within its budget."""
 
 from __future__ import annotations
@@ -362,8 +362,8 @@ def test_plan_keeps_no_query_by_key_tensor():
     assert all(t.numel() < big for t in _tensors(rw))
 
 
-def test_the_issues_batch_plans_within_budget():
-    """64 prompts of 8192 tokens, 32 query / 8 KV heads of 128 (the > 8 GiB case of issue 10),
+def test_a_batch_over_8_gib_of_keys_plans_within_budget():
+    """64 prompts of 8192 tokens, 32 query / 8 KV heads of 128 (over 8 GiB of K/V),
     planned only: every scores block and every chunk's gathered K/V stays within the budget
     (a chunk of one row may hold that row's keys), and the plan itself is per token."""
     rows, n, hq, hkv, d = 64, 8192, 32, 8, 128

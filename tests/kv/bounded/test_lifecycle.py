@@ -234,7 +234,7 @@ def test_ieee_bit_identical_across_runs():
     ({"kv_dtype": "fp8_e4m3"}, "fp8_e4m3"),
 ])
 def test_build_refuses_attention_features_the_bounded_kernels_lack(features, named):
-    """Issue 13: the bounded kernels declare no features; asking for one is refused with a
+    """The bounded kernels declare no attention features; asking for one is refused with a
     reason naming it (not computed without it). Per-layer windows are the paged/dense path's."""
     from mstar_core import AttentionFeatures, BoundedKVManager, BuildInfo
 

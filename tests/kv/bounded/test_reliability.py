@@ -1,4 +1,4 @@
-"""Issue 10: what a step took is recorded in its StepContext and released exactly once.
+"""What a step took is recorded in its StepContext and released exactly once.
 
 Stale uncommitted-write marks, slots parked for a stale step in flight, the in-flight guard,
 commit / plan tied to an admit, all-or-nothing admit, and input validation at the API boundary."""
@@ -411,7 +411,7 @@ def test_plan_after_reset_since_admit_is_refused():
 
 
 def test_per_request_cycle_still_works():
-    """Seed 004: one context gathers the admits of several requests, then plan -> forward ->
+    """The per-request cycle: one context gathers the admits of several requests, then plan -> forward ->
     commit request by request; a commit drops only its own requests from the record."""
     mgr = new_mgr("a", "b", "c")
     run(mgr, bstep(("a", 2)))

@@ -76,7 +76,7 @@ def test_rollback_frees_only_fresh_slots():
 
 
 def test_per_request_cycle_commit_keeps_other_requests_fresh_slots():
-    """Seed 004: admit may run for every request first, then plan -> forward -> commit per
+    """The per-request cycle: admit may run for every request first, then plan -> forward -> commit per
     request. Committing one request must not forget the slot another took fresh, so that a
     rollback of the other still frees it."""
     mgr = BoundedKVManager(CFG, "cpu")

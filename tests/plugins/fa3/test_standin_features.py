@@ -1,4 +1,4 @@
-"""The ``flash_attn_interface`` stand-in (tests/standins/flash_attn_interface) on the issue-13
+"""The ``flash_attn_interface`` stand-in (tests/standins/flash_attn_interface) on the attention
 features, against the float64 oracle and the real tokenspeed-fa3 3.0.0 build's contract:
 
 - ``window_size=(left, right)``, bottom-right aligned;

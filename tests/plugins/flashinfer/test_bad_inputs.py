@@ -1,6 +1,6 @@
 """The FlashInfer wrappers refuse index arrays a kernel would read out of bounds with, at plan
 (host-side, before anything is staged, so the previous plan stays whole) and at run (the cache
-has too few pages, q on another device), with errors naming the bad value (issue 10)."""
+has too few pages, q on another device), with errors naming the bad value."""
 
 from __future__ import annotations
 

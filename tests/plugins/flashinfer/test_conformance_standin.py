@@ -41,7 +41,7 @@ def test_ragged(case):
     C.check_ragged(FI, case)
 
 
-# -- the features FlashInfer declares (issue 13), through mstar's wrappers over the stand-in ------
+# -- the features FlashInfer declares, through mstar's wrappers over the stand-in -------------------
 
 from mstar_flashinfer.plugin import FLASHINFER
 
@@ -74,7 +74,7 @@ def test_sink_logits_are_refused_not_dropped():
         C.check_decode(FI, case)
 
 
-# -- what `mstar check flashinfer` adds (issue 15): rows poisoned or seeing no key, re-planning ---
+# -- what `mstar check flashinfer` adds: rows poisoned or seeing no key, re-planning ---
 
 from mstar_core.testing import check as K
 

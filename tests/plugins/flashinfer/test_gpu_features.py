@@ -1,4 +1,4 @@
-"""On the GPU (issue 13): every feature the FlashInfer backend declares, through the conformance
+"""On the GPU: every feature the FlashInfer backend declares, through the conformance
 suite against the real FlashInfer in bf16 (FP8 e4m3/e5m2 KV with bf16 queries and K/V scales,
 soft-cap, both combined), the paged manager over a step mixing windowed and full layers on an FP8
 cache, and multi-token decode rows replayed from CUDA graphs. Errors go to

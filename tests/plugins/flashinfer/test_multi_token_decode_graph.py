@@ -1,4 +1,4 @@
-"""Multi-token decode rows (issue 13) captured on the FlashInfer wrappers (stand-in on CPU)."""
+"""Multi-token decode rows captured on the FlashInfer wrappers (stand-in on CPU)."""
 
 import torch
 

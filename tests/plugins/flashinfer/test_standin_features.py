@@ -1,5 +1,5 @@
 """The stand-in ``flashinfer`` (tests/standins/flashinfer) against the float64 oracle on the
-issue-13 features, with FlashInfer 0.5.3's semantics (decode.py / prefill.py ``plan``/``run``):
+attention features, with FlashInfer 0.5.3's semantics (decode.py / prefill.py ``plan``/``run``):
 
 - ``logits_soft_cap``: ``cap * tanh(score / cap)`` after the scale; on only when ``> 0``;
 - FP8 KV (e4m3/e5m2): the cache read as stored; ``q_scale``/``k_scale`` multiply ``sm_scale``,
