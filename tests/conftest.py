@@ -9,6 +9,7 @@ import importlib
 import importlib.machinery
 import importlib.metadata as md
 import importlib.util
+import os
 import sys
 import types
 from types import SimpleNamespace
@@ -21,8 +22,16 @@ from mstar_core.registry import GROUP
 
 from .helpers import STANDINS
 
+# One intra-op thread unless OMP_NUM_THREADS says otherwise (also for the CLI's subprocesses): the
+# tensors here are tiny, and on a busy 2-core machine a second thread makes each op wait for it
+# (the quick subset took 190 s with two threads, 40 s with one).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
+
 
 def pytest_collection_modifyitems(config, items):
+    # The Triton interpreter must be switched on before anything imports triton: its tests first.
+    items.sort(key=lambda item: "triton_interp" not in getattr(item, "fixturenames", ()))
     # GPU tests skip cleanly without a GPU; decided once, here.
     if torch.cuda.is_available():
         return
@@ -30,16 +39,6 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
-
-
-@pytest.fixture
-def one_thread():
-    """One intra-op thread for the test, restored afterwards: on tiny tensors more threads only
-    contend on a shared 2-core machine (a 6 ms softmax of a few hundred elements)."""
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 # -- stand-in kernel libraries -------------------------------------------------------------------

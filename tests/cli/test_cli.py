@@ -4,6 +4,8 @@ import json
 import subprocess
 import sys
 
+import pytest
+
 from mstar_core.cli import build_parser, main
 
 
@@ -14,6 +16,7 @@ def mstar(*args, env=None):
     return subprocess.run([sys.executable, "-m", "mstar_core.cli", *args], capture_output=True, text=True, env=e, timeout=300)
 
 
+@pytest.mark.slow
 def test_demo_runs_and_reports():
     r = mstar("demo")
     assert r.returncode == 0, r.stderr
@@ -22,6 +25,7 @@ def test_demo_runs_and_reports():
     assert "prefill 1" in out and "mixed" in out and "decode" in out
 
 
+@pytest.mark.slow
 def test_unknown_backend_fails_listing_known_ones():
     r = mstar("demo", env={"MSTAR_ATTENTION_BACKEND": "nope"})
     assert r.returncode == 2

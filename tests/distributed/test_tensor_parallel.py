@@ -89,6 +89,7 @@ def _kv_rank(rank, timeout_s, diverge):
         return "validated"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("diverge", [False, True], ids=["agree", "diverge"])
 def test_post_warmup_validate_compares_the_ranks_kv(diverge):
     got = run_ranks(_kv_rank, diverge)
@@ -164,6 +165,7 @@ def _demo_rank(rank, timeout_s, diverge):
                 "heads": heads, "logits": {k: v.tolist() for k, v in rep.logits.items()}}
 
 
+@pytest.mark.slow
 def test_the_sharded_demo_computes_what_one_process_does():
     from mstar_core.demo.text import run_text_demo
 
@@ -183,6 +185,7 @@ def test_the_sharded_demo_computes_what_one_process_does():
             torch.testing.assert_close(torch.tensor(rep["logits"][rid]), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.slow
 def test_ranks_that_admit_differently_fail_before_their_collectives_mismatch():
     got = run_ranks(_demo_rank, True)
     for r in range(WORLD):
@@ -202,6 +205,7 @@ def _bench_rank(rank, timeout_s, argv):
     return rc, out.getvalue()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs+preplan"])
 def test_bench_tp2_reports_the_all_reduce_share_on_rank_0(graphs):
     argv = ["bench", "--tp", "2", "--layers", "2", "--batch", "2", "--context", "20", "--steps", "3", "--warmup", "1",
@@ -228,6 +232,7 @@ def _bench_diverging_rank(rank, timeout_s):
         return "built"
 
 
+@pytest.mark.slow
 def test_bench_ranks_whose_admissions_differ_fail_post_warmup_validate():
     got = run_ranks(_bench_diverging_rank)
     for r in range(WORLD):
@@ -265,6 +270,7 @@ def _failing_demo_rank(rank, timeout_s, how):
         return "finished"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("how", ["raises", "stalls"])
 def test_a_rank_failing_mid_run_is_a_clear_error_on_the_other_not_a_hang(how):
     timeout_s = 10.0  # also the rendezvous's: two processes importing torch on a busy CI machine
@@ -278,6 +284,7 @@ def test_a_rank_failing_mid_run_is_a_clear_error_on_the_other_not_a_hang(how):
     assert "another rank has failed or stalled" in msg
 
 
+@pytest.mark.slow
 def test_the_stall_watchdog_fires_only_without_progress():
     fired = []
     with StallWatchdog(1.0, "unit", on_stall=fired.append) as dog:
@@ -291,6 +298,7 @@ def test_the_stall_watchdog_fires_only_without_progress():
         StallWatchdog(0, "unit")
 
 
+@pytest.mark.slow
 def test_the_stall_watchdog_ends_a_hung_process_with_a_clear_error():
     code = ("import time\nfrom mstar_core.distributed import StallWatchdog\n"
             "with StallWatchdog(0.5, 'bench rank 0 of 2'):\n    time.sleep(60)\n")
@@ -340,6 +348,7 @@ def test_tp_1_among_several_processes_warns(caplog, monkeypatch):
     assert "bench --tp 1 in one of 2 processes started together" in caplog.text
 
 
+@pytest.mark.slow
 def test_torchrun_runs_the_demo_on_two_gloo_ranks(tmp_path):
     """The launch the README gives, end to end: rank 0 prints the report once."""
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -14,8 +14,6 @@ from mstar_core.backends.reference import math as RM
 from mstar_core.testing import conformance as C
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
-pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: threads only contend
-
 PS, HKV, GQA, D = 4, 2, 2, 16
 HQ = HKV * GQA
 FILLS = [pytest.param(float("nan"), id="nan"), pytest.param(float("inf"), id="inf"),

@@ -57,6 +57,7 @@ def case(arch: str):
     return model, ps, [hf_greedy(model, p) for p in ps]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_greedy_ids_equal_transformers_generate(arch):
     model, ps, want = case(arch)
@@ -69,6 +70,7 @@ def test_greedy_ids_equal_transformers_generate(arch):
     assert model.config._attn_implementation == "eager"  # switched back
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "gemma2"])
 def test_graph_replay_and_waiting_admissions(arch):
     """Decode steps through the graph runner (on a CPU a replay re-runs the captured closure
@@ -192,6 +194,7 @@ def test_unknown_option_names_the_accepted_ones():
         generate(build("llama"), [[1]], 2, max_page=3)
 
 
+@pytest.mark.slow
 def test_the_core_never_imports_transformers():
     """Only the integration imports it: the CLI, the registry and every backend load without."""
     import subprocess
@@ -238,6 +241,7 @@ def test_the_readme_example_runs_as_written():
     exec(compile(code, "README.md", "exec"), {})
 
 
+@pytest.mark.slow
 def test_fp8_kv_cache_option():
     """kv_dtype="fp8_e4m3" stores the cache in FP8 (scale 1.0). Gemma 2's capped logits keep
     every greedy token through FP8's rounding here (Llama's random ones do not: FP8 is lossy);

@@ -1,5 +1,5 @@
-"""The bounded attention kernels' tests: one thread for their tiny tensors, and the Triton kernels
-loaded under the Triton interpreter (CPU tensors)."""
+"""The bounded attention kernels' tests: the Triton kernels loaded under the Triton interpreter
+(CPU tensors)."""
 
 from __future__ import annotations
 
@@ -11,11 +11,6 @@ import pytest
 import torch
 
 import mstar_core.kernels.bounded_attention as ba
-
-
-@pytest.fixture(autouse=True)
-def _one_thread(one_thread):
-    yield
 
 
 @pytest.fixture(scope="session")

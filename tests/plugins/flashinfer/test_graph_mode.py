@@ -4,7 +4,16 @@ in place by every plan, overflow refused by name, per-slot staging."""
 import pytest
 import torch
 
-from mstar_core import KVConfig, KVManager, KVSpan, KVStep, Node, PagedAttentionManager, Step, StepContext
+from mstar_core import (
+    KVConfig,
+    KVManager,
+    KVSpan,
+    KVStep,
+    Node,
+    PagedAttentionManager,
+    Step,
+    StepContext,
+)
 from mstar_core.testing import conformance as C
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
