@@ -24,6 +24,7 @@ from mstar_core import (
     BoundedKVConfig,
     BoundedKVManager,
     BoundedStep,
+    DenseAttentionManager,
     GraphRunner,
     KVConfig,
     KVManager,
@@ -247,6 +248,11 @@ def fa3_feature_cases() -> list:
 # -- the dense-path harness ----------------------------------------------------------------------
 
 LABEL = "latent"
+
+
+def dense(wrapper=R.ReferencePrefixedPrefillWrapper, **kw):
+    """A Harness ``make_attn``: a DenseAttentionManager on ``wrapper`` over the harness's cache."""
+    return lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, wrapper, **kw)
 
 
 class Harness:
@@ -500,6 +506,22 @@ def run_long(sc: Scenario, n_steps: int, max_span: int) -> None:
             spans = [rng.randint(0, max_span) for _ in batch]
         commit = [rng.random() > 0.1 for _ in batch]
         sc.step(batch, spans, commit=commit)
+
+
+# -- transformers ------------------------------------------------------------------------------
+
+
+def hf_greedy(model, prompt: list[int], new: int, **kw) -> list[int]:
+    """transformers' own greedy generation of ``new`` tokens, eager attention, one prompt at a time
+    (the model's attention implementation is restored afterwards)."""
+    before = model.config._attn_implementation
+    model.set_attn_implementation("eager")
+    try:
+        ids = torch.tensor([prompt])
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, **kw)
+    finally:
+        model.set_attn_implementation(before)
+    return out[0, len(prompt):].tolist()
 
 
 # -- GPU result files ----------------------------------------------------------------------------

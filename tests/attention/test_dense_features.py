@@ -10,14 +10,13 @@ import torch
 from mstar_core import (
     AttentionFeatures,
     BackendUnavailable,
-    DenseAttentionManager,
     select_backend,
 )
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.testing.conformance import TOLERANCE
 from mstar_fa3.plugin import FA3
 
-from ..helpers import LABEL, Harness
+from ..helpers import LABEL, Harness, dense
 
 FEATURES = [
     pytest.param(AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=(0.5, 2.0), v_scale=0.25), id="fp8_e4m3"),
@@ -28,10 +27,6 @@ FEATURES = [
     pytest.param(AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=0.5, soft_cap=2.0, sink_logits=True,
                                    layer_windows=(-1, 5)), id="all"),
 ]
-
-
-def dense(wrapper=ReferencePrefixedPrefillWrapper):
-    return lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, wrapper)
 
 
 @pytest.mark.parametrize("features", FEATURES)

@@ -22,14 +22,10 @@ from mstar_core import (
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.testing.conformance import TOLERANCE
 
-from ..helpers import LABEL, Harness
+from ..helpers import LABEL, Harness, dense
 
 F32 = TOLERANCE[torch.float32]
 CFG = KVConfig(num_layers=2, num_kv_heads=2, head_dim=8, page_size=4, max_pages=16, num_qo_heads=4)
-
-
-def dense(wrapper=ReferencePrefixedPrefillWrapper, **kw):
-    return lambda kv, cfg: DenseAttentionManager(kv, kv.device, kv.dtype, cfg, wrapper, **kw)
 
 
 def denoise_setup(h: Harness) -> None:

@@ -18,7 +18,7 @@ import torch
 from mstar_core import DenseAttentionManager
 from mstar_core.testing import conformance as C
 
-from ..helpers import STANDINS, Harness, write_results
+from ..helpers import STANDINS, Harness, fa3_feature_cases, write_results
 
 pytestmark = pytest.mark.gpu
 BF16 = torch.bfloat16
@@ -121,13 +121,7 @@ def test_fa3_standin_matches_the_real_kernel(monkeypatch):
 
 # -- attention features --------------------------------------------------------------------------
 
-def _fa3_feature_cases():
-    from mstar_fa3.plugin import FA3
-
-    return C.ragged_feature_cases(FA3.supports("prefixed_ragged"))
-
-
-@pytest.mark.parametrize("case", _fa3_feature_cases(), ids=str)
+@pytest.mark.parametrize("case", fa3_feature_cases(), ids=str)
 def test_fa3_feature_conformance(case):
     """Every feature FA3 declares (sink logits, windows) against the float64 oracle."""
     cls = fa3_cls()

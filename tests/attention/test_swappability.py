@@ -8,10 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core import DenseAttentionManager, PagedAttentionManager
+from mstar_core import PagedAttentionManager
 from mstar_core.backends import reference as R
 
-from ..helpers import Harness
+from ..helpers import Harness, dense
 
 PAGED = {"paged_prefill": R.ReferencePrefillWrapper, "paged_decode": R.ReferenceDecodeWrapper,
          "mixed": R.ReferenceMixedWrapper}
@@ -19,10 +19,6 @@ PAGED = {"paged_prefill": R.ReferencePrefillWrapper, "paged_decode": R.Reference
 
 def paged(kv, cfg):
     return PagedAttentionManager(kv, "cpu", kv.dtype, cfg, PAGED)
-
-
-def dense(kv, cfg):
-    return DenseAttentionManager(kv, "cpu", kv.dtype, cfg, R.ReferencePrefixedPrefillWrapper)
 
 
 SCRIPT = [
@@ -39,7 +35,7 @@ SCRIPT = [
 @pytest.mark.parametrize("window_left", [-1, 6], ids=["nowin", "win6"])
 def test_same_declaration_same_outputs(window_left):
     runs = {}
-    for name, make in (("paged", paged), ("dense", dense)):
+    for name, make in (("paged", paged), ("dense", dense())):
         h = Harness(make, torch.float64, hq=4, d=32, page_size=8, seed=3)
         h.ingest("a", "b", "c")
         outs = []
@@ -78,7 +74,7 @@ def test_tiny_decoder_runs_under_either_backend():
     for name in ("paged", "dense"):
         kvc = KVConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 32, cfg.num_qo_heads)
         kv = KVManager(kvc, "cpu", torch.float64)
-        attn = paged(kv, kvc) if name == "paged" else dense(kv, kvc)
+        attn = paged(kv, kvc) if name == "paged" else dense()(kv, kvc)
         node = Node([kv, attn])
         for r in prompt:
             node.ingest_request(r)

@@ -13,6 +13,8 @@ from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.testing import conformance as C
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
+from ..helpers import fa3_feature_cases
+
 CASES = C.ragged_cases()
 HALF = [pytest.param(torch.bfloat16, id="bf16"), pytest.param(torch.float16, id="f16")]
 
@@ -160,14 +162,8 @@ def test_plugin_modules_import_no_kernel_library(monkeypatch):
     assert rocm.AiterPrefixedPrefillWrapper.module == "aiter"
 
 
-def _fa3_feature_cases():
-    from mstar_fa3.plugin import FA3
-
-    return C.ragged_feature_cases(FA3.supports("prefixed_ragged"))
-
-
 @pytest.mark.parametrize("dtype", HALF)
-@pytest.mark.parametrize("case", _fa3_feature_cases(), ids=str)
+@pytest.mark.parametrize("case", fa3_feature_cases(), ids=str)
 def test_fa3_ragged_features(case, dtype, fa3_standin):
     """Every feature FA3 declares (sink logits, windows), through the stand-in of the tested build
     (sinks taken as bfloat16 [Hq], as hopper's flash_api checks)."""

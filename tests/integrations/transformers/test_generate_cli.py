@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
 pytest.importorskip("transformers")
 
@@ -14,11 +13,7 @@ from mstar_core.cli import main
 from mstar_core.integrations.transformers.local import load
 from mstar_core.testing.hf_models import build, config
 
-
-def hf_greedy(model, prompt: list[int], new: int) -> list[int]:
-    model.set_attn_implementation("eager")
-    ids = torch.tensor([prompt])
-    return model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new)[0, len(prompt):].tolist()
+from ...helpers import hf_greedy
 
 
 def cli_json(capsys, *argv: str) -> dict:

@@ -24,7 +24,7 @@ from mstar_core.integrations.transformers import run
 from mstar_core.integrations.transformers.engine import switch
 from mstar_core.testing.hf_models import ARCHITECTURES, build
 
-from ...helpers import REPO
+from ...helpers import REPO, hf_greedy
 
 NEW = 32
 # 1 token, a page boundary (16) and one past it, several pages; arriving over the first steps.
@@ -37,24 +37,12 @@ def prompts(vocab: int, lengths=LENGTHS, seed: int = 1) -> list[list[int]]:
     return [torch.randint(0, vocab, (n,), generator=g).tolist() for n in lengths]
 
 
-def hf_greedy(model, prompt: list[int], new: int = NEW, **kw) -> list[int]:
-    """transformers' own greedy generation, eager attention, one prompt at a time."""
-    before = model.config._attn_implementation
-    model.set_attn_implementation("eager")
-    try:
-        ids = torch.tensor([prompt])
-        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, **kw)
-    finally:
-        model.set_attn_implementation(before)
-    return out[0, len(prompt):].tolist()
-
-
 @functools.cache
 def case(arch: str):
     """A model of ``arch``, the prompts, and transformers' greedy ids for each (built once)."""
     model = build(arch)
     ps = prompts(model.config.vocab_size)
-    return model, ps, [hf_greedy(model, p) for p in ps]
+    return model, ps, [hf_greedy(model, p, NEW) for p in ps]
 
 
 @pytest.mark.slow
@@ -108,9 +96,9 @@ def test_probe_reads_each_layers_attention(arch):
 def test_end_of_sequence_stops_like_transformers():
     model = build("llama")
     p = prompts(model.config.vocab_size, (7, 20))
-    free = hf_greedy(model, p[0])
+    free = hf_greedy(model, p[0], NEW)
     eos = free[5]  # a token greedy decoding reaches: generation stops at its first occurrence
-    want = [hf_greedy(model, x, eos_token_id=eos) for x in p]
+    want = [hf_greedy(model, x, NEW, eos_token_id=eos) for x in p]
     got = generate(model, p, NEW, backend="reference", eos_token_id=eos)
     assert got == want
     assert got[0][-1] == eos and len(got[0]) == free.index(eos) + 1
