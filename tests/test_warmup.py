@@ -57,7 +57,8 @@ def test_a_backend_without_warmup_has_nothing_to_prepare():
     rep = warmup(WarmupConfig(torch.float32, 16, 4, 4, 2), "reference", "cpu")
     assert rep.kernels == ()
     assert rep.notes == ("reference (paged_prefill, paged_decode, mixed): nothing to prepare; it compiles nothing on "
-                         "first use", "reference (prefixed_ragged): nothing to prepare; it compiles nothing on first use")
+                         "first use",
+                         "reference (prefixed_ragged): nothing to prepare; it compiles nothing on first use")
 
 
 def test_a_declared_warmup_gets_the_config_and_the_capabilities_the_backend_provides():

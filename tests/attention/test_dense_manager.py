@@ -356,10 +356,10 @@ def test_a_step_planned_ahead_runs_on_its_own_wrapper():
     step_through(node, attn, [("a", 6, True), ("b", 3, True)])
     steps = [Step(KVStep((KVSpan("a", LABEL, 2, False),))), Step(KVStep((KVSpan("b", LABEL, 5, False),)))]
     ctxs = [StepContext(), StepContext()]
-    for st, ctx in zip(steps, ctxs):
+    for st, ctx in zip(steps, ctxs, strict=True):
         assert node.admit(st, ctx)
         node.plan(st, ctx)
-    for st, ctx, n in zip(steps, ctxs, (2, 5)):
+    for st, ctx, n in zip(steps, ctxs, (2, 5), strict=True):
         q = torch.randn(n, CFG.qo_heads, CFG.head_dim)
         k = torch.randn(n, CFG.num_kv_heads, CFG.head_dim)
         with node.bound(ctx):

@@ -4,7 +4,8 @@ suite's ragged cases, the DenseAttentionManager end to end with the KVManager â€
 stand-ins against the real kernels on the same inputs. Errors go to
 ``$OUT/dense_gpu_conformance.json`` when ``OUT`` is set.
 
-    source .gpu/env.sh fa3 ... ; source .gpu/env.sh flashinfer && python3 -m pytest -m gpu tests/attention/test_gpu_dense.py
+    source .gpu/env.sh fa3 ... ; source .gpu/env.sh flashinfer
+    python3 -m pytest -m gpu tests/attention/test_gpu_dense.py
 """
 
 from __future__ import annotations

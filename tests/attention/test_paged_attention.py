@@ -35,8 +35,11 @@ class History:
         self.v[key] = torch.cat([self.v[key], v]) if key in self.v else v
 
 
-def run_layer0(node, kv, attn, hist, spans, attn_step=AttentionStep(), commit=True):
-    step = Step(KVStep(tuple(KVSpan(r, l, n, commit) for r, l, n in spans)), attn_step)
+PLAIN_STEP = AttentionStep()
+
+
+def run_layer0(node, kv, attn, hist, spans, attn_step=PLAIN_STEP, commit=True):
+    step = Step(KVStep(tuple(KVSpan(r, lab, n, commit) for r, lab, n in spans)), attn_step)
     outs = {}
 
     def forward(ctx):
@@ -170,7 +173,7 @@ def test_mixed_step_uses_the_mixed_wrapper_up_to_max_prefill_rows(prompts, kind)
     for r in ["d", *rids]:
         node.ingest_request(r)
     commit_prefill(node, ("d", 3))
-    st = step(("d", "t", 1), *((r, "t", n) for r, n in zip(rids, prompts)))
+    st = step(("d", "t", 1), *((r, "t", n) for r, n in zip(rids, prompts, strict=True)))
     ctx = StepContext()
     assert node.admit(st, ctx)
     node.plan(st, ctx)

@@ -47,7 +47,7 @@ def test_same_declaration_same_outputs(window_left):
     (po, pstate), (do, dstate) = runs["paged"], runs["dense"]
     assert pstate == dstate  # same committed lengths, same page holdings
     assert len(po) == len(do)
-    for a, b in zip(po, do):
+    for a, b in zip(po, do, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
 
 
@@ -68,8 +68,10 @@ def test_tiny_decoder_runs_under_either_backend():
     cfg = TinyDecoderConfig()
     model = TinyDecoder(cfg, "cpu", torch.float64, seed=1)
     gen = torch.Generator().manual_seed(2)
-    prompt = {"a": torch.randint(cfg.vocab_size, (13,), generator=gen), "b": torch.randint(cfg.vocab_size, (20,), generator=gen)}
-    fresh = {"a": torch.randint(cfg.vocab_size, (6,), generator=gen), "b": torch.randint(cfg.vocab_size, (3,), generator=gen)}
+    prompt = {"a": torch.randint(cfg.vocab_size, (13,), generator=gen),
+              "b": torch.randint(cfg.vocab_size, (20,), generator=gen)}
+    fresh = {"a": torch.randint(cfg.vocab_size, (6,), generator=gen),
+             "b": torch.randint(cfg.vocab_size, (3,), generator=gen)}
     logits = {}
     for name in ("paged", "dense"):
         kvc = KVConfig(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 16, 32, cfg.num_qo_heads)
@@ -80,10 +82,11 @@ def test_tiny_decoder_runs_under_either_backend():
             node.ingest_request(r)
         got = []
         for toks, commit, causal in ((prompt, True, True), (fresh, False, False), (fresh, False, False)):
-            step = Step(KVStep(tuple(KVSpan(r, "text", len(t), commit) for r, t in toks.items())), AttentionStep(causal))
+            spans = tuple(KVSpan(r, "text", len(t), commit) for r, t in toks.items())
+            step = Step(KVStep(spans), AttentionStep(causal))
             tokens = torch.cat(list(toks.values()))
 
-            def forward(ctx, tokens=tokens):
+            def forward(ctx, tokens=tokens, kv=kv, attn=attn):
                 pos = ctx.plan_results["kv"].layout("text").positions
                 return model.forward_step(tokens, pos, kv, attn, "text")
 
@@ -91,7 +94,7 @@ def test_tiny_decoder_runs_under_either_backend():
             assert res.outcome
             got.append(res.output)
         logits[name] = got
-    for a, b in zip(logits["paged"], logits["dense"]):
+    for a, b in zip(logits["paged"], logits["dense"], strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-9)
     # and the causal prefill equals a no-cache full forward (a sanity anchor for both)
     full = model.forward_full(prompt["a"])

@@ -95,9 +95,11 @@ def test_zero_segments_and_host_inputs_of_other_kinds_are_accepted(wrapper, data
 def test_run_names_the_planned_token_counts(wrapper, data):
     q, k, v = data
     wrapper.plan(*GOOD, dtype=BF16)
-    with pytest.raises(ValueError, match=r"q has shape \(4, 4, 64\), expected \(5, 4, 64\) \(the plan's cu_q\[-1\] = 5"):
+    with pytest.raises(ValueError,
+                       match=r"q has shape \(4, 4, 64\), expected \(5, 4, 64\) \(the plan's cu_q\[-1\] = 5"):
         wrapper.run(q[:4], k, v)
-    with pytest.raises(ValueError, match=r"v has shape \(8, 2, 64\), expected \(9, 2, 64\) \(the plan's cu_k\[-1\] = 9"):
+    with pytest.raises(ValueError,
+                       match=r"v has shape \(8, 2, 64\), expected \(9, 2, 64\) \(the plan's cu_k\[-1\] = 9"):
         wrapper.run(q, k, v[:8])
 
 

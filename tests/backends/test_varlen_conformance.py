@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
+from mstar_core.testing import check as K
 from mstar_core.testing import conformance as C
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
@@ -57,7 +58,7 @@ def _window_case(wrapper_cls, dtype, causal, window_left, sm_scale):
     gen = torch.Generator().manual_seed(11)
     hq, hkv, d = 8, 2, 64
     q_lens, p_lens = (5, 12, 1), (9, 0, 20)
-    k_lens = [a + b for a, b in zip(q_lens, p_lens)]
+    k_lens = [a + b for a, b in zip(q_lens, p_lens, strict=True)]
     q = torch.randn((sum(q_lens), hq, d), generator=gen).to(dtype)
     k = torch.randn((sum(k_lens), hkv, d), generator=gen).to(dtype)
     v = torch.randn((sum(k_lens), hkv, d), generator=gen).to(dtype)
@@ -67,7 +68,8 @@ def _window_case(wrapper_cls, dtype, causal, window_left, sm_scale):
     w.plan(cu_q, cu_k, max(q_lens), max(k_lens), causal=causal, dtype=dtype, sm_scale=sm_scale, window_left=window_left)
     out = w.run(q, k, v)
     ref = torch.cat([
-        attention_oracle(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]], causal, window_left, sm_scale)
+        attention_oracle(q[cu_q[i]:cu_q[i + 1]], k[cu_k[i]:cu_k[i + 1]], v[cu_k[i]:cu_k[i + 1]], causal, window_left,
+                         sm_scale)
         for i in range(len(q_lens))
     ])
     return rel_error(out, ref)
@@ -181,8 +183,6 @@ def test_fa3_declares_no_soft_cap_and_its_build_refuses_one(fa3_standin):
 
 
 # -- what `mstar check` adds, over the stand-ins: rows poisoned or seeing no key, re-planning
-
-from mstar_core.testing import check as K
 
 
 def _extra(spec, cls):

@@ -42,7 +42,8 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
     data = json.loads(capsys.readouterr().out)
     fi = next(b for b in data["backends"] if b["name"] == "flashinfer")
     assert (fi["distribution"], fi["version"], fi["available"]) == ("mstar-flashinfer", "0.1.0", False)
-    assert fi["reasons"] == ["runs on cuda, not on cpu", "flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.4)"]
+    assert fi["reasons"] == ["runs on cuda, not on cpu",
+                             "flashinfer is not installed (install flashinfer-python>=0.5.3,<=0.7.4)"]
     assert fi["head_dims"] == "64, 128, 256" and fi["dtypes"] == ["float16", "bfloat16"]
     assert {cap: a["pick"] for cap, a in data["auto"].items()} == dict.fromkeys(
         ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"), "reference")
@@ -66,7 +67,8 @@ def test_table(registry, capsys):
     assert args.func(args) == 0
     out = capsys.readouterr().out
     assert "attention backends on cpu" in out and "head_dim 64" in out
-    assert "mstar-flashinfer 0.1.0" in out and "unavailable: runs on cuda, not on cpu; flashinfer is not installed" in out
+    assert "mstar-flashinfer 0.1.0" in out
+    assert "unavailable: runs on cuda, not on cpu; flashinfer is not installed" in out
     assert "paged_decode     reference" in out and "passed over flashinfer:" in out
     assert "broken (mstar-broken 9.9) at load: ModuleNotFoundError" in out
 

@@ -13,7 +13,8 @@ def mstar(*args, env=None):
     import os
 
     e = dict(os.environ, **(env or {}))
-    return subprocess.run([sys.executable, "-m", "mstar_core.cli", *args], capture_output=True, text=True, env=e, timeout=300)
+    return subprocess.run([sys.executable, "-m", "mstar_core.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=300)
 
 
 @pytest.mark.slow
@@ -40,7 +41,8 @@ def test_bench_json(capsys):
 
 
 def test_bench_graphs_and_preplan_on_cpu(capsys):
-    assert main(["bench", "--steps", "3", "--warmup", "1", "--batch", "3", "--context", "17", "--graphs", "--preplan"]) == 0
+    argv = ["bench", "--steps", "3", "--warmup", "1", "--batch", "3", "--context", "17", "--graphs", "--preplan"]
+    assert main(argv) == 0
     out = capsys.readouterr().out
     assert "graphs on, pre-plan on" in out and "median step time" in out
 
@@ -60,7 +62,8 @@ def test_bench_preplan_without_graphs_stays_off_and_says_why(capsys, caplog):
     import logging
 
     caplog.set_level(logging.WARNING)
-    assert main(["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--preplan", "--json"]) == 0
+    argv = ["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--preplan", "--json"]
+    assert main(argv) == 0
     res = json.loads(capsys.readouterr().out)
     assert res["preplan"] is False and res["graphs"] is False
     assert "pre-plan off: resources ['attn'] do not support it" in caplog.text

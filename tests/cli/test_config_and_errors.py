@@ -83,7 +83,8 @@ def boom(monkeypatch):
     reg = Registry(discover=False)
     ref = "mstar_core.backends.reference:Reference"
     reg.register(BackendSpec(name="boom", devices=("cpu",), dtypes=(__import__("torch").float32,), provides={
-        "paged_prefill": ref + "PrefillWrapper", "paged_decode": ref + "DecodeWrapper", "mixed": "mstar_boom:BoomMixed"}))
+        "paged_prefill": ref + "PrefillWrapper", "paged_decode": ref + "DecodeWrapper",
+        "mixed": "mstar_boom:BoomMixed"}))
     monkeypatch.setattr("mstar_core.registry.registry._default", reg)
 
 

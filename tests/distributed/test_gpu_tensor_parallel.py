@@ -15,7 +15,8 @@ from mstar_core.distributed import STALL_GRACE_S
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")]
 ROOT = Path(__file__).resolve().parents[2]
-TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "-m", "mstar_core.cli"]
+TORCHRUN = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "-m", "mstar_core.cli"]
 
 
 def _run(cmd, timeout=600):
@@ -48,4 +49,5 @@ def test_a_rank_failing_during_graph_replays_ends_its_peer_not_a_hang():
     # the watchdog fires STALL_GRACE_S after the timeout; rank 1 fails some seconds into the run
     assert ranks["0"]["seconds"] - ranks["1"]["seconds"] < timeout + STALL_GRACE_S + 15, ranks
     said = " ".join(ranks["0"]["stderr_tail"])
-    assert "another tensor-parallel rank has failed or stalled" in said or "another rank has failed or stalled" in said, said
+    assert ("another tensor-parallel rank has failed or stalled" in said
+            or "another rank has failed or stalled" in said), said

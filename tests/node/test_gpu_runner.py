@@ -56,13 +56,13 @@ def test_graph_decode_matches_no_cache_forward(preplan):
     pre = Step(KVStep(tuple(KVSpan(r, "text", len(p)) for r, p in prompts.items())))
     logits = runner.step(pre, torch.tensor([t for p in prompts.values() for t in p], device=dev))
     ends = torch.tensor([len(p) for p in prompts.values()], device=dev).cumsum(0) - 1
-    got = {r: [logits[i].clone()] for r, i in zip(prompts, ends.tolist())}
+    got = {r: [logits[i].clone()] for r, i in zip(prompts, ends.tolist(), strict=True)}
     nxt = logits[ends].argmax(-1)
     decode = Step(KVStep(tuple(KVSpan(r, "text", 1) for r in prompts)))
     prep = runner.prepare(decode)
     for _ in range(6):
         assert prep.graph is not None  # replayed from the captured graph (bucket 4)
-        for r, t in zip(prompts, nxt.tolist()):
+        for r, t in zip(prompts, nxt.tolist(), strict=True):
             seqs[r].append(t)
         out = runner.launch(prep, nxt)
         if preplan:

@@ -27,7 +27,7 @@ def test_graph_decode_matches_no_cache_forward_with_preplan():
     assert prep.graph is None  # a prefill step runs eagerly
     logits = runner.launch(prep, torch.tensor([t for p in prompts.values() for t in p]))
     ends = torch.tensor([len(p) for p in prompts.values()]).cumsum(0) - 1
-    got = {r: [logits[i]] for r, i in zip(prompts, ends)}
+    got = {r: [logits[i]] for r, i in zip(prompts, ends, strict=True)}
     nxt = logits[ends].argmax(-1)
     decode = Step(KVStep(tuple(KVSpan(r, "text", 1) for r in prompts)))
     prep = runner.prepare(decode)
@@ -35,7 +35,7 @@ def test_graph_decode_matches_no_cache_forward_with_preplan():
     for _ in range(5):
         assert prep.graph is not None and prep.ctx.bucket == 4
         slots.append(prep.ctx.slot)
-        for r, t in zip(prompts, nxt.tolist()):
+        for r, t in zip(prompts, nxt.tolist(), strict=True):
             seqs[r].append(t)
         out = runner.launch(prep, nxt)
         prep = runner.prepare(decode)  # pre-plan step N+1 before step N's output is read

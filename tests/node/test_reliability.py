@@ -46,7 +46,8 @@ def test_second_prepare_before_launch_runs_each_step_through_its_own_plan(graphs
     assert (pa.graph is not None) == graphs
     out_a = runner.launch(pa, torch.tensor([11, 12])).clone()
     out_b = runner.launch(pb, torch.tensor([13, 14])).clone()
-    for out, seqs in ((out_a, {"a1": [1, 2, 3, 11], "a2": [4, 5, 12]}), (out_b, {"b1": [6, 7, 8, 9, 13], "b2": [10, 14]})):
+    for out, seqs in ((out_a, {"a1": [1, 2, 3, 11], "a2": [4, 5, 12]}),
+                      (out_b, {"b1": [6, 7, 8, 9, 13], "b2": [10, 14]})):
         for i, toks in enumerate(seqs.values()):
             want = model.forward_full(torch.tensor(toks))[-1]
             torch.testing.assert_close(out[i], want, rtol=1e-9, atol=1e-9)

@@ -97,7 +97,7 @@ class PagedMachine(RuleBasedStateMachine):
         picked = [r for r in rids if r in free]
         if not picked:
             return None
-        return Step(KVStep(tuple(KVSpan(r, "text", n) for r, n in zip(picked, lens))))
+        return Step(KVStep(tuple(KVSpan(r, "text", n) for r, n in zip(picked, lens, strict=False))))
 
     def tokens(self, step):
         return torch.tensor([CODE[s.request_id] for s in step.kv.spans for _ in range(s.num_tokens)])
@@ -134,8 +134,10 @@ class PagedMachine(RuleBasedStateMachine):
 
     def pages_needed(self, step, codes=None):
         codes = self.codes if codes is None else codes
-        return sum(max(0, -(-(len(codes.get(s.request_id, [])) + s.num_tokens) // PS) - -(-len(codes.get(s.request_id, [])) // PS))
-                   for s in step.kv.spans)
+        def held(s):
+            return len(codes.get(s.request_id, []))
+
+        return sum(max(0, -(-(held(s) + s.num_tokens) // PS) - -(-held(s) // PS)) for s in step.kv.spans)
 
     @staticmethod
     def is_graph(step):

@@ -229,7 +229,8 @@ def test_unknown_name_lists_the_known_ones(reg):
     msg = str(e.value)
     assert "'nope'" in msg and "is unknown" in msg
     assert "Known backends: fa3, flashinfer, reference, rocm" in msg
-    assert "can run here (device cpu, dtype float32, head_dim 64, capabilities paged_prefill, paged_decode, mixed): reference" in msg
+    assert ("can run here (device cpu, dtype float32, head_dim 64, capabilities paged_prefill, paged_decode, mixed): "
+            "reference") in msg
 
 
 def test_unknown_name_whose_plugin_failed_says_so(fake_entry_points, make_ep):

@@ -37,7 +37,7 @@ class Batch:
     def tokens(self, row: int) -> range:
         return range(self.qo[row], self.qo[row + 1])
 
-    def clone(self) -> "Batch":
+    def clone(self) -> Batch:
         return dataclasses.replace(self, q=self.q.clone(), layer=self.layer.clone())
 
     def key_slot(self, row: int, j: int) -> tuple[int, int]:
@@ -205,7 +205,7 @@ def test_query_that_sees_no_key_returns_zeros():
 
 def _ragged(q_lens, prefix, seed=6):
     gen = torch.Generator().manual_seed(seed)
-    k_lens = [p + n for p, n in zip(prefix, q_lens)]
+    k_lens = [p + n for p, n in zip(prefix, q_lens, strict=True)]
     q = torch.randn((sum(q_lens), HQ, D), generator=gen)
     k = torch.randn((sum(k_lens), HKV, D), generator=gen)
     v = torch.randn((sum(k_lens), HKV, D), generator=gen)

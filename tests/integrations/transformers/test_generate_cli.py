@@ -7,8 +7,6 @@ import json
 
 import pytest
 
-pytest.importorskip("transformers")
-
 from mstar_core.cli import main
 from mstar_core.integrations.transformers.local import load
 from mstar_core.testing.hf_models import build, config

@@ -9,8 +9,7 @@ import functools
 
 import pytest
 import torch
-
-transformers = pytest.importorskip("transformers")
+import transformers
 
 from mstar_core import (
     Engine,
@@ -50,7 +49,7 @@ def case(arch: str):
 def test_greedy_ids_equal_transformers_generate(arch):
     model, ps, want = case(arch)
     rep = generate_report(model, ps, NEW, backend="reference", arrivals=list(ARRIVALS))
-    for i, (got, ref) in enumerate(zip(rep.ids, want)):
+    for i, (got, ref) in enumerate(zip(rep.ids, want, strict=True)):
         assert got == ref, f"{arch}: prompt {i} ({len(ps[i])} tokens) differs from transformers' generate"
     assert all(len(x) == NEW for x in rep.ids)
     kinds = rep.kinds

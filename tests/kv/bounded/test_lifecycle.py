@@ -154,7 +154,8 @@ def test_a_step_that_wrote_the_ring_must_commit_before_the_next_plan():
     assert mgr.slot_of("a") is not None and mgr.length("a") == 2
     ctx = StepContext()
     assert mgr.admit(s, ctx)
-    with pytest.raises(RuntimeError, match=r"request 'a': a step from position 2 wrote its keys .* reset_request\('a'\)"):
+    with pytest.raises(RuntimeError,
+                       match=r"request 'a': a step from position 2 wrote its keys .* reset_request\('a'\)"):
         mgr.plan(s, ctx)
     mgr.rollback_admit(s, ctx)  # what Node does when plan raises
     mgr.reset_request("a")
@@ -195,7 +196,7 @@ def test_build_and_cleanup():
     mgr.cleanup()
     assert mgr.requests == () and mgr.num_free_slots == 5 and mgr.storage.numel() == 0
     with pytest.raises(RuntimeError, match="no plan"):
-        mgr.current
+        _ = mgr.current
 
 
 def test_validate_detects_broken_accounting():
@@ -219,13 +220,14 @@ def test_ieee_bit_identical_across_runs():
     would be deterministic without the flag too; what the flag changes (no TF32, fixed-order
     reductions in the Triton kernel) is checked on the GPU (test_gpu_bounded)."""
     def once():
-        cfg = BoundedKVConfig(num_layers=2, max_slots=3, rows=2, num_heads=2, head_dim=16, sink=2, window=5, query_window=4)
+        cfg = BoundedKVConfig(num_layers=2, max_slots=3, rows=2, num_heads=2, head_dim=16, sink=2, window=5,
+                              query_window=4)
         sc = make_scenario(cfg, seed=11, ieee=True, gqa=2, rel_bias=True, sources=1, row_source=True)
         run_long(sc, n_steps=12, max_span=7)
         return [o for outs in sc.outputs for o in outs], sc.mgr.storage.clone()
 
     (a, sa), (b, sb) = once(), once()
-    assert all(torch.equal(x, y) for x, y in zip(a, b)) and torch.equal(sa, sb)
+    assert all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) and torch.equal(sa, sb)
 
 
 @pytest.mark.parametrize("features, named", [

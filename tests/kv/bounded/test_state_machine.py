@@ -186,7 +186,7 @@ class BoundedMachine(RuleBasedStateMachine):
 
     def spec(self, rids, lens, commits, avoid_busy=True):
         busy = self.busy() if avoid_busy else set()
-        return [(r, n, c) for r, n, c in zip(rids, lens, commits) if r in self.ingested and r not in busy]
+        return [(r, n, c) for r, n, c in zip(rids, lens, commits, strict=False) if r in self.ingested and r not in busy]
 
     def build(self, spec, fallback: bool, declare: str | None):
         positions = []

@@ -44,7 +44,8 @@ def _data(q_lens, k_lens, seed=0, q_mag=2.0, dtype=torch.bfloat16):
 def _oracle(q, k, v, cu_q, cu_k, causal, window_left=-1, scale=None, soft_cap=None, sinks=None):
     return torch.cat([
         attention_oracle(q[a:b], k[c:e], v[c:e], causal, window_left, scale, soft_cap=soft_cap, sinks=sinks)
-        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist())])
+        for a, b, c, e in zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(), cu_k[1:].tolist(),
+                              strict=True)])
 
 
 def _sinks(seed=1):
@@ -99,7 +100,7 @@ def test_sinks_join_each_softmax_denominator(fa3_standin, q_lens, k_lens, causal
     assert rel_error(_oracle(q, k, v, cu_q, cu_k, causal, window), ref) > 5e-2  # the sinks matter
     # the lse is the softmax denominator's, the sink included
     for i, (a, b, c, e) in enumerate(zip(cu_q[:-1].tolist(), cu_q[1:].tolist(), cu_k[:-1].tolist(),
-                                         cu_k[1:].tolist())):
+                                         cu_k[1:].tolist(), strict=True)):
         s = torch.einsum("qhd,khd->hqk", q[a:b].double(), k[c:e].double().repeat_interleave(HQ // HKV, 1))
         s = s / D ** 0.5
         pos = torch.arange(b - a)[:, None] + (e - c) - (b - a)

@@ -3,9 +3,11 @@
 import pytest
 import torch
 
+from mstar_core.testing import check as K
 from mstar_core.testing import conformance as C
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
+from mstar_flashinfer.plugin import FLASHINFER
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
 from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
@@ -43,8 +45,6 @@ def test_ragged(case):
 
 # -- the features FlashInfer declares, through mstar's wrappers over the stand-in -------------------
 
-from mstar_flashinfer.plugin import FLASHINFER
-
 
 @pytest.mark.parametrize("case", C.feature_cases("prefill", FLASHINFER.supports("paged_prefill")), ids=str)
 def test_prefill_features(case):
@@ -76,11 +76,10 @@ def test_sink_logits_are_refused_not_dropped():
 
 # -- what `mstar check flashinfer` adds: rows poisoned or seeing no key, re-planning ---
 
-from mstar_core.testing import check as K
-
 CLASSES = {"paged_prefill": FlashInferPrefillWrapper, "paged_decode": FlashInferDecodeWrapper,
            "mixed": FlashInferMixedWrapper, "prefixed_ragged": FlashInferPrefixedPrefillWrapper}
-EXTRA = [c for c in K.plan_checks(FLASHINFER, CLASSES, "cpu", [torch.float32], [64, 128]) if c.group in ("edge", "replan")]
+EXTRA = [c for c in K.plan_checks(FLASHINFER, CLASSES, "cpu", [torch.float32], [64, 128])
+         if c.group in ("edge", "replan")]
 
 
 @pytest.mark.parametrize("check", EXTRA, ids=lambda c: c.id)

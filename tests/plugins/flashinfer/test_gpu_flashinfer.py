@@ -1,6 +1,6 @@
-"""On the GPU: the conformance suite against the real FlashInfer (0.5.3, 0.7.2.post1 and 0.7.4 verified) in bf16 (eager, and
-replayed from captured CUDA graphs with fresh plans between replays), the same suite against the
-stand-in on the GPU, and the stand-in's signatures checked against the real library's.
+"""On the GPU: the conformance suite against the real FlashInfer (0.5.3, 0.7.2.post1 and 0.7.4
+verified) in bf16 (eager, and replayed from captured CUDA graphs with fresh plans between replays),
+the same suite against the stand-in on the GPU, and the stand-in's signatures checked against the real library's.
 
 Head dim 128 only (its bf16 modules come precompiled; every other head dim or the sliding-window
 variant is another JIT compile of 20-80 s) -- the window cases are moved to head dim 128 too.

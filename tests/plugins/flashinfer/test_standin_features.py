@@ -40,14 +40,14 @@ def _paged(q_lens, kv_lens, *, dtype=torch.float32, kv_dtype=None, layout="NHD",
     cache[0] = 1e4  # never read
     cache = cache.to(kv_dtype)
     indices, rows_kv, p = [], [], 0
-    for n, kv in zip(n_pages, kv_lens):
+    for n, kv in zip(n_pages, kv_lens, strict=True):
         pages = perm[p:p + n]
         p += n
         indices += pages
         rows_kv.append(cache[pages].transpose(0, 1).reshape(2, n * PAGE, HKV, D)[:, :kv])
     qo = torch.tensor([0, *torch.tensor(q_lens).cumsum(0).tolist()], dtype=torch.int32)
     indptr = torch.tensor([0, *torch.tensor(n_pages).cumsum(0).tolist()], dtype=torch.int32)
-    last = torch.tensor([kv - (n - 1) * PAGE for n, kv in zip(n_pages, kv_lens)], dtype=torch.int32)
+    last = torch.tensor([kv - (n - 1) * PAGE for n, kv in zip(n_pages, kv_lens, strict=True)], dtype=torch.int32)
     if layout == "HND":
         cache = cache.transpose(2, 3).contiguous()
     return q, cache, qo, indptr, torch.tensor(indices, dtype=torch.int32), last, rows_kv

@@ -62,7 +62,8 @@ def test_dtype_refused_on_cuda_naming_the_supported_ones():
     w = FlashInferPrefillWrapper(WS, 8, 2, 128, 16, device=CUDA)  # eager: allocates nothing on the device
     one = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="cannot compute in torch.float32"):
-        w.plan(one, one, torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32), dtype=torch.float32)
+        w.plan(one, one, torch.tensor([0], dtype=torch.int32), torch.tensor([1], dtype=torch.int32),
+               dtype=torch.float32)
 
 
 @pytest.mark.parametrize("ps", [0, -4, 2.0, True])

@@ -32,7 +32,8 @@ def test_warmup_builds_each_variant_once_and_a_second_warmup_builds_nothing(stan
     cfg = _cfg(windows=(-1, 8))
     first = warmup(cfg, CPU, CAPS)
     n = 6 if standin_flashinfer.__version__ == "0.7.4" else 4
-    assert first[-1].startswith(f"FlashInfer compiled {n} module(s) here; its prebuilt-kernel package flashinfer-jit-cache")
+    assert first[-1].startswith(
+        f"FlashInfer compiled {n} module(s) here; its prebuilt-kernel package flashinfer-jit-cache")
     first = first[:-1]
     # per window: decode once, the others for short and long queries
     assert [(k.capability, k.variant) for k in first][:7] == [
@@ -67,8 +68,8 @@ def test_after_warmup_a_first_plan_and_run_builds_nothing_and_says_so(standin_fl
         dec.plan(dd.kv_indptr, dd.kv_indices, dd.last_page_len, dtype=F32)
     assert jit_notice.built_modules(jit_notice.jit_dir()) == before
     lines = [r.getMessage() for r in caplog.records]
-    assert any(m.startswith("FlashInfer paged prefill kernels (float32, head_dim 16") and "first use in this process" in m
-               for m in lines)
+    assert any(m.startswith("FlashInfer paged prefill kernels (float32, head_dim 16")
+               and "first use in this process" in m for m in lines)
     assert any("ready in" in m and "nothing compiled" in m for m in lines)
 
 
