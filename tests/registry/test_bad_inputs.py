@@ -1,4 +1,4 @@
-"""Bad inputs to the registry refused at the boundary (issue 10): a type or value that fits, a
+"""Bad inputs to the registry refused at the boundary: a type or value that fits, a
 message that names the bad value and what is allowed, and nothing changed."""
 
 from __future__ import annotations
@@ -8,8 +8,15 @@ from dataclasses import replace
 import pytest
 import torch
 
+from mstar_core import (
+    BackendSpec,
+    BackendUnavailable,
+    HeadDims,
+    Registry,
+    select_backend,
+)
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.registry import BackendSpec, BackendUnavailable, HeadDims, Registry, config_backend, select_backend
+from mstar_core.registry import config_backend
 from mstar_core.registry.discovery import ENV_STRICT, strict_from_env
 
 PAGED = ("paged_prefill", "paged_decode", "mixed")

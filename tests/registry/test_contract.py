@@ -1,4 +1,4 @@
-"""The plugin contract's registry side (issue 15): API versions, a name two distributions
+"""The plugin contract's registry side: API versions, a name two distributions
 claim, ``provides`` references that do not resolve, failing hooks named by distribution and
 entry point, and strict mode failing one way."""
 
@@ -11,17 +11,17 @@ import textwrap
 import pytest
 import torch
 
-from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.cli import main
-from mstar_core.registry import (
+from mstar_core import (
     BackendSpec,
     BackendUnavailable,
     PluginError,
     Registry,
-    api,
     hookimpl,
     select_backend,
 )
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.cli import main
+from mstar_core.registry import api
 
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
 CPU, F32 = "cpu", torch.float32
@@ -78,7 +78,8 @@ def test_a_compatible_older_plugin_keeps_working(monkeypatch):
     reg.register(spec("old", api_version="1.0"))
     reg.register(spec("newer", api_version="1.3"))
     assert select_backend(("paged_decode",), requested="old", device=CPU, dtype=F32, registry=reg).name == "old"
-    with pytest.raises(BackendUnavailable, match=r"written for plugin API 1\.3, but this mstar-core implements plugin API 1\.2"):
+    with pytest.raises(BackendUnavailable,
+                       match=r"written for plugin API 1\.3, but this mstar-core implements plugin API 1\.2"):
         select_backend(("paged_decode",), requested="newer", device=CPU, dtype=F32, registry=reg)
 
 
@@ -142,7 +143,8 @@ def test_strict_mode_refuses_an_unpinned_conflict_and_accepts_a_pinned_one(two_f
         select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
     # a config's pin settles it for that selection, an env pin for every one
     cfg = {"attention": {"backend": "fast", "pins": {"fast": "fast-kernels"}}}
-    assert select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, config=cfg).backend.description == "real"
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, config=cfg)
+    assert sel.backend.description == "real"
     assert Registry(strict=True, pins={"fast": "fast-kernels"}).get("fast").description == "real"
 
 
@@ -158,11 +160,13 @@ def test_the_reference_name_is_reserved(fake_module, make_ep, fake_entry_points)
 # -- provides that do not resolve ---------------------------------------------------------------
 
 def test_a_missing_provides_class_is_not_available(fake_module, make_ep, fake_entry_points, monkeypatch, capsys):
-    plugin(fake_module, "typo_plugin", spec("typo", provides={"paged_decode": "mstar_core.backends.reference:NoSuchWrapper"}))
+    plugin(fake_module, "typo_plugin",
+           spec("typo", provides={"paged_decode": "mstar_core.backends.reference:NoSuchWrapper"}))
     fake_entry_points(make_ep("typo", "typo_plugin", "typo-kernels", "0.1"))
     reg = Registry()
     (reason,) = reg.device_reasons("typo", CPU)
-    assert "its paged_decode wrapper mstar_core.backends.reference:NoSuchWrapper cannot be loaded (AttributeError" in reason
+    assert ("its paged_decode wrapper mstar_core.backends.reference:NoSuchWrapper cannot be loaded (AttributeError"
+            in reason)
     monkeypatch.setattr("mstar_core.registry.registry._default", reg)
     assert main(["backends", "--json", "--device", "cpu"]) == 0
     data = json.loads(capsys.readouterr().out)
@@ -203,9 +207,10 @@ def test_a_hook_failure_names_its_distribution_entry_point_and_backend(raising_p
     assert (f.entry_point, f.distribution, f.version, f.stage, f.backends) == (
         "tpkernel", "tpkernel-mstar", "0.3", "register", ("tpk",))
     assert "unknown devices ['gpu']" in f.error
-    with pytest.raises(BackendUnavailable, match=r"'tpk' \(from argument\) is unknown: its plugin failed: plugin "
-                                                 r"'tpkernel' \(tpkernel-mstar 0.3, meant to register 'tpk'\) failed at "
-                                                 r"register: ValueError"):
+    with pytest.raises(BackendUnavailable,
+                       match=r"'tpk' \(from argument\) is unknown: its plugin failed: plugin "
+                             r"'tpkernel' \(tpkernel-mstar 0.3, meant to register 'tpk'\) failed at "
+                             r"register: InputError"):
         select_backend(("paged_decode",), requested="tpk", device=CPU, dtype=F32, registry=reg)
 
 
@@ -217,12 +222,14 @@ def test_strict_mode_fails_one_way_on_the_cli(kind, fake_module, make_ep, fake_e
         fake_module("nohook_plugin", x=1)
         fake_entry_points(make_ep("nohook", "nohook_plugin", "nohook-kernels", "1.0"))
     elif kind == "provides":
-        plugin(fake_module, "typo_plugin", spec("typo", provides={"paged_decode": "mstar_core.backends.reference:Nope"}))
+        plugin(fake_module, "typo_plugin",
+               spec("typo", provides={"paged_decode": "mstar_core.backends.reference:Nope"}))
         fake_entry_points(make_ep("typo", "typo_plugin", "typo-kernels", "1.0"))
     else:
         plugin(fake_module, "a_plugin", spec("fast"))
         plugin(fake_module, "b_plugin", spec("fast"))
-        fake_entry_points(make_ep("fast", "a_plugin", "a-kernels", "1.0"), make_ep("fast", "b_plugin", "b-kernels", "1.0"))
+        fake_entry_points(make_ep("fast", "a_plugin", "a-kernels", "1.0"),
+                          make_ep("fast", "b_plugin", "b-kernels", "1.0"))
     monkeypatch.setenv("MSTAR_STRICT_PLUGINS", "1")
     assert main(["backends", "--device", "cpu"]) == 2
     err = capsys.readouterr().err

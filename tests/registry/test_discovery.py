@@ -7,7 +7,8 @@ import sys
 
 import pytest
 
-from mstar_core.registry import BackendSpec, PluginError, Registry, hookimpl
+from mstar_core import BackendSpec, PluginError, Registry, hookimpl
+from mstar_core.registry.discovery import entry_points, env_flag
 
 
 def spec(name: str) -> BackendSpec:
@@ -167,3 +168,32 @@ def test_spec_validation_names_what_is_wrong():
         BackendSpec(name="x", provides={"mixed": "no_colon"})
     with pytest.raises(ValueError, match="unknown devices"):
         BackendSpec(name="x", provides={"mixed": "m:a"}, devices=("tpu",))
+
+
+@pytest.mark.parametrize("raw,expected", [("\tyes\n", True), ("  1", True), ("TRUE  ", True), ("\toff ", False),
+                                          (" 0\n", False)])
+def test_env_flag_ignores_blanks_around_the_value(monkeypatch, raw, expected):
+    """A boolean environment variable is read with surrounding blanks (spaces, tabs, a newline
+    from ``$(cat file)``) ignored, in any case."""
+    monkeypatch.setenv("MSTAR_TEST_FLAG", raw)
+    assert env_flag("MSTAR_TEST_FLAG") is expected
+
+
+def test_an_entry_point_listed_twice_loads_once(fake_module, make_ep, fake_entry_points):
+    """A distribution installed twice (editable and a --target copy) lists its entry point twice:
+    discovery keeps the first of each (name, value) pair, so the plugin registers once and no
+    "duplicate" failure is recorded."""
+    calls = []
+
+    @hookimpl
+    def hook(register):
+        calls.append(1)
+        register(spec("twice"))
+
+    fake_module("fake_twice", mstar_register_backends=hook)
+    ep = make_ep("twice", "fake_twice", "mstar-twice", "1.0")
+    fake_entry_points(ep, make_ep("twice", "fake_twice", "mstar-twice", "1.0"))
+    assert [(e.name, e.value) for e in entry_points()].count(("twice", "fake_twice")) == 1
+    reg = Registry()
+    assert calls == [1]
+    assert "twice" in reg.names() and reg.failures == []

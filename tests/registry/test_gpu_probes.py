@@ -14,10 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
+from mstar_core import Registry, dense_selection
 from mstar_core.cli.backends import collect
-from mstar_core.registry import Registry
 from mstar_core.registry.device import device_arch
-from mstar_core.registry.dense import dense_selection
 
 
 @pytest.mark.gpu

@@ -11,17 +11,18 @@ import pytest
 import torch
 
 import mstar_fa3.probe
-from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
-from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.features import AttentionFeatures
-from mstar_core.registry import (
+from mstar_core import (
+    AttentionFeatures,
     BackendSpec,
     BackendUnavailable,
     Registry,
-    auto_order,
+    dense_or_flashinfer,
+    dense_selection,
     select_backend,
 )
-from mstar_core.registry.dense import dense_or_flashinfer, dense_selection
+from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.registry import auto_order
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
 from mstar_rocm.plugin import AITER
@@ -29,6 +30,7 @@ from mstar_rocm.plugin import AITER
 PAGED = ("paged_prefill", "paged_decode", "mixed")
 ALL_LIBS = {"flashinfer": "0.5.3", "flash_attn_interface": "3.0.0", "aiter": "0.1.7"}
 BF16 = torch.bfloat16
+F32 = torch.float32
 
 
 def on_reference(spec: BackendSpec) -> BackendSpec:
@@ -80,7 +82,7 @@ def test_auto_on_cpu_picks_the_reference_and_says_why_not_the_others(reg, caplog
 
     ragged = pick(reg, ("prefixed_ragged",), device="cpu", dtype=torch.float32)
     assert ragged.name == "reference"
-    assert list(ragged.rejected) == ["fa3", "rocm", "flashinfer"]  # seed 000's order
+    assert list(ragged.rejected) == ["fa3", "rocm", "flashinfer"]  # the dense rule's order: FA3, AITER, FlashInfer
 
 
 def test_auto_sm80_flashinfer_everywhere_fa3_has_no_kernel(reg, fake_gpu, fake_installed, fa3_kernel):
@@ -227,7 +229,8 @@ def test_unknown_name_lists_the_known_ones(reg):
     msg = str(e.value)
     assert "'nope'" in msg and "is unknown" in msg
     assert "Known backends: fa3, flashinfer, reference, rocm" in msg
-    assert "can run here (device cpu, dtype float32, head_dim 64, capabilities paged_prefill, paged_decode, mixed): reference" in msg
+    assert ("can run here (device cpu, dtype float32, head_dim 64, capabilities paged_prefill, paged_decode, mixed): "
+            "reference") in msg
 
 
 def test_unknown_name_whose_plugin_failed_says_so(fake_entry_points, make_ep):
@@ -254,7 +257,7 @@ def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
 
 
 def test_env_overrides_the_constructor_argument_too(reg, monkeypatch, caplog):
-    """Issue 3 counts the constructor argument (a manager spec's "backend") as config: an
+    """The constructor argument (a manager spec's "backend") counts as config: an
     operator's MSTAR_ATTENTION_BACKEND wins over it, and the log says what it overrode."""
     caplog.set_level(logging.INFO, logger="mstar.registry")
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
@@ -360,7 +363,7 @@ def test_dense_probe_runs_once_per_device(reg, fake_gpu, fake_installed, fa3_ker
     assert calls == ["cuda"]
 
 
-# -- attention features (issue 13) --------------------------------------------------------------
+# -- attention features --------------------------------------------------------------------------
 
 SINK_REASON = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator) in"
 
@@ -426,3 +429,39 @@ def test_plain_attention_is_asked_of_nobody(reg):
     assert AttentionFeatures(layer_windows=(64, 64)).requested() == ()
     sel = pick(reg, ("bounded",), device="cpu", dtype=torch.float32, features=AttentionFeatures(layer_windows=(4, -1)))
     assert sel.name == "reference"  # windows per layer do not reach the bounded kernels
+
+
+def cpu_spec(name: str, priority: int = 0) -> BackendSpec:
+    """A backend that can serve ``bounded`` on the CPU in float32 (through the reference's wrapper)."""
+    return BackendSpec(name=name, provides={"bounded": REFERENCE.provides["bounded"]}, devices=("cpu",),
+                       dtypes=(F32,), priority=priority)
+
+
+def test_auto_picks_the_third_party_backend_of_highest_priority():
+    """Among third-party plugins that can all serve the request, auto takes the one with the
+    highest declared priority — whatever the registration or alphabetical order — and records
+    none of the lower ones as rejected (they were never tried)."""
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg.register(cpu_spec("alpha", priority=1))
+    reg.register(cpu_spec("omega", priority=9))
+    reg.register(cpu_spec("mid", priority=4))
+    sel = select_backend(("bounded",), requested="auto", device="cpu", dtype=F32, head_dim=64, registry=reg)
+    assert sel.name == "omega" and sel.rejected == {}
+    reg2 = Registry(discover=False)
+    reg2.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg2.register(cpu_spec("low", priority=-3))
+    reg2.register(cpu_spec("high", priority=2))
+    sel = select_backend(("bounded",), requested="auto", device="cpu", dtype=F32, head_dim=64, registry=reg2)
+    assert sel.name == "high"
+
+
+def test_a_requested_name_with_blanks_around_it_selects_that_backend():
+    """A backend name given with blanks around it (``" reference "``, as a config line or an
+    argument may hold it) names that backend."""
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    reg.register(cpu_spec("toy"))
+    for requested, want in ((" reference ", "reference"), ("toy\n", "toy")):
+        sel = select_backend(("bounded",), requested=requested, device="cpu", dtype=F32, head_dim=64, registry=reg)
+        assert sel.name == want and sel.requested == want and sel.source == "argument"

@@ -14,7 +14,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from ..helpers import REPO
+
+pytestmark = pytest.mark.slow  # every test builds and installs wheels and runs fresh processes
 DOC = REPO / "docs" / "PLUGINS.md"
 
 BROKEN_PYPROJECT = """

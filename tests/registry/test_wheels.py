@@ -10,7 +10,9 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[2]
+from ..helpers import REPO
+
+pytestmark = pytest.mark.slow  # every test builds a wheel
 PACKAGES = ("mstar_flashinfer", "mstar_fa3", "mstar_rocm")
 KERNEL_DEPENDENCY = {"flashinfer": "flashinfer-python<=0.7.4,>=0.5.3", "fa3": None, "rocm": "amd-aiter"}
 

@@ -43,7 +43,8 @@ def flash_attn_varlen_func(
     for name, val in (("bias", bias), ("alibi_slopes", alibi_slopes), ("block_table", block_table)):
         if val is not None:
             raise NotImplementedError(f"stand-in aiter.flash_attn_varlen_func: {name} is not modelled")
-    _math.check_common("aiter.flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k, (torch.float16, torch.bfloat16))
+    _math.check_common("aiter.flash_attn_varlen_func", q, k, v, cu_seqlens_q, cu_seqlens_k,
+                       (torch.float16, torch.bfloat16))
     out, lse = _math.varlen_attention(q, k, v, cu_seqlens_q, cu_seqlens_k, softmax_scale, causal, tuple(window_size))
     result = [out]
     if return_lse:

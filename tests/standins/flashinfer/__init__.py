@@ -26,7 +26,10 @@ from . import prefill as _prefill
 from ._common import PROFILE
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .page import get_seq_lens
-from .prefill import BatchPrefillWithPagedKVCacheWrapper, BatchPrefillWithRaggedKVCacheWrapper
+from .prefill import (
+    BatchPrefillWithPagedKVCacheWrapper,
+    BatchPrefillWithRaggedKVCacheWrapper,
+)
 
 __version__ = "0.5.3"
 STANDIN = True  # lets a test tell the stand-in from the real library

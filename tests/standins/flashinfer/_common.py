@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence, Union
+from collections.abc import Sequence
 
 import torch
 
@@ -44,15 +44,15 @@ def is_float8(x: torch.Tensor) -> bool:
     return x.dtype in _FP8
 
 
-def soft_cap_on(logits_soft_cap: Optional[float]) -> bool:
+def soft_cap_on(logits_soft_cap: float | None) -> bool:
     """0.5.3 turns soft-cap on with ``logits_soft_cap > 0`` (None is 0.0: decode.py:918-919,
     prefill.py:1682 and 2634): the module is built ``use_logits_soft_cap=logits_soft_cap > 0``
     (decode.py:1041/1079, prefill.py:1834/2731), so 0, None and negative caps are off."""
     return logits_soft_cap is not None and logits_soft_cap > 0
 
 
-def run_sm_scale(sm_scale: Optional[float], head_dim: int, q_scale: Optional[float],
-                 k_scale: Optional[float]) -> float:
+def run_sm_scale(sm_scale: float | None, head_dim: int, q_scale: float | None,
+                 k_scale: float | None) -> float:
     """The scale the kernel gets (decode.py:1257-1265, prefill.py:2061-2068): the plan's
     ``sm_scale`` (default ``1/sqrt(head_dim)``) times ``q_scale`` and ``k_scale``. So scores are
     ``q . k_stored * sm_scale * q_scale * k_scale``, soft-capped after that."""
@@ -65,7 +65,7 @@ def run_sm_scale(sm_scale: Optional[float], head_dim: int, q_scale: Optional[flo
     return sm_scale
 
 
-def apply_v_scale(out: torch.Tensor, v_scale: Optional[float]) -> torch.Tensor:
+def apply_v_scale(out: torch.Tensor, v_scale: float | None) -> torch.Tensor:
     """After the kernel (decode.py:1376-1381, prefill.py:2207-2212): ``out`` (in q's dtype, the
     caller's buffer when given) scaled in place, or a new tensor for an FP8 output."""
     if v_scale is not None:
@@ -76,7 +76,7 @@ def apply_v_scale(out: torch.Tensor, v_scale: Optional[float]) -> torch.Tensor:
     return out
 
 
-def refuse_sinks(sinks: Optional[torch.Tensor], backend: str, where: str) -> None:
+def refuse_sinks(sinks: torch.Tensor | None, backend: str, where: str) -> None:
     """0.5.3's ``run(..., sinks=)`` reaches the sinks only on the trtllm-gen backend (sm100):
     the paged prefill passes them to ``paged_run`` (prefill.py:2202), whose fa2 and fa3
     branches drop them (prefill.py:514-671; only the trtllm-gen branch uses them, 589); the
@@ -94,7 +94,7 @@ def refuse_sinks(sinks: Optional[torch.Tensor], backend: str, where: str) -> Non
 
 
 def build_module(kind: str, q_dtype: torch.dtype, kv_dtype: torch.dtype, head_dim: int, window_left: int,
-                 soft_cap: Optional[float], backend: str = "fa2") -> str:
+                 soft_cap: float | None, backend: str = "fa2") -> str:
     """The module a plan needs, named as FlashInfer names it (jit/attention/modules.py), "built"
     into the JIT folder the first time: an empty file, as no compiler runs here."""
     from .jit import env
@@ -129,27 +129,29 @@ def new_out(shape, q: torch.Tensor) -> torch.Tensor:
     return (torch.zeros if PROFILE.q_rows_check else torch.empty)(shape, dtype=q.dtype, device=q.device)
 
 
-def canonicalize_torch_dtype(dtype: Union[torch.dtype, str]) -> torch.dtype:
+def canonicalize_torch_dtype(dtype: torch.dtype | str) -> torch.dtype:
     if isinstance(dtype, str):
         return getattr(torch, dtype)
     if isinstance(dtype, torch.dtype):
         return dtype
-    raise TypeError("dtype must be a string or torch.dtype, got {}".format(type(dtype)))
+    raise TypeError(f"dtype must be a string or torch.dtype, got {type(dtype)}")
 
 
 def check_kv_layout(kv_layout: str) -> None:
     if kv_layout not in ("NHD", "HND"):
-        raise KeyError("Invalid kv_layout {}".format(kv_layout))
+        raise KeyError(f"Invalid kv_layout {kv_layout}")
 
 
 def check_cached_qkv_data_type(q: torch.Tensor, k: torch.Tensor, dtype_q: torch.dtype, dtype_kv: torch.dtype) -> None:
     if q.dtype != dtype_q:
-        raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {dtype_q} specified in plan function.")
+        raise ValueError(f"The dtype of q {q.dtype} does not match the q_data_type {dtype_q} specified in plan "
+                         "function.")
     if k.dtype != dtype_kv:
-        raise ValueError(f"The dtype of k {k.dtype} does not match the kv_data_type {dtype_kv} specified in plan function.")
+        raise ValueError(f"The dtype of k {k.dtype} does not match the kv_data_type {dtype_kv} specified in plan "
+                         "function.")
 
 
-def check_shape_dtype_device(x: torch.Tensor, expected_shape: Optional[Sequence[int]], expected_dtype,
+def check_shape_dtype_device(x: torch.Tensor, expected_shape: Sequence[int] | None, expected_dtype,
                              expected_device, name: str) -> None:
     if expected_shape and x.shape != torch.Size(expected_shape):
         raise ValueError(f"Invalid shape of {name}: expected {expected_shape}, got {x.shape}")
@@ -165,7 +167,8 @@ def unpack_paged_kv_cache(paged_kv_cache, kv_layout: str) -> tuple[torch.Tensor,
     if torch.is_tensor(paged_kv_cache):
         k, v = paged_kv_cache.unbind(dim=1)
         return k, v
-    raise KeyError(f"Unrecognized paged_kv_cache type {type(paged_kv_cache)}, expect a single tensor or a tuple of tensor.")
+    raise KeyError(f"Unrecognized paged_kv_cache type {type(paged_kv_cache)}, expect a single tensor or a tuple of "
+                   "tensor.")
 
 
 def unsupported(**named) -> None:
@@ -178,7 +181,7 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor, batch_size: int,
     causal: bool, window_left: int, sm_scale: float, kv_layout: str, out: torch.Tensor,
-    logits_soft_cap: Optional[float] = None,
+    logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     """What the paged kernels compute, read from the (device) buffers they would read. The
     cache is read in its stored dtype (FP8 too) and converted to float for the math; scores are
@@ -200,7 +203,7 @@ def paged_attention(
     return out
 
 
-def _extras(logits_soft_cap: Optional[float]) -> dict:
+def _extras(logits_soft_cap: float | None) -> dict:
     """The reference math's soft-cap, asked for only when the cap is on (the plain path keeps
     the original call)."""
     if not soft_cap_on(logits_soft_cap):
@@ -212,7 +215,7 @@ def _extras(logits_soft_cap: Optional[float]) -> dict:
 
 def ragged_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor,
-    causal: bool, window_left: int, sm_scale: float, out: torch.Tensor, logits_soft_cap: Optional[float] = None,
+    causal: bool, window_left: int, sm_scale: float, out: torch.Tensor, logits_soft_cap: float | None = None,
 ) -> torch.Tensor:
     qo, kv = qo_indptr.cpu().long(), kv_indptr.cpu().long()
     k_lens = kv[1:] - kv[:-1]

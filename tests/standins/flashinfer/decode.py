@@ -2,13 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Tuple, Union
+from typing import Any
 
 import torch
 
-from ._common import (apply_v_scale, build_module, canonicalize_torch_dtype, check_cached_qkv_data_type,
-                      check_kv_layout, check_shape_dtype_device, paged_attention, refuse_sinks, run_sm_scale,
-                      unpack_paged_kv_cache, unsupported)
+from ._common import (
+    apply_v_scale,
+    build_module,
+    canonicalize_torch_dtype,
+    check_cached_qkv_data_type,
+    check_kv_layout,
+    check_shape_dtype_device,
+    paged_attention,
+    refuse_sinks,
+    run_sm_scale,
+    unpack_paged_kv_cache,
+    unsupported,
+)
 
 
 class BatchDecodeWithPagedKVCacheWrapper:
@@ -18,11 +28,11 @@ class BatchDecodeWithPagedKVCacheWrapper:
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
         use_tensor_cores: bool = False,
-        paged_kv_indptr_buffer: Optional[torch.Tensor] = None,
-        paged_kv_indices_buffer: Optional[torch.Tensor] = None,
-        paged_kv_last_page_len_buffer: Optional[torch.Tensor] = None,
+        paged_kv_indptr_buffer: torch.Tensor | None = None,
+        paged_kv_indices_buffer: torch.Tensor | None = None,
+        paged_kv_last_page_len_buffer: torch.Tensor | None = None,
         backend: str = "auto",
-        jit_args: Optional[List[Any]] = None,
+        jit_args: list[Any] | None = None,
     ) -> None:
         check_kv_layout(kv_layout)
         unsupported(jit_args=jit_args)
@@ -71,17 +81,17 @@ class BatchDecodeWithPagedKVCacheWrapper:
         page_size: int,
         pos_encoding_mode: str = "NONE",
         window_left: int = -1,
-        logits_soft_cap: Optional[float] = None,
-        q_data_type: Optional[Union[str, torch.dtype]] = "float16",
-        kv_data_type: Optional[Union[str, torch.dtype]] = None,
-        data_type: Optional[Union[str, torch.dtype]] = None,
-        sm_scale: Optional[float] = None,
-        rope_scale: Optional[float] = None,
-        rope_theta: Optional[float] = None,
+        logits_soft_cap: float | None = None,
+        q_data_type: str | torch.dtype | None = "float16",
+        kv_data_type: str | torch.dtype | None = None,
+        data_type: str | torch.dtype | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
         non_blocking: bool = True,
-        block_tables: Optional[torch.Tensor] = None,
-        seq_lens: Optional[torch.Tensor] = None,
-        fixed_split_size: Optional[int] = None,
+        block_tables: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
     ) -> None:
         unsupported(pos_encoding_mode=pos_encoding_mode, block_tables=block_tables)
@@ -95,8 +105,8 @@ class BatchDecodeWithPagedKVCacheWrapper:
         if self.is_cuda_graph_enabled:
             if batch_size != self._fixed_batch_size:
                 raise ValueError(
-                    "The batch size should be fixed in cudagraph mode, the runtime batch size {} "
-                    " mismatches the batch size set during initialization {}".format(batch_size, self._fixed_batch_size))
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch_size} "
+                    f" mismatches the batch size set during initialization {self._fixed_batch_size}")
             if len(indices) > len(self._paged_kv_indices_buf):
                 raise ValueError("The size of indices should be less than or equal to the allocated buffer")
             self._paged_kv_indptr_buf.copy_(indptr, non_blocking=non_blocking)
@@ -135,18 +145,18 @@ class BatchDecodeWithPagedKVCacheWrapper:
     def run(
         self,
         q: torch.Tensor,
-        paged_kv_cache: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         *args,
-        q_scale: Optional[float] = None,
-        k_scale: Optional[float] = None,
-        v_scale: Optional[float] = None,
-        out: Optional[torch.Tensor] = None,
-        lse: Optional[torch.Tensor] = None,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
         return_lse: bool = False,
-        enable_pdl: Optional[bool] = None,
-        window_left: Optional[int] = None,
-        sinks: Optional[torch.Tensor] = None,
-        q_len_per_req: Optional[int] = 1,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: torch.Tensor | None = None,
+        q_len_per_req: int | None = 1,
     ) -> torch.Tensor:
         unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"

@@ -3,13 +3,27 @@
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any
 
 import torch
 
-from ._common import (PROFILE, apply_v_scale, build_module, canonicalize_torch_dtype, check_q_rows, new_out,
-                      check_cached_qkv_data_type, check_kv_layout, check_shape_dtype_device, paged_attention,
-                      ragged_attention, refuse_sinks, run_sm_scale, unpack_paged_kv_cache, unsupported)
+from ._common import (
+    PROFILE,
+    apply_v_scale,
+    build_module,
+    canonicalize_torch_dtype,
+    check_cached_qkv_data_type,
+    check_kv_layout,
+    check_q_rows,
+    check_shape_dtype_device,
+    new_out,
+    paged_attention,
+    ragged_attention,
+    refuse_sinks,
+    run_sm_scale,
+    unpack_paged_kv_cache,
+    unsupported,
+)
 from .page import get_seq_lens
 
 
@@ -19,15 +33,15 @@ class BatchPrefillWithPagedKVCacheWrapper:
         float_workspace_buffer: torch.Tensor,
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
-        qo_indptr_buf: Optional[torch.Tensor] = None,
-        paged_kv_indptr_buf: Optional[torch.Tensor] = None,
-        paged_kv_indices_buf: Optional[torch.Tensor] = None,
-        paged_kv_last_page_len_buf: Optional[torch.Tensor] = None,
-        custom_mask_buf: Optional[torch.Tensor] = None,
-        mask_indptr_buf: Optional[torch.Tensor] = None,
+        qo_indptr_buf: torch.Tensor | None = None,
+        paged_kv_indptr_buf: torch.Tensor | None = None,
+        paged_kv_indices_buf: torch.Tensor | None = None,
+        paged_kv_last_page_len_buf: torch.Tensor | None = None,
+        custom_mask_buf: torch.Tensor | None = None,
+        mask_indptr_buf: torch.Tensor | None = None,
         backend: str = "auto",
-        jit_args: Optional[List[Any]] = None,
-        jit_kwargs: Optional[Dict[str, Any]] = None,
+        jit_args: list[Any] | None = None,
+        jit_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_kv_layout(kv_layout)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args)
@@ -55,7 +69,7 @@ class BatchPrefillWithPagedKVCacheWrapper:
         self._paged_kv_indptr_buf = paged_kv_indptr_buf
         self._paged_kv_indices_buf = paged_kv_indices_buf
         self._paged_kv_last_page_len_buf = paged_kv_last_page_len_buf
-        self._max_total_num_rows: Optional[int] = None
+        self._max_total_num_rows: int | None = None
         self._backend = backend
         self._plan_info = None
 
@@ -73,30 +87,30 @@ class BatchPrefillWithPagedKVCacheWrapper:
         num_kv_heads: int,
         head_dim_qk: int,
         page_size: int,
-        head_dim_vo: Optional[int] = None,
-        custom_mask: Optional[torch.Tensor] = None,
-        packed_custom_mask: Optional[torch.Tensor] = None,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
         causal: bool = False,
         pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False,
-        sm_scale: Optional[float] = None,
+        sm_scale: float | None = None,
         window_left: int = -1,
-        logits_soft_cap: Optional[float] = None,
-        rope_scale: Optional[float] = None,
-        rope_theta: Optional[float] = None,
-        q_data_type: Union[str, torch.dtype] = "float16",
-        kv_data_type: Optional[Union[str, torch.dtype]] = None,
+        logits_soft_cap: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
         non_blocking: bool = True,
-        prefix_len_ptr: Optional[torch.Tensor] = None,
-        token_pos_in_items_ptr: Optional[torch.Tensor] = None,
+        prefix_len_ptr: torch.Tensor | None = None,
+        token_pos_in_items_ptr: torch.Tensor | None = None,
         token_pos_in_items_len: int = 0,
-        max_item_len_ptr: Optional[torch.Tensor] = None,
-        seq_lens: Optional[torch.Tensor] = None,
-        seq_lens_q: Optional[torch.Tensor] = None,
-        block_tables: Optional[torch.Tensor] = None,
-        max_token_per_sequence: Optional[int] = None,
-        max_sequence_kv: Optional[int] = None,
-        fixed_split_size: Optional[int] = None,
+        max_item_len_ptr: torch.Tensor | None = None,
+        seq_lens: torch.Tensor | None = None,
+        seq_lens_q: torch.Tensor | None = None,
+        block_tables: torch.Tensor | None = None,
+        max_token_per_sequence: int | None = None,
+        max_sequence_kv: int | None = None,
+        fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
     ) -> None:
         unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
@@ -122,13 +136,14 @@ class BatchPrefillWithPagedKVCacheWrapper:
                 self._max_total_num_rows = total_num_rows
             elif total_num_rows > self._max_total_num_rows:
                 raise ValueError(
-                    "The total number of rows in qo_indptr {} in cuda graph mode cannot "
-                    "exceed the number of rows set during initialization {}.".format(total_num_rows, self._max_total_num_rows))
+                    f"The total number of rows in qo_indptr {total_num_rows} in cuda graph mode cannot "
+                    f"exceed the number of rows set during initialization {self._max_total_num_rows}.")
             if batch_size != self._fixed_batch_size:
                 raise ValueError(
                     "The batch size should be fixed during the lifecycle of the wrapper in "
-                    "cuda graph mode, the runtime batch size {} mismatches the batch size {} "
-                    " set during initialization.".format(batch_size, self._fixed_batch_size))
+                    f"cuda graph mode, the runtime batch size {batch_size} mismatches the batch size "
+                    f"{self._fixed_batch_size} "
+                    " set during initialization.")
             if len(paged_kv_indices) > len(self._paged_kv_indices_buf):
                 raise ValueError("The length of paged_kv_indices exceeds the allocated buffer size.")
             self._qo_indptr_buf.copy_(qo_indptr, non_blocking=non_blocking)
@@ -161,17 +176,17 @@ class BatchPrefillWithPagedKVCacheWrapper:
     def run(
         self,
         q: torch.Tensor,
-        paged_kv_cache: Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]],
+        paged_kv_cache: torch.Tensor | tuple[torch.Tensor, torch.Tensor],
         *args,
-        q_scale: Optional[float] = None,
-        k_scale: Optional[float] = None,
-        v_scale: Optional[float] = None,
-        out: Optional[torch.Tensor] = None,
-        lse: Optional[torch.Tensor] = None,
+        q_scale: float | None = None,
+        k_scale: float | None = None,
+        v_scale: float | None = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
         return_lse: bool = False,
-        enable_pdl: Optional[bool] = None,
-        window_left: Optional[int] = None,
-        sinks: Optional[torch.Tensor] = None,
+        enable_pdl: bool | None = None,
+        window_left: int | None = None,
+        sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
@@ -199,13 +214,13 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         float_workspace_buffer: torch.Tensor,
         kv_layout: str = "NHD",
         use_cuda_graph: bool = False,
-        qo_indptr_buf: Optional[torch.Tensor] = None,
-        kv_indptr_buf: Optional[torch.Tensor] = None,
-        custom_mask_buf: Optional[torch.Tensor] = None,
-        mask_indptr_buf: Optional[torch.Tensor] = None,
+        qo_indptr_buf: torch.Tensor | None = None,
+        kv_indptr_buf: torch.Tensor | None = None,
+        custom_mask_buf: torch.Tensor | None = None,
+        mask_indptr_buf: torch.Tensor | None = None,
         backend: str = "auto",
-        jit_args: Optional[List[Any]] = None,
-        jit_kwargs: Optional[Dict[str, Any]] = None,
+        jit_args: list[Any] | None = None,
+        jit_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_kv_layout(kv_layout)
         unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args)
@@ -220,13 +235,13 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                 raise ValueError("kv_indptr_buf should be a torch.Tensor in cuda graph mode")
             self._fixed_batch_size = len(qo_indptr_buf) - 1
             if len(kv_indptr_buf) != self._fixed_batch_size + 1:
-                raise ValueError("The length of kv_indptr_buf ({}) should be the same as qo_indptr_buf ({}).".format(
-                    len(kv_indptr_buf), self._fixed_batch_size + 1))
+                raise ValueError(f"The length of kv_indptr_buf ({len(kv_indptr_buf)}) should be the same as "
+                                 f"qo_indptr_buf ({self._fixed_batch_size + 1}).")
         else:
             self._fixed_batch_size = 0
         self._qo_indptr_buf = qo_indptr_buf
         self._kv_indptr_buf = kv_indptr_buf
-        self._max_total_num_rows: Optional[int] = None
+        self._max_total_num_rows: int | None = None
         self._backend = backend
         self._plan_info = None
 
@@ -241,25 +256,25 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         num_qo_heads: int,
         num_kv_heads: int,
         head_dim_qk: int,
-        head_dim_vo: Optional[int] = None,
-        custom_mask: Optional[torch.Tensor] = None,
-        packed_custom_mask: Optional[torch.Tensor] = None,
+        head_dim_vo: int | None = None,
+        custom_mask: torch.Tensor | None = None,
+        packed_custom_mask: torch.Tensor | None = None,
         causal: bool = False,
         pos_encoding_mode: str = "NONE",
         use_fp16_qk_reduction: bool = False,
         window_left: int = -1,
-        logits_soft_cap: Optional[float] = None,
-        sm_scale: Optional[float] = None,
-        rope_scale: Optional[float] = None,
-        rope_theta: Optional[float] = None,
-        q_data_type: Union[str, torch.dtype] = "float16",
-        kv_data_type: Optional[Union[str, torch.dtype]] = None,
+        logits_soft_cap: float | None = None,
+        sm_scale: float | None = None,
+        rope_scale: float | None = None,
+        rope_theta: float | None = None,
+        q_data_type: str | torch.dtype = "float16",
+        kv_data_type: str | torch.dtype | None = None,
         non_blocking: bool = True,
-        prefix_len_ptr: Optional[torch.Tensor] = None,
-        token_pos_in_items_ptr: Optional[torch.Tensor] = None,
+        prefix_len_ptr: torch.Tensor | None = None,
+        token_pos_in_items_ptr: torch.Tensor | None = None,
         token_pos_in_items_len: int = 0,
-        max_item_len_ptr: Optional[torch.Tensor] = None,
-        fixed_split_size: Optional[int] = None,
+        max_item_len_ptr: torch.Tensor | None = None,
+        fixed_split_size: int | None = None,
         disable_split_kv: bool = False,
     ) -> None:
         unsupported(custom_mask=custom_mask, packed_custom_mask=packed_custom_mask, pos_encoding_mode=pos_encoding_mode,
@@ -279,12 +294,12 @@ class BatchPrefillWithRaggedKVCacheWrapper:
                 self._max_total_num_rows = total_num_rows
             elif total_num_rows > self._max_total_num_rows:
                 raise ValueError(
-                    "The total number of rows in qo_indptr {} in cuda graph mode cannot "
-                    "exceed the number of rows set during initialization {}.".format(total_num_rows, self._max_total_num_rows))
+                    f"The total number of rows in qo_indptr {total_num_rows} in cuda graph mode cannot "
+                    f"exceed the number of rows set during initialization {self._max_total_num_rows}.")
             if batch_size != self._fixed_batch_size:
                 raise ValueError(
-                    "The batch size should be fixed in cudagraph mode, the runtime batch size {} "
-                    " mismatches the batch size set during initialization {}.".format(batch_size, self._fixed_batch_size))
+                    f"The batch size should be fixed in cudagraph mode, the runtime batch size {batch_size} "
+                    f" mismatches the batch size set during initialization {self._fixed_batch_size}.")
             self._qo_indptr_buf.copy_(qo_indptr, non_blocking=non_blocking)
             self._kv_indptr_buf.copy_(kv_indptr, non_blocking=non_blocking)
         else:
@@ -308,10 +323,10 @@ class BatchPrefillWithRaggedKVCacheWrapper:
         k: torch.Tensor,
         v: torch.Tensor,
         *args,
-        out: Optional[torch.Tensor] = None,
-        lse: Optional[torch.Tensor] = None,
+        out: torch.Tensor | None = None,
+        lse: torch.Tensor | None = None,
         return_lse: bool = False,
-        enable_pdl: Optional[bool] = None,
+        enable_pdl: bool | None = None,
     ) -> torch.Tensor:
         unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
@@ -332,7 +347,7 @@ class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper
     """0.7.4's constructor: the graph-mode token budget can be given up front (prefill.py 2935-3051,
     the same checks); its other parameters are 0.5.3's, passed through."""
 
-    def __init__(self, *args: Any, variant_owns_mask: bool = False, max_total_num_rows: Optional[int] = None,
+    def __init__(self, *args: Any, variant_owns_mask: bool = False, max_total_num_rows: int | None = None,
                  **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         if max_total_num_rows is not None:
@@ -343,7 +358,7 @@ class BatchPrefillWithPagedKVCacheWrapper074(BatchPrefillWithPagedKVCacheWrapper
         unsupported(variant_owns_mask=variant_owns_mask)
         self._max_total_num_rows = max_total_num_rows
         self._auto = self._backend == "auto"
-        self._cuda_graph_backend: Optional[str] = None
+        self._cuda_graph_backend: str | None = None
 
     def _determine_auto_backend(self, max_q_len: int) -> str:
         """0.7.4 on Hopper: fa2 for a plan whose longest query is at most 64 tokens, else fa3

@@ -2,7 +2,6 @@
 keyword-only head dims): fa3 on an sm90 GPU for fp16/bf16 without custom mask, RoPE or fp16 QK
 reduction, else fa2."""
 
-from typing import Optional
 
 import torch
 
@@ -15,8 +14,8 @@ def determine_attention_backend(
     dtype_q: torch.dtype,
     dtype_kv: torch.dtype,
     *,
-    head_dim_qk: Optional[int] = None,
-    head_dim_vo: Optional[int] = None,
+    head_dim_qk: int | None = None,
+    head_dim_vo: int | None = None,
 ) -> str:
     device = torch.device(device)
     sm90 = device.type == "cuda" and torch.cuda.get_device_capability(device) == (9, 0)

@@ -1,0 +1,76 @@
+"""The `mstar` command as a user runs it."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from mstar_core.cli import build_parser, main
+
+
+def mstar(*args, env=None):
+    import os
+
+    e = dict(os.environ, **(env or {}))
+    return subprocess.run([sys.executable, "-m", "mstar_core.cli", *args], capture_output=True, text=True, env=e,
+                          timeout=300)
+
+
+@pytest.mark.slow
+def test_demo_runs_and_reports():
+    r = mstar("demo")
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert "backend: reference" in out and "OK" in out and "tokens/s" in out
+    assert "prefill 1" in out and "mixed" in out and "decode" in out
+
+
+@pytest.mark.slow
+def test_unknown_backend_fails_listing_known_ones():
+    r = mstar("demo", env={"MSTAR_ATTENTION_BACKEND": "nope"})
+    assert r.returncode == 2
+    assert "'nope'" in r.stderr and "Known backends:" in r.stderr and "reference" in r.stderr
+
+
+def test_bench_json(capsys):
+    assert main(["bench", "--steps", "3", "--warmup", "1", "--batch", "2", "--context", "20", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["backend"] == "reference" and res["median_step_ms"] > 0 and res["tokens_per_s"] > 0
+    assert res["gpu_step_ms"] is None  # no CUDA here, and the output says so rather than inventing one
+
+
+def test_bench_graphs_and_preplan_on_cpu(capsys):
+    argv = ["bench", "--steps", "3", "--warmup", "1", "--batch", "3", "--context", "17", "--graphs", "--preplan"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out
+    assert "graphs on, pre-plan on" in out and "median step time" in out
+
+
+def test_bench_help_documents_every_option():
+    sub = build_parser()._subparsers._group_actions[0].choices["bench"]
+    for action in sub._actions:
+        if action.option_strings and action.dest != "help":
+            assert action.help, f"--{action.dest} has no help"
+    text = sub.format_help()
+    for opt in ("--layers", "--qo-heads", "--kv-heads", "--head-dim", "--batch", "--context", "--backend",
+                "--graphs", "--preplan", "--json"):
+        assert opt in text
+
+
+def test_bench_preplan_without_graphs_stays_off_and_says_why(capsys, caplog):
+    import logging
+
+    caplog.set_level(logging.WARNING)
+    argv = ["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--preplan", "--json"]
+    assert main(argv) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["preplan"] is False and res["graphs"] is False
+    assert "pre-plan off: resources ['attn'] do not support it" in caplog.text
+
+
+def test_bench_options_are_checked_by_name(capsys):
+    assert main(["bench", "--batch", "0"]) == 2
+    assert "bench: batch must be >= 1, got 0" in capsys.readouterr().err
+    assert main(["bench", "--qo-heads", "6", "--kv-heads", "4"]) == 2
+    assert "qo_heads (6) must be a multiple of kv_heads (4)" in capsys.readouterr().err

@@ -1,0 +1,170 @@
+"""Strict configuration: unknown tables and keys are errors naming them and the
+closest known one; `--config FILE` on demo, bench and generate; a kernel's exception names its
+backend and wrapper, and `mstar -v` prints its traceback; `mstar new-backend` writes all or
+nothing."""
+
+from __future__ import annotations
+
+import sys
+import types
+from pathlib import Path
+
+import pytest
+
+from mstar_core import BackendSpec, Config, Registry
+from mstar_core.backends import reference as R
+from mstar_core.cli import main
+from mstar_core.config import load_config
+from mstar_core.scaffold import files_for, write_skeleton
+
+
+@pytest.mark.parametrize("config,message", [
+    ({"attenton": {"backend": "x"}}, "unknown table 'attenton' (did you mean 'attention'?)"),
+    ({"attention": {"bakend": "x"}}, "unknown key 'bakend' in [attention] (did you mean 'backend'?); known keys: "
+                                     "backend, pins"),
+    ({"mstar": {"attention": {"backend": "x"}}}, "unknown table 'mstar' (it holds [attention]: nested one table too "
+                                                 "deep? [attention] belongs at the top level)"),
+    ({"attention": {"attention": {"backend": "x"}}}, "unknown key 'attention' in [attention] ([attention] nested "
+                                                     "inside [attention]: it belongs at the top level)"),
+    ({"attention": {"pins": {"fast": 3}}}, "attention.pins: 'fast' = 3: a pin maps a backend name"),
+    ({"attention": {"pins": ["fast"]}}, "attention.pins must map backend names to distribution names"),
+    ({"attention": {"backend": 3}}, "attention.backend must be a string"),
+])
+def test_config_mistakes_are_named(config, message):
+    with pytest.raises(ValueError) as e:
+        load_config(config)
+    assert message in str(e.value)
+
+
+def test_a_good_config_and_a_file(tmp_path):
+    assert load_config(None) == Config() and load_config({}) == Config()
+    cfg = load_config({"attention": {"backend": "fa3", "pins": {"fa3": "my-fa3"}}})
+    assert cfg == Config("fa3", {"fa3": "my-fa3"})
+    path = tmp_path / "mstar.toml"
+    path.write_text('[attention]\nbackend = "reference"\n[attention.pins]\nfast = "fast-kernels"\n')
+    assert load_config(path) == Config("reference", {"fast": "fast-kernels"})
+    path.write_text('[attention]\nbakend = "reference"\n')
+    with pytest.raises(ValueError, match=r"config file '.*mstar.toml': unknown key 'bakend'"):
+        load_config(str(path))
+
+
+@pytest.mark.parametrize("command", [["demo"], ["demo", "--workload", "denoise"], ["bench", "--steps", "1"],
+                                     ["generate", "model-dir-never-read", "--prompt", "1"]])
+def test_config_option_fails_before_anything_is_built(command, tmp_path, capsys):
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[attenton]\nbackend = "reference"\n')
+    assert main([*command, "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "unknown table 'attenton' (did you mean 'attention'?)" in err and err.count("\n") == 1
+
+
+def test_config_option_names_the_backend(tmp_path, capsys):
+    good = tmp_path / "good.toml"
+    good.write_text('[attention]\nbackend = "no_such_backend"\n')
+    assert main(["demo", "--config", str(good)]) == 2
+    assert "'no_such_backend' (from config) is unknown" in capsys.readouterr().err
+    good.write_text('[attention]\nbackend = "reference"\n')
+    assert main(["bench", "--steps", "1", "--warmup", "1", "--config", str(good)]) == 0
+    assert "backend: reference" in capsys.readouterr().out
+
+
+# -- a kernel's exception ----------------------------------------------------------------------
+
+class BoomMixed(R.ReferenceMixedWrapper):
+    def run(self, q, kv_cache_layer, **kw):
+        raise RuntimeError("kernel exploded")
+
+
+@pytest.fixture
+def boom(monkeypatch):
+    mod = types.ModuleType("mstar_boom")
+    mod.BoomMixed = BoomMixed
+    monkeypatch.setitem(sys.modules, "mstar_boom", mod)
+    reg = Registry(discover=False)
+    ref = "mstar_core.backends.reference:Reference"
+    reg.register(BackendSpec(name="boom", devices=("cpu",), dtypes=(__import__("torch").float32,), provides={
+        "paged_prefill": ref + "PrefillWrapper", "paged_decode": ref + "DecodeWrapper",
+        "mixed": "mstar_boom:BoomMixed"}))
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+
+
+def test_a_kernel_exception_names_its_backend_and_wrapper(boom, capsys):
+    assert main(["demo", "--backend", "boom"]) == 2
+    err = capsys.readouterr().err
+    assert "mstar demo: error: kernel exploded" in err
+    assert f"raised in {BoomMixed.__module__}.BoomMixed.run (attention backend 'boom')" in err
+    assert "Traceback" not in err and "mstar -v" in err
+
+
+def test_verbose_prints_the_traceback(boom, capsys):
+    assert main(["-v", "demo", "--backend", "boom"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and 'raise RuntimeError("kernel exploded")' in err
+    assert "(attention backend 'boom')" in err
+
+
+# -- mstar new-backend ---------------------------------------------------------------------------
+
+def test_new_backend_refuses_bad_names_and_occupied_directories(tmp_path, capsys):
+    for bad in ("Tpk", "9k", "my-kernel", ""):
+        with pytest.raises(ValueError, match="must start with a lowercase letter"):
+            files_for(bad)
+    occupied = tmp_path / "occupied"
+    occupied.mkdir()
+    (occupied / "keep.txt").write_text("mine")
+    assert main(["new-backend", "tpk", str(occupied)]) == 2
+    assert "already exists and is not an empty directory" in capsys.readouterr().err
+    assert [p.name for p in occupied.iterdir()] == ["keep.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    written = write_skeleton("tpk", empty)
+    assert {p.relative_to(empty).as_posix() for p in written} == set(files_for("tpk"))
+
+
+def test_new_backend_writes_nothing_when_it_fails_half_way(tmp_path, monkeypatch):
+    calls = []
+    real = Path.write_text
+
+    def flaky(self, text, *a, **kw):
+        calls.append(self)
+        if len(calls) == 3:
+            raise OSError("disk full")
+        return real(self, text, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", flaky)
+    with pytest.raises(OSError, match="disk full"):
+        write_skeleton("tpk", tmp_path / "new")
+    assert list(tmp_path.iterdir()) == []  # neither the target nor the staging folder
+
+
+def test_the_skeleton_declares_the_current_api_and_its_spec_loads():
+    files = files_for("tpk")
+    assert 'api_version="1.0"' in files["tpk_mstar/plugin.py"]
+    assert 'tpk = "tpk_mstar.plugin"' in files["pyproject.toml"]
+    assert 'conformance_test("tpk")' in files["tests/test_conformance.py"]
+
+
+def test_new_backend_refuses_the_reserved_name_and_writes_readable_files(tmp_path):
+    with pytest.raises(ValueError, match="reserved for mstar-core"):
+        files_for("reference")
+    target = tmp_path / "empty"
+    target.mkdir()
+    write_skeleton("tpk", target)  # an empty directory is replaced in one step
+    import os
+    import stat
+
+    umask = os.umask(0)
+    os.umask(umask)
+    assert stat.S_IMODE(target.stat().st_mode) == 0o777 & ~umask
+    made = tmp_path / "a" / "b" / "c"
+    write_skeleton("tpk", made)
+    assert (made / "pyproject.toml").is_file()
+
+
+def test_a_wrapper_constructor_failure_names_its_backend(boom, monkeypatch, capsys):
+    def broken_init(self, *a, **kw):
+        raise RuntimeError("no such device")
+
+    monkeypatch.setattr(BoomMixed, "__init__", broken_init)
+    assert main(["demo", "--backend", "boom"]) == 2
+    assert "BoomMixed.__init__ (attention backend 'boom')" in capsys.readouterr().err

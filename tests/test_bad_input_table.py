@@ -1,0 +1,272 @@
+"""Bad inputs at the public API, one table: every case must raise the expected error type, with a
+message that names the bad value, and leave every manager exactly as it was (pages, streams,
+slots, lengths, in-flight marks, stored K/V, planned wrappers, pending graph steps).
+
+The world holds a paged KV manager + paged attention under a GraphRunner (graphs on, one step
+prepared and pending) and a bounded KV manager with a committed request; snapshots compare all
+of their state before and after each case. The plugins' own tables (FlashInfer index arrays,
+varlen ``cu`` arrays, the CLI) are in tests/plugins/flashinfer/test_bad_inputs.py,
+tests/backends/test_varlen_bad_inputs.py and tests/cli/test_cli_bad_inputs.py.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import torch
+
+from mstar_core import (
+    AttentionStep,
+    BoundedKVConfig,
+    BoundedKVManager,
+    BoundedStep,
+    GraphRunner,
+    KVConfig,
+    KVManager,
+    KVSpan,
+    KVStep,
+    Node,
+    PagedAttentionManager,
+    Step,
+    StepContext,
+    StreamPosition,
+    select_backend,
+)
+
+from .helpers import REF_WRAPPERS, bstep
+
+F64 = torch.float64
+HQ, HKV, D = 4, 2, 8
+
+
+@dataclass
+class World:
+    kv: KVManager
+    attn: PagedAttentionManager
+    node: Node
+    runner: GraphRunner
+    pending: Any
+    bounded: BoundedKVManager
+    bnode: Node
+
+
+def make_world() -> World:
+    cfg = KVConfig(2, HKV, D, 4, 32, HQ)
+    kv = KVManager(cfg, "cpu", F64)
+    attn = PagedAttentionManager(kv, "cpu", F64, cfg, REF_WRAPPERS, accelerator_graph=True)
+    node = Node([kv, attn])
+
+    def forward(ctx, tokens):
+        n = tokens.numel()
+        x = tokens.to(F64)[:, None, None].expand(n, HKV, D).contiguous()
+        kv.write_kv(x, x, layer_idx=0, label="text")
+        return attn.run(x.repeat(1, HQ // HKV, 1), "text", layer_idx=0)[:, 0]
+
+    runner = GraphRunner(node, forward, buckets=[1, 2], device="cpu")
+    runner.warmup()
+    for r in ("a", "b", "c"):
+        node.ingest_request(r)
+    runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 5), KVSpan("b", "text", 3))))), torch.arange(8))
+    pending = runner.prepare(Step(KVStep((KVSpan("a", "text", 1),))))  # planned, not launched
+
+    bcfg = BoundedKVConfig(num_layers=2, max_slots=2, rows=1, num_heads=HKV, head_dim=D, sink=1, window=4)
+    bounded = BoundedKVManager(bcfg, "cpu", F64)
+    bnode = Node([bounded])
+    bounded.ingest_request("x")
+    bstep = Step(KVStep(()), extra=(("bounded", BoundedStep((StreamPosition("x", 3),))),))
+    q = torch.ones(1, HKV, 3, D, dtype=F64)
+    bnode.step(bstep, lambda ctx: bounded.attend(0, q, q, q))
+    return World(kv, attn, node, runner, pending, bounded, bnode)
+
+
+def snapshot(w: World) -> tuple:
+    kv, b = w.kv, w.bounded
+    return (
+        sorted(kv.pool.used), kv.pool.num_free, tuple(kv.requests),
+        {k: (tuple(s.pages), s.length, s.generation, s.in_flight) for k, s in kv.streams.items()},
+        kv.storage.clone(), dict(w.attn._planned), dict(w.runner._pending), w.runner._next_slot,
+        w.pending.done, dict(w.pending.ctx.admitted),
+        tuple(b._free), dict(b._slot), dict(b._length), dict(b._epoch), dict(b._uncommitted_writes), dict(b._in_flight),
+        tuple(b.requests), b.storage.clone(),
+    )
+
+
+def same(a: tuple, b: tuple) -> bool:
+    return all(torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y for x, y in zip(a, b, strict=True))
+
+
+def one(rid: str, n: int = 1, label: str = "text") -> Step:
+    return Step(KVStep((KVSpan(rid, label, n),)))
+
+
+def q(n: int, heads: int = HQ, dtype=F64, device="cpu") -> torch.Tensor:
+    return torch.zeros(n, heads, D, dtype=dtype, device=device)
+
+
+def kvt(n: int, device="cpu") -> torch.Tensor:
+    return torch.zeros(n, HKV, D, dtype=F64, device=device)
+
+
+def planned_b(w: World) -> StepContext:
+    """Setup: a two-token step for ``b`` admitted and planned (so ``attn.run`` has a plan)."""
+    ctx = StepContext()
+    assert w.node.admit(one("b", 2), ctx)
+    w.node.plan(one("b", 2), ctx)
+    return ctx
+
+
+def committed_c(w: World) -> tuple[Step, StepContext]:
+    """Setup: a step that ran and committed, with its spent context."""
+    step = one("c", 2)
+    return step, w.node.step(step, lambda ctx: None).ctx
+
+
+def admitted_c(w: World) -> StepContext:
+    ctx = StepContext()
+    assert w.node.admit(one("c"), ctx)
+    return ctx
+
+
+def planned_x(w: World) -> Any:
+    """Setup: a one-token bounded step for ``x`` admitted and planned; returns its plan."""
+    s, ctx = bstep(StreamPosition("x", 1)), StepContext()
+    assert w.bnode.admit(s, ctx)
+    w.bnode.plan(s, ctx)
+    return ctx.plan_results[w.bounded.name]
+
+
+ONE = torch.ones(1, HKV, 1, D, dtype=F64)
+
+
+# (id, call(world, state), error type, a regex the message must match (the bad value)[, setup(world) -> state])
+CASES: list[tuple] = [
+    # -- step declarations ------------------------------------------------------------------
+    ("span-float-tokens", lambda w, st: KVSpan("a", "text", 2.0), TypeError, r"got 2\.0 \(float\)"),
+    ("span-str-tokens", lambda w, st: KVSpan("a", "text", "3"), TypeError, r"got '3' \(str\)"),
+    ("span-none-tokens", lambda w, st: KVSpan("a", "text", None), TypeError, r"got None"),
+    ("span-tensor-tokens", lambda w, st: KVSpan("a", "text", torch.tensor(3)), TypeError, r"tensor\(3\) \(Tensor\)"),
+    ("span-bool-tokens", lambda w, st: KVSpan("a", "text", True), TypeError, r"got True \(bool\)"),
+    ("span-negative-tokens", lambda w, st: KVSpan("a", "text", -1), ValueError, r"got -1"),
+    ("span-int-request", lambda w, st: KVSpan(5, "text", 1), TypeError, r"request_id must be a str, got 5"),
+    ("span-none-label", lambda w, st: KVSpan("a", None, 1), TypeError, r"label must be a str, got None"),
+    ("span-str-commit", lambda w, st: KVSpan("a", "text", 1, commit="yes"), TypeError,
+     r"commit must be a bool, got 'yes'"),
+    ("step-not-a-span", lambda w, st: KVStep((("a", "text", 1),)), TypeError, r"\('a', 'text', 1\)"),
+    ("step-stream-twice", lambda w, st: KVStep((KVSpan("a", "t", 1), KVSpan("a", "t", 2))), ValueError,
+     r"\('a', 't'\)"),
+    ("window-minus-5", lambda w, st: AttentionStep(window_left=-5), ValueError, r"got -5"),
+    ("window-float", lambda w, st: AttentionStep(window_left=2.5), ValueError, r"got 2\.5"),
+    ("window-bool", lambda w, st: AttentionStep(window_left=True), ValueError, r"got True"),
+    ("scale-nan", lambda w, st: AttentionStep(sm_scale=math.nan), ValueError, r"got nan"),
+    ("scale-inf", lambda w, st: AttentionStep(sm_scale=math.inf), ValueError, r"got inf"),
+    ("scale-zero", lambda w, st: AttentionStep(sm_scale=0.0), ValueError, r"got 0\.0"),
+    ("scale-negative", lambda w, st: AttentionStep(sm_scale=-0.5), ValueError, r"got -0\.5"),
+    ("scale-str", lambda w, st: AttentionStep(sm_scale="0.1"), ValueError, r"got '0\.1'"),
+    ("causal-str", lambda w, st: AttentionStep(causal="no"), TypeError, r"got 'no'"),
+    ("position-float-tokens", lambda w, st: StreamPosition("x", 1.5), TypeError, r"1\.5"),
+    ("position-negative-start", lambda w, st: StreamPosition("x", 1, start=-2), ValueError, r"-2"),
+    ("position-source-minus-2", lambda w, st: StreamPosition("x", 1, source=-2), ValueError, r"-2"),
+    ("bounded-step-twice", lambda w, st: BoundedStep((StreamPosition("x", 1), StreamPosition("x", 2))), ValueError,
+     r"\['x', 'x'\]"),
+    # -- paged KV manager ---------------------------------------------------------------------
+    ("admit-unknown-request", lambda w, st: w.node.step(one("zz"), lambda ctx: None), KeyError, r"'zz'"),
+    ("admit-stream-in-flight", lambda w, st: w.node.step(one("a"), lambda ctx: None), RuntimeError, r"\('a', 'text'\)"),
+    ("admit-twice-into-a-context", lambda w, st: w.kv.admit(one("b"), st), RuntimeError,
+     r"already holds an admitted step", admitted_c),
+    ("plan-without-admit", lambda w, st: w.kv.plan(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
+    ("commit-without-admit", lambda w, st: w.kv.commit(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
+    ("commit-twice", lambda w, st: w.kv.commit(*st), RuntimeError, r"\('c', 'text'\)", committed_c),
+    ("write-layer-minus-1", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=-1, label="text"), IndexError,
+     r"layer_idx -1 out of range"),
+    ("write-layer-2", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=2, label="text"), IndexError,
+     r"layer_idx 2 out of range"),
+    ("write-layer-str", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx="0", label="text"), IndexError,
+     r"layer_idx '0' out of range"),
+    ("write-other-device", lambda w, st: w.kv.write_kv(kvt(1, "meta"), kvt(1, "meta"), layer_idx=0, label="text"),
+     ValueError, r"on meta"),
+    ("write-unknown-label", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=0, label="audio"), KeyError,
+     r"'audio'"),
+    ("layer-view-minus-1", lambda w, st: w.kv.layer_view(-1), IndexError, r"-1"),
+    ("fork-unknown-source", lambda w, st: w.kv.fork("zz", "c", "text"), KeyError, r"'zz'"),
+    ("fork-into-uningested", lambda w, st: w.kv.fork("b", "zz", "text"), KeyError, r"'zz'"),
+    ("fork-into-existing", lambda w, st: w.kv.fork("b", "a", "text"), ValueError, r"'a'"),
+    ("stream-unknown", lambda w, st: w.kv.stream("b", "audio"), KeyError, r"\('b', 'audio'\)"),
+    # -- paged attention ----------------------------------------------------------------------
+    ("run-q-wrong-shape", lambda w, st: w.attn.run(q(3), "text", layer_idx=0), ValueError, r"\(3, 4, 8\)", planned_b),
+    ("run-q-wrong-dtype", lambda w, st: w.attn.run(q(2, dtype=torch.float32), "text", layer_idx=0), TypeError,
+     r"torch\.float32", planned_b),
+    ("run-q-other-device", lambda w, st: w.attn.run(q(2, device="meta"), "text", w.kv.layer_view(0)), ValueError,
+     r"on meta", planned_b),
+    ("run-unknown-label", lambda w, st: w.attn.run(q(2), "audio", layer_idx=0), KeyError, r"'audio'", planned_b),
+    ("run-layer-minus-1", lambda w, st: w.attn.run(q(2), "text", layer_idx=-1), IndexError, r"-1", planned_b),
+    ("write-wrong-shape", lambda w, st: w.kv.write_kv(kvt(3), kvt(3), layer_idx=0, label="text"), ValueError,
+     r"\(3, 2, 8\)", planned_b),
+    # -- the graph runner ---------------------------------------------------------------------
+    ("launch-wrong-token-count", lambda w, st: w.runner.launch(w.pending, torch.arange(3)), ValueError,
+     r"step's 1 tokens, got \(3,\)"),
+    ("launch-2d-tokens", lambda w, st: w.runner.launch(w.pending, torch.zeros(1, 1, dtype=torch.long)), ValueError,
+     r"got \(1, 1\)"),
+    ("launch-a-list", lambda w, st: w.runner.launch(w.pending, [1]), ValueError, r"got list"),
+    ("runner-bucket-0", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[0], device="cpu"), ValueError,
+     r"\[0\]"),
+    ("runner-slots-0", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=0),
+     ValueError, r"got 0"),
+    ("runner-one-slot-double-buffer",
+     lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=1), ValueError, r"slots=1"),
+    # -- bounded KV manager -------------------------------------------------------------------
+    ("bounded-admit-unknown", lambda w, st: w.bnode.step(bstep(StreamPosition("zz", 1)), lambda ctx: None), KeyError,
+     r"'zz'"),
+    ("bounded-wrong-start", lambda w, st: w.bnode.step(bstep(StreamPosition("x", 1, start=1)), lambda ctx: None),
+     ValueError, r"start 1"),
+    ("bounded-attend-layer-minus-1", lambda w, st: w.bounded.attend(-1, ONE, ONE, ONE, plan=st), IndexError, r"-1",
+     planned_x),
+    ("bounded-attend-layer-2", lambda w, st: w.bounded.attend(2, ONE, ONE, ONE, plan=st), IndexError, r"\b2\b",
+     planned_x),
+    ("bounded-q-wrong-rank", lambda w, st: w.bounded.attend(0, ONE[0], ONE, ONE, plan=st), ValueError,
+     r"\(2, 1, 8\)", planned_x),
+    ("bounded-k-other-device", lambda w, st: w.bounded.attend(0, ONE, ONE.to("meta"), ONE, plan=st), ValueError,
+     r"meta", planned_x),
+    ("bounded-admit-in-flight", lambda w, st: w.bnode.step(bstep(StreamPosition("x", 1)), lambda ctx: None),
+     RuntimeError, r"'x'", planned_x),
+    ("bounded-plan-without-admit", lambda w, st: w.bounded.plan(bstep(StreamPosition("x", 1)), StepContext()),
+     RuntimeError, r"'x'"),
+    ("bounded-commit-without-admit", lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), StepContext()),
+     RuntimeError, r"'x'"),
+    # -- selection ----------------------------------------------------------------------------
+    ("select-requested-int", lambda w, st: select_backend(("paged_decode",), requested=3, device="cpu"), TypeError,
+     r"int 3"),
+    ("select-requested-list", lambda w, st: select_backend(("paged_decode",), requested=["x"], device="cpu"), TypeError,
+     r"\['x'\]"),
+    ("select-unknown-name", lambda w, st: select_backend(("paged_decode",), requested="nope", device="cpu"), ValueError,
+     r"'nope'"),
+    ("select-config-list", lambda w, st: select_backend(("paged_decode",), config=[1, 2], device="cpu"), ValueError,
+     r"list \[1, 2\]"),
+]
+
+CASES = [c if len(c) == 5 else (*c, None) for c in CASES]
+
+
+@pytest.mark.parametrize("name,call,exc,names,setup", CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_refused_by_name_and_changes_nothing(name, call, exc, names, setup, monkeypatch):
+    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+    w = make_world()
+    state = setup(w) if setup else None  # a case's own setup is not what must stay unchanged
+    before = snapshot(w)
+    with pytest.raises(exc) as err:
+        call(w, state)
+    msg = str(err.value.args[0]) if err.value.args else str(err.value)
+    assert re.search(names, msg), f"message does not name the bad value ({names!r}): {msg}"
+    assert same(before, snapshot(w)), f"{name}: the managers changed"
+    # The world still works: the pending step launches and lands.
+    out = w.runner.launch(w.pending, torch.tensor([7]))
+    assert torch.isfinite(out).all() and w.kv.stream("a", "text").length == 6
+
+
+def test_the_table_covers_every_boundary():
+    """Counts reported in the closing note; a shrinking table would hide a lost case."""
+    assert len(CASES) >= 60
+    assert len({c[0] for c in CASES}) == len(CASES)
