@@ -12,7 +12,7 @@ not causal. Per layer: CUDA-event medians. Per step of 32 layers: wall-clock med
 counts. Correctness first: every variant's output is compared with raw FA3's on the same data
 and with a float64 reference on a slice (the kernels allocate their outputs fresh, so there is no
 buffer to poison). ``--device cpu`` with small shapes runs the same code over the CPU stand-ins
-(tests/dense/test_bench_smoke.py), timing with the host clock.
+(tests/bench/test_dense_bench.py), timing with the host clock.
 
     python3 bench/dense_prefill.py --out $OUT   # writes dense_prefill.json and .md
 

@@ -15,7 +15,7 @@ waits on it.
 
 Off CUDA (CPU tests through a stand-in) buffers are ordinary host memory and fences are no-ops.
 ``copy`` and the fence class are attributes so a test can stand in a deferred copy engine and
-provoke the race on a CPU (tests/flashinfer/test_staging_race.py).
+provoke the race on a CPU (tests/plugins/flashinfer/test_staging_race.py).
 """
 
 from __future__ import annotations

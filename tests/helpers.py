@@ -40,7 +40,8 @@ from mstar_core import (
 )
 from mstar_core.backends import reference as R
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
-from mstar_core.features import KV_DTYPES, PLAIN, quantize
+from mstar_core.features import KV_DTYPES, PLAIN
+from mstar_core.kv.fp8 import quantize
 from mstar_core.testing import conformance as C
 from mstar_core.testing.oracle import attention_oracle, rel_error
 

@@ -56,7 +56,8 @@ T() {
   echo "$name rc=$rc wall_s=$((SECONDS - s))" >> "$R/summary.txt"; tail -4 "$R/$name.txt"
 }
 # the tests' own results files (tests/gpu_results.py writes into $OUT) land beside their log
-gpu_tests() { T "$1" "$2" env OUT="$R" python3 -m pytest -m gpu -q -rs --durations=10 -p no:cacheprovider "${@:3}"; }
+# the suite sets its own torch threads (the CPU suite runs on one): the float64 oracles run on the host
+gpu_tests() { T "$1" "$2" env OUT="$R" OMP_NUM_THREADS=16 python3 -m pytest -m gpu -q -rs --durations=10 -p no:cacheprovider "${@:3}"; }
 envinfo() {
   { nvidia-smi -L; nproc
     python3 -c "import torch,sys;print('torch',torch.__version__,'cuda',torch.version.cuda,'python',sys.version.split()[0],'gpus',torch.cuda.device_count())"
@@ -107,7 +108,8 @@ flashinfer)
   T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
   # on an empty module cache this is where the compiles happen (minutes): the tests then load them
   T 480 warmup_first_use python3 bench/warmup_first_use.py --out "$R" --window 128
-  gpu_tests 300 tests tests/flashinfer tests/core tests/registry
+  gpu_tests 300 tests tests/plugins/flashinfer tests/node tests/kv tests/attention tests/registry tests/testing \
+    tests/test_warmup.py
   T 120 flashinfer_wrappers python3 bench/flashinfer_wrappers.py --out "$R"
   flashinfer_modules_out "$FI" ;;
 runner)
@@ -138,14 +140,14 @@ dense)
   [ -d "/tmp/fi-$FI/flashinfer" ] && export PYTHONPATH=$PYTHONPATH:/tmp/fi-$FI
   project fa3 flashinfer; envinfo
   T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
-  gpu_tests 240 tests tests/dense tests/registry
+  gpu_tests 240 tests tests/attention tests/backends tests/plugins/fa3 tests/registry tests/testing tests/demo
   T 60 denoise_demo python3 -m mstar_core.cli demo --workload denoise --device cuda
   T 180 dense_prefill python3 bench/dense_prefill.py --out "$R"
   T 150 attention_features_fa3 python3 bench/attention_features.py --out "$R" --sections fa3 ;;
 bounded)
   [ -d "/tmp/fi-$FI/flashinfer" ] && export PYTHONPATH=/tmp/fi-$FI
   project; envinfo
-  gpu_tests 240 tests tests/bounded
+  gpu_tests 240 tests tests/kv/bounded tests/kernels
   T 200 bounded_decode python3 bench/bounded_decode.py --out "$R" ;;
 transformers)
   flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
@@ -162,8 +164,7 @@ tp)
   T 240 tp_scaling python3 bench/tp_scaling.py --out "$R"
   T 120 tp_failure_graphs python3 bench/tp_failure.py --graphs --timeout 20 --out "$R"
   T 120 tp_failure_eager python3 bench/tp_failure.py --timeout 20 --out "$R"
-  gpu_tests 300 tests tests/core/test_gpu_tensor_parallel.py tests/core/test_tensor_parallel.py \
-    tests/core/test_gpu_runner.py tests/core/test_multi_token_decode.py
+  gpu_tests 300 tests tests/distributed tests/node/test_gpu_runner.py tests/node/test_multi_token_decode.py
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac

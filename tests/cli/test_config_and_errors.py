@@ -88,19 +88,23 @@ def boom(monkeypatch):
     monkeypatch.setattr("mstar_core.registry.registry._default", reg)
 
 
-def test_a_kernel_exception_names_its_backend_and_wrapper(boom, capsys):
-    assert main(["demo", "--backend", "boom"]) == 2
-    err = capsys.readouterr().err
-    assert "mstar demo: error: kernel exploded" in err
-    assert f"raised in {BoomMixed.__module__}.BoomMixed.run (attention backend 'boom')" in err
-    assert "Traceback" not in err and "mstar -v" in err
-
-
-def test_verbose_prints_the_traceback(boom, capsys):
-    assert main(["-v", "demo", "--backend", "boom"]) == 2
+def test_a_kernel_exception_is_reported_as_a_bug_naming_its_backend_and_wrapper(boom, capsys):
+    # not an MstarError: the CLI prints the whole traceback (with the note naming the backend and
+    # wrapper it came from), says it is a bug, and exits 1
+    assert main(["demo", "--backend", "boom"]) == 1
     err = capsys.readouterr().err
     assert "Traceback (most recent call last)" in err and 'raise RuntimeError("kernel exploded")' in err
-    assert "(attention backend 'boom')" in err
+    assert f"raised in {BoomMixed.__module__}.BoomMixed.run (attention backend 'boom')" in err
+    assert "mstar demo: internal error (RuntimeError): this is a bug" in err
+
+
+def test_an_mstar_error_is_one_line_and_verbose_adds_the_traceback(capsys):
+    assert main(["demo", "--backend", "no-such-backend"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("mstar demo: error: attention backend 'no-such-backend'") and "Traceback" not in err
+    assert main(["-v", "demo", "--backend", "no-such-backend"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback (most recent call last)" in err and "BackendUnavailable" in err
 
 
 # -- mstar new-backend ---------------------------------------------------------------------------
@@ -166,5 +170,5 @@ def test_a_wrapper_constructor_failure_names_its_backend(boom, monkeypatch, caps
         raise RuntimeError("no such device")
 
     monkeypatch.setattr(BoomMixed, "__init__", broken_init)
-    assert main(["demo", "--backend", "boom"]) == 2
+    assert main(["demo", "--backend", "boom"]) == 1
     assert "BoomMixed.__init__ (attention backend 'boom')" in capsys.readouterr().err

@@ -19,7 +19,7 @@ from mstar_core import (
     Step,
     select_backend,
 )
-from mstar_core.attention.paged import PAGED_CAPABILITIES
+from mstar_core.capabilities import PAGED
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 
 pytestmark = pytest.mark.gpu
@@ -36,7 +36,7 @@ def test_graph_decode_matches_no_cache_forward(preplan):
     dev, dt = torch.device("cuda"), torch.bfloat16
     cfg = TinyDecoderConfig(num_layers=2, hidden=256, mlp=512, num_qo_heads=8, num_kv_heads=2, head_dim=128)
     model = TinyDecoder(cfg, dev, dt, seed=1)
-    sel = select_backend(capabilities=PAGED_CAPABILITIES, requested="flashinfer", device=dev, dtype=dt, head_dim=128)
+    sel = select_backend(capabilities=PAGED, requested="flashinfer", device=dev, dtype=dt, head_dim=128)
     kvc = KVConfig(2, 2, 128, 16, 128, 8)
     kv = KVManager(kvc, dev, dt)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=True)

@@ -36,7 +36,7 @@ from mstar_core import (
     PagedAttentionManager,
     Step,
 )
-from mstar_core.attention.paged import step_kind
+from mstar_core.capabilities import paged_step_capability
 
 from ..helpers import REF_WRAPPERS
 
@@ -151,7 +151,7 @@ class PagedMachine(RuleBasedStateMachine):
     def planned(self, step):
         """Record an eager plan (an admitted step that is not a graph step)."""
         if not self.is_graph(step):
-            self.eager.append((step_kind(tuple(s.num_tokens for s in step.kv.spans)), len(self.eager) % 2))
+            self.eager.append((paged_step_capability(tuple(s.num_tokens for s in step.kv.spans)), len(self.eager) % 2))
         return len(self.eager) - 1
 
     def prepare(self, step):
