@@ -33,7 +33,8 @@ from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
 
 NOT_COVERED: dict[str, str] = {
-    "bounded": "the bounded kernel has no wrapper protocol yet: tests/kv/bounded and tests/kernels check the built-in one",
+    "bounded": "the bounded kernel has no wrapper protocol yet: tests/kv/bounded and tests/kernels check the "
+               "built-in one",
 }
 HEAD_DIM_CANDIDATES = (64, 128, 256, 96, 80, 32, 192, 16, 8)
 
