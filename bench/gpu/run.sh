@@ -20,6 +20,8 @@
 #   wheel 0.7.4         one call per part, on one machine kept warm (it keeps /tmp): .gpu/fi-0.7.4/part1,
 #                       then .gpu/fi-0.7.4/part2; the second call joins, checks and installs the wheel
 #   flashinfer 0.7.4    then, on that machine: .gpu/fi-0.7.4-deps [.gpu/flashinfer-aot-0.7.4.tgz]
+#   tests [VERSION]     the flashinfer suite's GPU tests alone (on a machine where that release is installed):
+#                       from an empty 0.7.4 module cache its warm-up and tests do not fit one call together
 #   runner              as flashinfer 0.5.3 (nothing on a machine where it ran): the step runner's decode
 #                       loop and the host cost of a step
 #   features            .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz (FP8 and soft-cap modules in it):
@@ -33,12 +35,12 @@
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | wheel <version> | runner | features | dense | bounded | transformers | tp"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
 name=$suite; R=$OUT/r/$suite
-if [ "$suite" = flashinfer ]; then name=flashinfer-$FI; R=$OUT/r/flashinfer/$FI; fi
+if [ "$suite" = flashinfer ] || [ "$suite" = tests ]; then name=$suite-$FI; R=$OUT/r/$suite/$FI; fi
 mkdir -p "$R"
 END=$((SECONDS + ${SUITE_S:-560}))
 finish() { tar czf "$OUT/$name.tgz" -C "$OUT" r && rm -rf "$OUT/r"; ls -la "$OUT"; }
@@ -111,6 +113,11 @@ flashinfer)
   gpu_tests 300 tests tests/plugins/flashinfer tests/node tests/kv tests/attention tests/registry tests/testing \
     tests/test_warmup.py
   T 120 flashinfer_wrappers python3 bench/flashinfer_wrappers.py --out "$R"
+  flashinfer_modules_out "$FI" ;;
+tests)  # the flashinfer suite's GPU tests alone, with the whole call's time (a release whose modules compile in them)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  gpu_tests 540 tests tests/plugins/flashinfer tests/node tests/kv tests/attention tests/registry tests/testing \
+    tests/test_warmup.py
   flashinfer_modules_out "$FI" ;;
 runner)
   flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
