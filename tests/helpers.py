@@ -13,7 +13,6 @@ import pathlib
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from importlib.metadata import PackageNotFoundError, version
 
 import torch
 
@@ -43,6 +42,7 @@ from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.features import KV_DTYPES, PLAIN
 from mstar_core.kv.fp8 import quantize
 from mstar_core.testing import conformance as C
+from mstar_core.testing.environment import environment
 from mstar_core.testing.oracle import attention_oracle, rel_error
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -534,12 +534,7 @@ def write_results(name: str, results: list[dict], distributions: tuple[str, ...]
     out = os.environ.get("OUT")
     if not out or not results:
         return
-    info = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "cuda": torch.version.cuda}
-    for dist in distributions:
-        try:
-            info[dist] = version(dist)
-        except PackageNotFoundError:  # the version is informative only
-            info[dist] = "not installed"
+    info = environment(*distributions)
     p = pathlib.Path(out) / f"{name}.json"
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text(json.dumps({"info": info, "results": results}, indent=1))
