@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -89,6 +89,20 @@ class PagedAttnPlan:
 
 
 
+def full_past_capacity(features: AttentionFeatures, kv_config: KVConfig) -> AttentionFeatures:
+    """``features`` with every layer window that reaches back as far as the cache can hold made
+    full attention (-1): no sequence is longer than the cache, so such a window masks nothing
+    (a Mistral-style 4096-token window over a cache sized for short prompts)."""
+    capacity = kv_config.max_pages * kv_config.page_size
+    windows = features.layer_windows
+    if windows is None or all(w < capacity for w in windows):
+        return features
+    wide = sorted({w for w in windows if w >= capacity})
+    log.info("layer windows %s reach past the KV cache (%d pages x %d = %d tokens): full attention for those layers",
+             wide, kv_config.max_pages, kv_config.page_size, capacity)
+    return replace(features, layer_windows=tuple(-1 if w >= capacity else w for w in windows))
+
+
 class PagedAttentionManager(AttentionManager):
     """Attention through a backend's paged prefill / decode / mixed wrappers."""
 
@@ -119,12 +133,7 @@ class PagedAttentionManager(AttentionManager):
             raise InputError(f"PagedAttentionManager: features ask for kv_dtype {self.features.kv_dtype!r} but the KV "
                              f"cache stores {kv_cache.features.kv_dtype!r}; build both with the same features")
         self.features.check_layers(kv_config.num_layers, "PagedAttentionManager")
-        capacity = kv_config.max_pages * kv_config.page_size
-        for w in self.features.windows(-1):
-            if w >= capacity:
-                raise InputError(f"PagedAttentionManager: window {w} is longer than the KV cache "
-                                 f"({kv_config.max_pages} pages x {kv_config.page_size} = {capacity} tokens); "
-                                 "use -1 for a full layer")
+        self.features = full_past_capacity(self.features, kv_config)
         self.kv = kv_cache
         self.device = torch.device(device)
         self.dtype = dtype

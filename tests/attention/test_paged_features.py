@@ -166,9 +166,14 @@ def test_per_layer_values_must_name_every_layer():
         make(AttentionFeatures(layer_windows=(1, 2, 3, 4)))
 
 
-def test_window_longer_than_the_cache():
-    with pytest.raises(ValueError, match=r"window 128 is longer than the KV cache \(32 pages x 4 = 128 tokens\)"):
-        make(AttentionFeatures(layer_windows=(128, -1, 4)))
+def test_a_window_the_cache_cannot_outgrow_is_full_attention():
+    """A window as long as the cache (32 pages x 4 = 128 tokens) or longer masks nothing: the
+    layer is planned as a full one, and matches the oracle, which applies the window itself."""
+    worst, _, attn = run_steps(AttentionFeatures(layer_windows=(128, -1, 4096)), SCHEDULE)
+    assert attn.features.layer_windows == (-1, -1, -1)
+    assert max(worst) < 1e-5, worst
+    _, attn, _ = make(AttentionFeatures(layer_windows=(127, -1, 4)))
+    assert attn.features.layer_windows == (127, -1, 4)  # shorter than the cache: kept
 
 
 def _snapshot(kv, attn):
