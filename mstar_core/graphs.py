@@ -43,7 +43,7 @@ class _Graph:
     replay: Callable[[], None] = lambda: None
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: the runner finds its own open steps
 class Prepared:
     """A step admitted and planned, ready to launch. ``graph`` None: runs eagerly."""
 
@@ -106,6 +106,9 @@ class GraphRunner:
         # Graph steps prepared and not yet launched or discarded, by staging slot: a slot's
         # static buffers and wrappers hold exactly one step's plan.
         self._pending: dict[int, Prepared] = {}
+        # Every step prepared and not yet launched or discarded (graph or eager), oldest first:
+        # what discard_all gives back when a caller's loop is cut short.
+        self._open: list[Prepared] = []
         self.enabled = False
 
     @property
@@ -187,24 +190,34 @@ class GraphRunner:
                 "(launch or discard the oldest first)"
             )
         ctx = StepContext() if bucket is None else self._context(self._next_slot, bucket)
+        # The plan goes into this slot's static buffers and wrappers, which the graph captured
+        # for (bucket, slot) reads.
+        prep = Prepared(step, ctx, rows, None if bucket is None else self._graphs[(bucket, ctx.slot)])
         outcome = self.node.admit(step, ctx)
         if not outcome:
-            return Prepared(step, ctx, rows, None, outcome, done=True)
-        self.node.plan(step, ctx)
-        if bucket is None:
-            return Prepared(step, ctx, rows)
-        # The slot advances only for a step that holds it: a refusal must not make the next
-        # graph step land in the slot the running step reads.
-        self._next_slot = (self._next_slot + 1) % self.slots
-        # The plan went into this slot's static buffers and wrappers, which the graph captured
-        # for (bucket, slot) reads.
-        prep = Prepared(step, ctx, rows, self._graphs[(bucket, ctx.slot)])
-        self._pending[ctx.slot] = prep
+            prep.outcome, prep.done = outcome, True
+            return prep
+        self._open.append(prep)  # held from here: whatever is raised next, discard_all finds it
+        try:
+            self.node.plan(step, ctx)
+        except BaseException:
+            # plan rolls its admit back itself, unless what was raised came before it got to;
+            # a second rollback gives back nothing.
+            self._finish(prep)
+            self.node.rollback_admit(step, ctx)
+            raise
+        if bucket is not None:
+            # The slot advances only for a step that holds it: a refusal must not make the next
+            # graph step land in the slot the running step reads.
+            self._next_slot = (self._next_slot + 1) % self.slots
+            self._pending[ctx.slot] = prep
         return prep
 
     def _finish(self, prep: Prepared) -> None:
         """The step is launched or discarded: its reservations are spent, its slot free."""
         prep.done = True
+        if prep in self._open:
+            self._open.remove(prep)
         if prep.graph is not None and self._pending.get(prep.ctx.slot) is prep:
             del self._pending[prep.ctx.slot]
 
@@ -234,10 +247,12 @@ class GraphRunner:
                     g.replay()
                     assert g.out is not None
                     out = g.out[:want]
+            self.node.commit(prep.step, prep.ctx)
         except BaseException:
+            # Whatever has not committed is rolled back (a resource's rollback after its commit
+            # finds no admit record and gives back nothing), even if the commit never began.
             self.node.rollback_admit(prep.step, prep.ctx)
             raise
-        self.node.commit(prep.step, prep.ctx)
         return out
 
     def discard(self, prep: Prepared) -> None:
@@ -246,6 +261,19 @@ class GraphRunner:
         if prep.outcome and not prep.done:
             self._finish(prep)
             self.node.rollback_admit(prep.step, prep.ctx)
+
+    def discard_all(self) -> None:
+        """Discard every prepared step not yet launched (newest first): what a loop cut short by
+        an exception, between a prepare and its launch, calls so nothing stays reserved."""
+        first: BaseException | None = None
+        for prep in reversed(list(self._open)):
+            try:
+                self.discard(prep)
+            except BaseException as e:  # the others are still given back
+                log.error("discarding a prepared step raised %s: %s", type(e).__name__, e)
+                first = first or e
+        if first is not None:
+            raise first
 
     def step(self, step: Step, tokens: torch.Tensor) -> torch.Tensor:
         return self.launch(self.prepare(step), tokens)

@@ -170,10 +170,12 @@ class Node:
         try:
             with self.bound(ctx):
                 output = forward(ctx)
+            self.commit(step, ctx)
         except BaseException:
+            # A resource that committed finds no admit record to roll back; the others give
+            # back what the step took, even when what was raised came before commit began.
             self.rollback_admit(step, ctx)
             raise
-        self.commit(step, ctx)
         self._steps += 1
         return StepResult(outcome, ctx, output)
 

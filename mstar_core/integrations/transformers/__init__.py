@@ -23,10 +23,10 @@ from typing import Any
 from mstar_core.errors import InputTypeError
 from mstar_core.integrations.transformers.attention import NAME, mstar_attention, register
 from mstar_core.integrations.transformers.batching import run, run_checked
-from mstar_core.integrations.transformers.engine import Engine, EngineOptions
+from mstar_core.integrations.transformers.engine import Engine, EngineOptions, check_model
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
 from mstar_core.integrations.transformers.probe import LayerAttention, ModelAttention, UnsupportedModel, probe
-from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
+from mstar_core.integrations.transformers.prompts import check_arrivals, check_eos, check_max_new, check_prompts
 from mstar_core.kv.paged import pages_for
 
 __all__ = [
@@ -61,12 +61,16 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
         raise InputTypeError(f"generate got unknown options {unknown}; "
                              f"it accepts {sorted(ENGINE_OPTIONS + RUN_OPTIONS)}")
     # Refused before the engine is built (probing and graph capture are not free).
+    check_model(model)
     check_max_new(max_new_tokens)
-    prompts = check_prompts(prompts, getattr(getattr(model, "config", None), "vocab_size", None))
+    vocab = getattr(model.config, "vocab_size", None)
+    prompts = check_prompts(prompts, vocab)
     run_kw = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
     if "eos_token_id" not in run_kw:
         gen = getattr(model, "generation_config", None)
         run_kw["eos_token_id"] = getattr(gen, "eos_token_id", None)
+    check_eos(run_kw["eos_token_id"], vocab)
+    check_arrivals(run_kw.get("arrivals"), len(prompts))
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
         return run_checked(engine, prompts, max_new_tokens, **run_kw)

@@ -25,9 +25,9 @@ from mstar_core.capabilities import STEP_KINDS, paged_step_capability
 from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
-from mstar_core.integrations.transformers.prompts import check_max_new, check_prompts
+from mstar_core.integrations.transformers.prompts import check_arrivals, check_eos, check_max_new, check_prompts
 from mstar_core.kv.paged import pages_for
-from mstar_core.step import KVSpan, KVStep, Step, is_int
+from mstar_core.step import KVSpan, KVStep, Step
 
 log = logging.getLogger(__name__)
 
@@ -84,10 +84,9 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
                 on_step: Callable[[int, int], None] | None = None) -> Generation:
     """:func:`run` for prompts and ``max_new_tokens`` already checked (``check_prompts``,
     ``check_max_new``): ``generate`` checks them before it builds the engine."""
-    arrivals = [0] * len(prompts) if arrivals is None else list(arrivals)
-    if len(arrivals) != len(prompts) or any(not is_int(a) or a < 0 for a in arrivals):
-        raise InputError(f"generate: arrivals must give one step >= 0 per prompt ({len(prompts)}), got {arrivals!r}")
-    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    engine.check_open()
+    arrivals = check_arrivals(arrivals, len(prompts))
+    eos = check_eos(eos_token_id, getattr(engine.model.config, "vocab_size", None))
     o, ps = engine.options, engine.options.page_size
     reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
             for i, (p, a) in enumerate(zip(prompts, arrivals, strict=True))]
@@ -139,8 +138,14 @@ class _Loop:
                 if step_no > limit:
                     raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
         finally:
-            for rid in self.ingested:
-                e.node.remove_request(rid)
+            # Cut short between a prepare and its launch (an interrupt, a host-side error), the
+            # prepared step still holds its pages and staging slot: give them back first.
+            try:
+                e.runner.discard_all()
+            finally:
+                for rid in list(self.ingested):
+                    e.node.remove_request(rid)
+                    self.ingested.discard(rid)
         seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
                           tuple(r.first_token_s or 0.0 for r in self.reqs))
@@ -162,8 +167,8 @@ class _Loop:
                 return None
             for r in joining:
                 if r.rid not in self.ingested:
+                    self.ingested.add(r.rid)  # first: removal is idempotent, a missed one leaks
                     e.node.ingest_request(r.rid)
-                    self.ingested.add(r.rid)
             step, kind = self._step(rows)
             prep = e.runner.prepare(step)
             if prep.outcome:

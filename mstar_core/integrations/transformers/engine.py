@@ -11,6 +11,8 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 from __future__ import annotations
 
 import logging
+import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -18,7 +20,7 @@ import torch
 
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
-from mstar_core.errors import InputError, InputTypeError
+from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner
 from mstar_core.integrations.transformers.attention import NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
@@ -83,9 +85,58 @@ def graphs_default(device: torch.device) -> bool:
     return device.type == "cuda"
 
 
-def switch(model: Any) -> str:
-    """Switch ``model`` to ``attn_implementation="mstar"`` (registering it first); returns the
-    implementation it had, for :meth:`Engine.close` to restore."""
+@dataclass
+class _Switch:
+    restore: str  # the implementation the model had before its first engine
+    users: int = 0  # engines open on the model
+
+
+# The models switched to mstar, with how many engines hold each switch: the last engine to close
+# switches the model back, so closing one never pulls attention from under another still running.
+_SWITCHES: weakref.WeakKeyDictionary[Any, _Switch] = weakref.WeakKeyDictionary()
+_SWITCH_LOCK = threading.Lock()
+
+
+def check_model(model: Any) -> None:
+    """Refuse what is not a transformers model (before anything else is asked of it)."""
+    if getattr(model, "config", None) is None or not callable(getattr(model, "set_attn_implementation", None)):
+        raise InputTypeError(f"{type(model).__name__} is not a transformers model (mstar serves a PreTrainedModel, "
+                             "e.g. AutoModelForCausalLM.from_pretrained(...), which has .config and "
+                             "set_attn_implementation)")
+
+
+def switch(model: Any) -> None:
+    """Switch ``model`` to ``attn_implementation="mstar"`` for one more user (the first switches,
+    registering the function first; later ones share the switch). :func:`release` undoes it."""
+    with _SWITCH_LOCK:
+        held = _SWITCHES.get(model)
+        if held is None:
+            held = _SWITCHES[model] = _Switch(_switch_now(model))
+        held.users += 1
+
+
+def release(model: Any) -> None:
+    """One user of :func:`switch` is done; the last one switches the model back to the
+    implementation it had."""
+    with _SWITCH_LOCK:
+        held = _SWITCHES.get(model)
+        if held is None:
+            return
+        held.users -= 1
+        if held.users > 0:
+            return
+        del _SWITCHES[model]
+        if held.restore != NAME and getattr(model.config, "_attn_implementation", None) == NAME:
+            model.set_attn_implementation(held.restore)
+
+
+def users(model: Any) -> int:
+    """How many open engines hold ``model``'s switch."""
+    held = _SWITCHES.get(model)
+    return 0 if held is None else held.users
+
+
+def _switch_now(model: Any) -> str:
     refuse_config(model)
     register()
     before = getattr(model.config, "_attn_implementation", None) or "eager"
@@ -105,12 +156,17 @@ def switch(model: Any) -> str:
 
 class Engine:
     """mstar's resources for one transformers model (see the module docstring). Build it, run
-    :meth:`.batching.run` (or :func:`.generate`) over it, close it."""
+    :meth:`.batching.run` (or :func:`.generate`) over it, close it. Several engines may be open on
+    one model (each with its own cache): they share its attention switch, which the last to close
+    gives back. A closed engine refuses to run."""
 
     def __init__(self, model: Any, backend: str | None = None, options: EngineOptions | None = None) -> None:
         from mstar_core.registry import select_backend
 
+        check_model(model)
         o = options or EngineOptions()
+        if not isinstance(o, EngineOptions):
+            raise InputTypeError(f"Engine: options must be an EngineOptions, got {type(o).__name__}")
         if o.max_pages is None:
             raise InputError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
         if getattr(model, "training", False):
@@ -118,7 +174,10 @@ class Engine:
         self.model = model
         self.options = o
         self._nodes: list[Node] = []  # what close() cleans up (empty until built; once closed)
-        self._restore = switch(model)
+        self.closed = False
+        self._switched = False
+        switch(model)
+        self._switched = True
         try:
             self.attention: ModelAttention = probe(model)
             a = self.attention
@@ -131,6 +190,17 @@ class Engine:
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             self.kv = KVManager(kvc, self.device, self.dtype, features=features)
             graphs = graphs_default(self.device) if o.graphs is None else o.graphs
+            widest = max(o.graph_buckets())
+            if graphs and widest + 1 > o.max_pages:
+                # The warm-up captures the widest bucket with one page per dummy row, besides the
+                # page the KV manager keeps for padding rows' writes.
+                why = (f"graphs capture batches of up to {widest} rows (max_batch_size {o.max_batch_size}, buckets "
+                       f"{o.graph_buckets()}): {widest} pages and one for padding rows, but max_pages is {o.max_pages}")
+                if o.graphs:
+                    raise InputError(f"Engine: {why}; raise max_pages, lower max_batch_size or buckets, or set "
+                                     "graphs=False")
+                log.warning("graphs off: %s; every step runs eagerly", why)
+                graphs = False
             capturable = decode_capturable(sel.capturable, features)
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
@@ -189,6 +259,10 @@ class Engine:
     def _forward(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the step's last token per row, ``[rows, vocab]`` (a graph step: every row is
         one token, padded to the bucket)."""
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl != NAME:
+            raise StateError(f"the model was switched to attn_implementation {impl!r} while an Engine is open on it "
+                             f"(it would run without mstar's KV cache); switch it back once every engine is closed")
         lay = ctx.plan_results[self.kv.name].layout(LABEL)
         keep: int | torch.Tensor = 0  # every token (one per row)
         if ctx.bucket is None and lay.num_tokens != len(lay.spans):
@@ -201,12 +275,26 @@ class Engine:
                              logits_to_keep=keep)
         return out.logits[0]
 
+    def check_open(self) -> None:
+        """Refuse to run a closed engine (its cache is freed; the model may run other attention)."""
+        if self.closed:
+            raise StateError("Engine is closed: its KV cache is freed and the model may be switched back; "
+                             "build a new Engine to generate again")
+
     def close(self) -> None:
-        """Switch the model back to the attention implementation it had and free mstar's state."""
-        while self._nodes:
-            self._nodes.pop().cleanup()
-        if self._restore != NAME and getattr(self.model.config, "_attn_implementation", None) == NAME:
-            self.model.set_attn_implementation(self._restore)
+        """Free mstar's state and give back the model's attention switch (the last engine open on
+        the model switches it back to the implementation it had). Closing twice does nothing."""
+        self.closed = True
+        try:
+            runner = getattr(self, "runner", None)
+            if runner is not None:
+                runner.discard_all()
+            while self._nodes:
+                self._nodes.pop().cleanup()
+        finally:
+            if self._switched:
+                self._switched = False
+                release(self.model)
 
     def __enter__(self) -> Self:
         return self

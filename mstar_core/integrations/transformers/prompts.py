@@ -1,4 +1,6 @@
-"""The checks ``generate`` applies to its prompts and token budget where they enter."""
+"""The checks ``generate`` applies where its inputs enter: prompts, token budget, arrivals and
+end-of-sequence ids. Ints are ints (:func:`~mstar_core.step.is_int`): ``1.9``, ``"1"`` or ``True``
+are refused, never rounded or parsed."""
 
 from __future__ import annotations
 
@@ -6,7 +8,7 @@ from collections.abc import Sequence
 
 import torch
 
-from mstar_core.errors import InputError
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.step import is_int
 
 
@@ -19,7 +21,10 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
             p = p.tolist()
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
             raise InputError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
-        ids = [int(t) for t in p]
+        notint = [t for t in p if not is_int(t)]
+        if notint:
+            raise InputTypeError(f"generate: prompts[{i}] holds {_show(notint)}: token ids must be ints")
+        ids = [int(t) for t in p]  # a numpy integer becomes a plain int
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
             raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
@@ -30,3 +35,37 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
 def check_max_new(max_new_tokens: object) -> None:
     if not is_int(max_new_tokens) or max_new_tokens < 1:
         raise InputError(f"generate: max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+
+
+def check_arrivals(arrivals: Sequence[int] | None, count: int) -> list[int]:
+    """One arrival step >= 0 per prompt (None: all at step 0)."""
+    if arrivals is None:
+        return [0] * count
+    if isinstance(arrivals, (str, bytes)) or not isinstance(arrivals, Sequence) or len(arrivals) != count \
+            or any(not is_int(a) or a < 0 for a in arrivals):
+        raise InputError(f"generate: arrivals must give one step (an int >= 0) per prompt ({count}), "
+                         f"got {arrivals!r:.80}")
+    return [int(a) for a in arrivals]
+
+
+def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
+    """The end-of-sequence ids: None (never stop early), an int, a sequence of ints, or an integer
+    tensor (a 0-d one too)."""
+    if eos_token_id is None:
+        return set()
+    value = eos_token_id
+    if isinstance(value, torch.Tensor):
+        if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
+            raise InputTypeError(f"generate: eos_token_id must hold integer ids, got a {value.dtype} tensor")
+        value = value.reshape(-1).tolist()
+    ids = [value] if is_int(value) else value
+    if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or any(not is_int(t) for t in ids):
+        raise InputTypeError(f"generate: eos_token_id must be None, an int or a list of ints, got {eos_token_id!r:.60}")
+    bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
+    if bad:
+        raise InputError(f"generate: eos_token_id {bad[:5]} outside the vocabulary 0..{vocab}")
+    return {int(t) for t in ids}
+
+
+def _show(values: Sequence[object]) -> str:
+    return ", ".join(f"{v!r} ({type(v).__name__})" for v in values[:3]) + (" ..." if len(values) > 3 else "")

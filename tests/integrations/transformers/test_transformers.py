@@ -20,7 +20,7 @@ from mstar_core import (
     probe,
 )
 from mstar_core.integrations.transformers import run
-from mstar_core.integrations.transformers.engine import switch
+from mstar_core.integrations.transformers.engine import release, switch
 from mstar_core.testing.hf_models import ARCHITECTURES, build
 
 from ...helpers import REPO, hf_greedy
@@ -74,11 +74,11 @@ def test_graph_replay_and_waiting_admissions(arch):
 @pytest.mark.parametrize("arch", ARCHITECTURES)
 def test_probe_reads_each_layers_attention(arch):
     model = case(arch)[0]
-    before = switch(model)
+    switch(model)
     try:
         a = probe(model)
     finally:
-        model.set_attn_implementation(before)
+        release(model)
     f = a.features()
     cfg = model.config
     assert (a.qo_heads, a.kv_heads, a.head_dim) == (cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim)
@@ -129,7 +129,8 @@ def test_outside_mstars_runner_the_attention_says_how_to_run():
         with pytest.raises(RuntimeError, match="integrations.transformers.generate"):
             model(torch.tensor([[1, 2, 3]]))
     finally:
-        model.set_attn_implementation("eager")
+        release(model)
+    assert model.config._attn_implementation == "eager"
 
 
 def test_cross_attention_model_is_refused_and_left_unchanged():
@@ -207,12 +208,12 @@ def test_a_forward_that_cannot_be_captured_runs_eagerly_unless_graphs_were_asked
     import mstar_core.integrations.transformers.engine as engine_mod
 
     monkeypatch.setattr(engine_mod, "graphs_default", lambda device: True)  # as on CUDA
-    with caplog.at_level("WARNING"), Engine(model, "reference", EngineOptions(max_pages=64)) as engine:
+    with caplog.at_level("WARNING"), Engine(model, "reference", EngineOptions(max_pages=65)) as engine:
         assert not engine.runner.enabled
         assert run(engine, ps[:2], NEW).ids == want[:2]
     assert "graphs off: capturing LlamaForCausalLM" in caplog.text
     with pytest.raises(RuntimeError, match="stream is capturing"):
-        Engine(model, "reference", EngineOptions(max_pages=64, graphs=True))
+        Engine(model, "reference", EngineOptions(max_pages=65, graphs=True))
     assert model.config._attn_implementation == "eager"
 
 

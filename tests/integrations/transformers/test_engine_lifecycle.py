@@ -1,0 +1,235 @@
+"""An Engine's life on one model: engines that share the model's attention switch, a closed
+engine that refuses to run, and a generation loop that leaves nothing held after an exception at
+any point of a step (checked against free pages, requests, prepared steps and staging slots),
+driven by a hypothesis state machine against transformers' own greedy tokens."""
+
+from __future__ import annotations
+
+import functools
+import os
+import threading
+from contextlib import contextmanager
+
+import pytest
+import torch
+from hypothesis import HealthCheck, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from mstar_core import Engine, EngineOptions, StateError, generate
+from mstar_core.integrations.transformers import batching, run
+from mstar_core.integrations.transformers.engine import users
+from mstar_core.testing.hf_models import build
+
+from ...helpers import hf_greedy
+
+NEW = 6
+LENGTHS = (3, 17, 9, 1)
+
+
+@functools.cache
+def model_and_reference():
+    """One tiny Llama, four prompts and transformers' greedy tokens for each (a greedy run of n
+    tokens is the first n of a longer one)."""
+    model = build("llama")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in LENGTHS]
+    return model, prompts, [hf_greedy(model, p, NEW) for p in prompts]
+
+
+def assert_nothing_held(engine: Engine) -> None:
+    # With graphs the KV manager keeps one page for padding rows' writes, for the engine's life.
+    assert engine.kv.num_free_pages == engine.options.max_pages - engine.runner.enabled, "pages left held"
+    assert engine.kv.requests == (), "requests left in the cache"
+    assert engine.runner._pending == {}, "a staging slot still holds a prepared step"
+    assert engine.runner._open == [], "a prepared step was neither launched nor discarded"
+    assert not any(s.in_flight for s in engine.kv.streams.values())
+
+
+class Injected(Exception):
+    """A host-side failure inside a step."""
+
+
+POINTS = ("prepare", "plan", "tokens", "launch", "forward", "commit", "write_kv", "read", "on_step")
+
+
+@contextmanager
+def fault(engine: Engine, point: str, at: int, kind: type[BaseException]):
+    """Raise ``kind`` at the ``at``-th call of ``point`` in the generation loop (on the way in:
+    the call does not happen)."""
+    calls = {"n": 0}
+
+    def trip() -> None:
+        calls["n"] += 1
+        if calls["n"] == at:
+            raise kind("injected at " + point)
+
+    def wrap(fn):
+        def wrapped(*a, **kw):
+            trip()
+            return fn(*a, **kw)
+        return wrapped
+
+    targets = {"prepare": (engine.runner, "prepare"), "plan": (engine.node, "plan"),
+               "launch": (engine.runner, "launch"), "forward": (engine.runner, "forward"),
+               "commit": (engine.node, "commit"),
+               "write_kv": (engine.kv, "write_kv"), "tokens": (batching._Loop, "_tokens"),
+               "read": (batching._Loop, "_read")}
+    if point == "on_step":
+        yield lambda done, total: trip()
+        return
+    obj, name = targets[point]
+    had, before = name in vars(obj), vars(obj).get(name)
+    setattr(obj, name, wrap(getattr(obj, name)))
+    try:
+        yield None
+    finally:
+        if had:
+            setattr(obj, name, before)
+        else:
+            delattr(obj, name)  # the class's method shows again
+
+
+def test_two_engines_on_one_model_share_its_switch():
+    model, prompts, want = model_and_reference()
+    a = Engine(model, "reference", EngineOptions(max_pages=16))
+    b = Engine(model, "reference", EngineOptions(max_pages=16, graphs=True, max_batch_size=4))
+    assert users(model) == 2
+    a.close()  # the other engine still runs through mstar
+    assert model.config._attn_implementation == "mstar"
+    assert run(b, prompts[:2], NEW).ids == want[:2]
+    b.close()
+    assert model.config._attn_implementation == "eager" and users(model) == 0
+
+
+def test_concurrent_generate_calls_on_one_model():
+    model, prompts, want = model_and_reference()
+    got: dict[int, list[list[int]]] = {}
+    errors: list[BaseException] = []
+
+    def serve(i: int) -> None:
+        try:
+            got[i] = generate(model, prompts[i:i + 2], NEW, backend="reference")
+        except BaseException as e:  # reported below: a thread's exception is otherwise lost
+            errors.append(e)
+
+    threads = [threading.Thread(target=serve, args=(i,)) for i in (0, 2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors, errors
+    assert got == {0: want[0:2], 2: want[2:4]}
+    assert model.config._attn_implementation == "eager" and users(model) == 0
+
+
+def test_a_closed_engine_refuses_to_run():
+    model, prompts, _ = model_and_reference()
+    engine = Engine(model, "reference", EngineOptions(max_pages=16))
+    engine.close()
+    engine.close()  # twice: nothing more to do
+    with pytest.raises(StateError, match="Engine is closed"):
+        run(engine, prompts[:1], 2)
+    assert users(model) == 0 and model.config._attn_implementation == "eager"
+
+
+def test_a_model_switched_away_under_an_open_engine_is_refused():
+    model, prompts, _ = model_and_reference()
+    with Engine(model, "reference", EngineOptions(max_pages=16)) as engine:
+        model.set_attn_implementation("sdpa")
+        try:
+            with pytest.raises(StateError, match="switched to attn_implementation 'sdpa'"):
+                run(engine, prompts[:1], 2)
+            assert_nothing_held(engine)
+        finally:
+            model.set_attn_implementation("mstar")
+    assert model.config._attn_implementation == "eager"
+
+
+@pytest.mark.parametrize("graphs", [False, True])
+@pytest.mark.parametrize("kind", [KeyboardInterrupt, Injected])
+def test_an_interrupt_between_prepare_and_launch_leaves_nothing_held(graphs, kind):
+    model, prompts, want = model_and_reference()
+    with Engine(model, "reference", EngineOptions(max_pages=16, graphs=graphs, max_batch_size=4)) as engine:
+        with fault(engine, "tokens", 3, kind), pytest.raises(kind, match="injected at tokens"):
+            run(engine, prompts[:3], NEW)
+        assert_nothing_held(engine)
+        assert run(engine, prompts[:3], NEW).ids == want[:3]  # every later run is served, correctly
+
+
+class EngineLife(RuleBasedStateMachine):
+    """At most two engines open on one model; runs with a failure injected at some call of some
+    point of a step, or none; closes; runs on closed engines."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model, self.prompts, self.want = model_and_reference()
+        self.engines: list[Engine] = []
+        self.closed: list[Engine] = []
+
+    @precondition(lambda self: len(self.engines) < 2)
+    @rule(graphs=st.booleans(), pages=st.integers(6, 24))
+    def open_engine(self, graphs: bool, pages: int) -> None:
+        self.engines.append(Engine(self.model, "reference", EngineOptions(max_pages=pages, graphs=graphs,
+                                                                          max_batch_size=4)))
+
+    @precondition(lambda self: self.engines)
+    @rule(which=st.integers(0, 1), chosen=st.lists(st.integers(0, 3), min_size=1, max_size=4, unique=True),
+          new=st.integers(1, NEW), point=st.sampled_from((None, *POINTS)), at=st.integers(1, 6),
+          kind=st.sampled_from((KeyboardInterrupt, Injected)), arrivals=st.booleans())
+    def generate(self, which, chosen, new, point, at, kind, arrivals) -> None:
+        engine = self.engines[which % len(self.engines)]
+        prompts = [self.prompts[i] for i in chosen]
+        arr = list(range(len(chosen))) if arrivals else None
+        # A prompt set that cannot fit the cache at all is refused up front (and holds nothing).
+        fits = all((len(p) + new + 15) // 16 <= engine.options.max_pages for p in prompts)
+        if point is None:
+            if not fits:
+                with pytest.raises(ValueError, match="raise max_pages"):
+                    run(engine, prompts, new, arrivals=arr)
+                return
+            assert run(engine, prompts, new, arrivals=arr).ids == [self.want[i][:new] for i in chosen]
+            return
+        with fault(engine, point, at, kind) as on_step:
+            try:
+                out = run(engine, prompts, new, arrivals=arr, on_step=on_step)
+            except ValueError:
+                assert not fits
+                return
+            except BaseException as e:
+                # The injected failure, or a CommitError that carries it.
+                assert isinstance(e, kind) or isinstance(e.__cause__, kind), repr(e)
+                return
+        # The point was not reached that many times: the run is whole, and right.
+        assert out.ids == [self.want[i][:new] for i in chosen]
+
+    @precondition(lambda self: self.engines)
+    @rule(which=st.integers(0, 1))
+    def close(self, which: int) -> None:
+        engine = self.engines.pop(which % len(self.engines))
+        engine.close()
+        self.closed.append(engine)
+
+    @precondition(lambda self: self.closed)
+    @rule()
+    def run_closed(self) -> None:
+        with pytest.raises(StateError, match="Engine is closed"):
+            run(self.closed[-1], self.prompts[:1], 1)
+
+    @invariant()
+    def nothing_held(self) -> None:
+        for engine in self.engines:
+            assert_nothing_held(engine)
+        assert users(self.model) == len(self.engines)
+        assert self.model.config._attn_implementation == ("mstar" if self.engines else "eager")
+
+    def teardown(self) -> None:
+        for engine in self.engines:
+            engine.close()
+        assert self.model.config._attn_implementation == "eager"
+
+
+TestEngineLife = EngineLife.TestCase
+# MSTAR_STATE_EXAMPLES: more examples for a longer search than CI's.
+TestEngineLife.settings = settings(max_examples=int(os.environ.get("MSTAR_STATE_EXAMPLES", 25)), stateful_step_count=8,
+                                   deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -1,0 +1,116 @@
+"""What ``generate``, ``run`` and ``Engine`` take where their inputs enter: ints are ints (never
+rounded or parsed), end-of-sequence ids in every form a config holds them, a model that is not a
+transformers model named as such; every refusal names the bad value and leaves the model and the
+engine holding nothing. And a model real checkpoints ship (a sliding window longer than the cache
+a short run needs) is served, not refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from mstar_core import Engine, EngineOptions, generate
+from mstar_core.integrations.transformers import run
+from mstar_core.integrations.transformers.engine import users
+from mstar_core.testing.hf_models import build
+
+from ...helpers import hf_greedy
+from .test_engine_lifecycle import assert_nothing_held, model_and_reference
+
+
+def untouched(model) -> None:
+    assert model.config._attn_implementation == "eager" and users(model) == 0
+
+
+# (id, keyword arguments of generate besides the model, error type, what the message must name)
+CASES = [
+    ("prompt-float-id", dict(prompts=[[1, 1.9]]), TypeError, r"prompts\[0\] holds 1\.9 \(float\)"),
+    ("prompt-str-id", dict(prompts=[["1"]]), TypeError, r"'1' \(str\)"),
+    ("prompt-bool-id", dict(prompts=[[2], [True]]), TypeError, r"prompts\[1\] holds True \(bool\)"),
+    ("prompt-float-tensor", dict(prompts=[torch.tensor([1.0, 2.0])]), TypeError, r"1\.0 \(float\)"),
+    ("eos-str", dict(eos_token_id="5"), TypeError, r"eos_token_id must be None, an int or a list of ints, got '5'"),
+    ("eos-list-with-str", dict(eos_token_id=[3, "5"]), TypeError, r"\[3, '5'\]"),
+    ("eos-float-tensor", dict(eos_token_id=torch.tensor(5.0)), TypeError, r"torch\.float32 tensor"),
+    ("eos-outside-vocab", dict(eos_token_id=999), ValueError, r"eos_token_id \[999\] outside the vocabulary"),
+    ("eos-negative", dict(eos_token_id=[-1]), ValueError, r"\[-1\]"),
+    ("arrivals-float", dict(arrivals=[0.5]), ValueError, r"\[0\.5\]"),
+    ("arrivals-str", dict(arrivals="0"), ValueError, r"got '0'"),
+    ("max-new-float", dict(max_new_tokens=2.0), ValueError, r"max_new_tokens must be an int >= 1, got 2\.0"),
+    ("max-new-bool", dict(max_new_tokens=True), ValueError, r"got True"),
+    ("graphs-without-room", dict(max_pages=3, graphs=True, max_batch_size=4), ValueError,
+     r"up to 4 rows .* max_pages is 3"),
+]
+
+
+@pytest.mark.parametrize("name, kw, error, match", CASES, ids=[c[0] for c in CASES])
+def test_generate_refuses_naming_the_value(name, kw, error, match):
+    model, prompts, _ = model_and_reference()
+    kw = {"prompts": prompts[:1], "max_new_tokens": 2, **kw}
+    with pytest.raises(error, match=match):
+        generate(model, backend="reference", **kw)
+    untouched(model)
+
+
+@pytest.mark.parametrize("kw, error, match", [(c[1], c[2], c[3]) for c in CASES[:12]], ids=[c[0] for c in CASES[:12]])
+def test_run_refuses_naming_the_value_and_holds_nothing(kw, error, match):
+    model, prompts, _ = model_and_reference()
+    kw = {"prompts": prompts[:1], "max_new_tokens": 2, **kw}
+    with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
+        with pytest.raises(error, match=match):
+            run(engine, kw.pop("prompts"), kw.pop("max_new_tokens"), **kw)
+        assert_nothing_held(engine)
+    untouched(model)
+
+
+EOS_FORMS = {"numpy-int": np.int64, "0-d-tensor": torch.tensor, "1-d-tensor": lambda t: torch.tensor([t]),
+             "list-of-numpy": lambda t: [np.int32(t)], "tuple": lambda t: (t,)}
+
+
+@pytest.mark.parametrize("form", list(EOS_FORMS))
+def test_end_of_sequence_ids_in_every_form_a_config_holds_them(form):
+    model, prompts, want = model_and_reference()
+    stop = want[1][2]  # the third token of prompt 1: the run must stop right there
+    got = generate(model, prompts[1:2], 6, backend="reference", eos_token_id=EOS_FORMS[form](stop))
+    assert got == [hf_greedy(model, prompts[1], 6, eos_token_id=stop)]
+    assert got[0][-1] == stop and len(got[0]) <= 3
+
+
+@pytest.mark.parametrize("thing", [torch.nn.Linear(2, 2), object(), "meta-llama/Llama-3-8B"],
+                         ids=["module", "object", "model-name"])
+def test_what_is_not_a_transformers_model_is_named_as_such(thing):
+    with pytest.raises(TypeError, match="is not a transformers model"):
+        generate(thing, [[1, 2]], 2)
+    with pytest.raises(TypeError, match="is not a transformers model"):
+        Engine(thing, "reference", EngineOptions(max_pages=4))
+
+
+def test_engine_options_of_another_type_are_refused():
+    model, _, _ = model_and_reference()
+    with pytest.raises(TypeError, match="options must be an EngineOptions, got dict"):
+        Engine(model, "reference", {"max_pages": 4})
+    untouched(model)
+
+
+def test_a_sliding_window_longer_than_the_cache_is_served_as_full_attention(caplog):
+    """A Mistral-7B-style 4096-token window over a cache sized for two short prompts: no token is
+    ever 4096 back, so every layer is full attention, as transformers' own greedy run says."""
+    model = build("mistral", sliding_window=4096)
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 12)]
+    with caplog.at_level("INFO", logger="mstar_core.attention.paged"):
+        got = generate(model, prompts, 8, backend="reference")
+    assert got == [hf_greedy(model, p, 8) for p in prompts]
+    assert "reach past the KV cache" in caplog.text
+    untouched(model)
+
+
+def test_graphs_by_default_without_room_for_the_widest_bucket_run_eagerly(monkeypatch, caplog):
+    import mstar_core.integrations.transformers.engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "graphs_default", lambda device: True)  # as on CUDA
+    model, prompts, want = model_and_reference()
+    with caplog.at_level("WARNING"), Engine(model, "reference", EngineOptions(max_pages=4, max_batch_size=4)) as e:
+        assert not e.runner.enabled
+        assert run(e, prompts[:1], 4).ids == [want[0][:4]]
+    assert "graphs off: graphs capture batches of up to 4 rows" in caplog.text and "max_pages is 4" in caplog.text
