@@ -88,7 +88,7 @@ def snapshot(w: World) -> tuple:
     return (
         sorted(kv.pool.used), kv.pool.num_free, tuple(kv.requests),
         {k: (tuple(s.pages), s.length, s.generation, s.in_flight) for k, s in kv.streams.items()},
-        kv.storage.clone(), dict(w.attn._planned), dict(w.runner._pending), w.runner._next_slot,
+        kv.storage.clone(), dict(w.attn._planned), dict(w.runner._pending), list(w.runner._open), w.runner._next_slot,
         w.pending.done, dict(w.pending.ctx.admitted),
         tuple(b._free), dict(b._slot), dict(b._length), dict(b._epoch), dict(b._uncommitted_writes), dict(b._in_flight),
         tuple(b.requests), b.storage.clone(),

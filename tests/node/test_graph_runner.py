@@ -177,3 +177,47 @@ def test_a_decode_step_with_another_sm_scale_is_not_replayed():
     prep = runner.prepare(Step(kv_step))
     assert prep.graph is not None and prep.ctx.bucket == 2
     runner.discard(prep)
+
+
+def test_discard_all_gives_back_every_prepared_step():
+    """A loop cut short with a graph step and an eager step prepared (neither launched): both
+    give back their pages and the slot, and the next prepare takes the slot again."""
+    _, kv, node, runner = build()
+    runner.warmup()
+    free0 = kv.num_free_pages
+    for r in "abc":
+        node.ingest_request(r)
+    runner.launch(runner.prepare(Step(KVStep((KVSpan("a", "text", 3), KVSpan("b", "text", 2))))), torch.arange(5))
+    held = kv.num_free_pages
+    graph = runner.prepare(Step(KVStep((KVSpan("a", "text", 1), KVSpan("b", "text", 1)))))
+    eager = runner.prepare(Step(KVStep((KVSpan("c", "text", 9),))))
+    assert graph.graph is not None and eager.graph is None and kv.num_free_pages < held
+    runner.discard_all()
+    assert graph.done and eager.done and runner._pending == {} and runner._open == []
+    assert kv.num_free_pages == held and not any(s.in_flight for s in kv.streams.values())
+    for r in "abc":
+        node.remove_request(r)
+    assert kv.num_free_pages == free0
+
+
+def test_a_failure_on_the_way_into_commit_rolls_the_step_back(monkeypatch):
+    """What is raised after the forward and before the commit begins (an interrupt) leaves no
+    stream in flight and no page taken: the launch rolls back whatever has not committed."""
+    _, kv, node, runner = build()
+    runner.warmup()
+    free0 = kv.num_free_pages
+    node.ingest_request("a")
+
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(node, "commit", interrupted)
+    prep = runner.prepare(Step(KVStep((KVSpan("a", "text", 3),))))
+    try:
+        runner.launch(prep, torch.arange(3))
+    except KeyboardInterrupt:
+        pass
+    else:
+        raise AssertionError("the interrupt did not propagate")
+    # the stream the admit created is dropped with it
+    assert kv.num_free_pages == free0 and kv.streams == {} and runner._open == []
