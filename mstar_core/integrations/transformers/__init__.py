@@ -26,7 +26,13 @@ from mstar_core.integrations.transformers.batching import run, run_checked
 from mstar_core.integrations.transformers.engine import Engine, EngineOptions, check_model
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
 from mstar_core.integrations.transformers.probe import LayerAttention, ModelAttention, UnsupportedModel, probe
-from mstar_core.integrations.transformers.prompts import check_arrivals, check_eos, check_max_new, check_prompts
+from mstar_core.integrations.transformers.prompts import (
+    check_arrivals,
+    check_eos,
+    check_max_new,
+    check_on_step,
+    check_prompts,
+)
 from mstar_core.kv.paged import pages_for
 
 __all__ = [
@@ -71,6 +77,7 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
         run_kw["eos_token_id"] = getattr(gen, "eos_token_id", None)
     check_eos(run_kw["eos_token_id"], vocab)
     check_arrivals(run_kw.get("arrivals"), len(prompts))
+    check_on_step(run_kw.get("on_step"))
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
         return run_checked(engine, prompts, max_new_tokens, **run_kw)

@@ -25,7 +25,13 @@ from mstar_core.capabilities import STEP_KINDS, paged_step_capability
 from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
-from mstar_core.integrations.transformers.prompts import check_arrivals, check_eos, check_max_new, check_prompts
+from mstar_core.integrations.transformers.prompts import (
+    check_arrivals,
+    check_eos,
+    check_max_new,
+    check_on_step,
+    check_prompts,
+)
 from mstar_core.kv.paged import pages_for
 from mstar_core.step import KVSpan, KVStep, Step
 
@@ -85,6 +91,7 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
     """:func:`run` for prompts and ``max_new_tokens`` already checked (``check_prompts``,
     ``check_max_new``): ``generate`` checks them before it builds the engine."""
     engine.check_open()
+    check_on_step(on_step)
     arrivals = check_arrivals(arrivals, len(prompts))
     eos = check_eos(eos_token_id, getattr(engine.model.config, "vocab_size", None))
     o, ps = engine.options, engine.options.page_size

@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -65,6 +66,9 @@ class EngineOptions:
         if self.graphs is not None and not isinstance(self.graphs, bool):
             raise InputTypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
+            if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Iterable):
+                raise InputTypeError(f"mstar generate: buckets must be a list of batch sizes (or None), "
+                                     f"got {self.buckets!r}")
             object.__setattr__(self, "buckets", tuple(self.buckets))
             if not self.buckets or any(not is_int(b) or b < 1 for b in self.buckets):
                 raise InputError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")

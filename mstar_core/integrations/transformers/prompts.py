@@ -5,6 +5,7 @@ are refused, never rounded or parsed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -13,12 +14,14 @@ from mstar_core.step import is_int
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
+    """Plain lists of ints; a tensor or numpy array (a 2-D one for every prompt, or one per
+    prompt) is read with ``tolist``, so its dtype decides whether the ids are ints."""
+    prompts = _listed(prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
-        raise InputError("generate: prompts must be a non-empty list of token-id lists")
+        raise InputError(f"generate: prompts must be a non-empty list of token-id lists, got {prompts!r:.60}")
     out = []
     for i, p in enumerate(prompts):
-        if isinstance(p, torch.Tensor):
-            p = p.tolist()
+        p = _listed(p)
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
             raise InputError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
         notint = [t for t in p if not is_int(t)]
@@ -69,3 +72,15 @@ def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
 
 def _show(values: Sequence[object]) -> str:
     return ", ".join(f"{v!r} ({type(v).__name__})" for v in values[:3]) + (" ..." if len(values) > 3 else "")
+
+
+def check_on_step(on_step: object) -> None:
+    if on_step is not None and not callable(on_step):
+        raise InputTypeError(f"generate: on_step must be a callable on_step(done, total) or None, got {on_step!r:.60}")
+
+
+def _listed(value: Any) -> Any:
+    """A tensor's or numpy array's elements as a list (anything else as it is)."""
+    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value

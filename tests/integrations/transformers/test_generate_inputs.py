@@ -38,9 +38,17 @@ CASES = [
     ("arrivals-str", dict(arrivals="0"), ValueError, r"got '0'"),
     ("max-new-float", dict(max_new_tokens=2.0), ValueError, r"max_new_tokens must be an int >= 1, got 2\.0"),
     ("max-new-bool", dict(max_new_tokens=True), ValueError, r"got True"),
+    ("on-step-not-callable", dict(on_step=5), TypeError, r"on_step must be a callable .* got 5"),
+    ("prompt-float-array", dict(prompts=[np.array([1.5])]), TypeError, r"1\.5 \(float\)"),
+    ("prompts-a-str", dict(prompts="hello"), ValueError, r"got 'hello'"),
+    ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a list of batch sizes .* got 4"),
     ("graphs-without-room", dict(max_pages=3, graphs=True, max_batch_size=4), ValueError,
      r"up to 4 rows .* max_pages is 3"),
 ]
+
+
+# The cases of run's own inputs (the rest are engine options).
+RUN_CASES = [(kw, error, match) for _, kw, error, match in CASES if not {"buckets", "max_pages"} & set(kw)]
 
 
 @pytest.mark.parametrize("name, kw, error, match", CASES, ids=[c[0] for c in CASES])
@@ -52,7 +60,7 @@ def test_generate_refuses_naming_the_value(name, kw, error, match):
     untouched(model)
 
 
-@pytest.mark.parametrize("kw, error, match", [(c[1], c[2], c[3]) for c in CASES[:12]], ids=[c[0] for c in CASES[:12]])
+@pytest.mark.parametrize("kw, error, match", RUN_CASES)
 def test_run_refuses_naming_the_value_and_holds_nothing(kw, error, match):
     model, prompts, _ = model_and_reference()
     kw = {"prompts": prompts[:1], "max_new_tokens": 2, **kw}
@@ -83,6 +91,16 @@ def test_what_is_not_a_transformers_model_is_named_as_such(thing):
         generate(thing, [[1, 2]], 2)
     with pytest.raises(TypeError, match="is not a transformers model"):
         Engine(thing, "reference", EngineOptions(max_pages=4))
+
+
+@pytest.mark.parametrize("form", ["2-d-tensor", "numpy-rows", "tensor-rows", "tuples"])
+def test_prompts_as_tensors_and_arrays(form):
+    model, prompts, want = model_and_reference()
+    two = [prompts[0], prompts[2][:3]]  # both 3 tokens: a 2-D tensor holds them
+    given = {"2-d-tensor": torch.tensor(two), "numpy-rows": [np.array(p) for p in two],
+             "tensor-rows": [torch.tensor(p) for p in two], "tuples": tuple(tuple(p) for p in two)}[form]
+    assert generate(model, given, 3, backend="reference") == generate(model, two, 3, backend="reference")
+    assert generate(model, given, 3, backend="reference")[0] == want[0][:3]
 
 
 def test_engine_options_of_another_type_are_refused():
