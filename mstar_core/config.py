@@ -17,7 +17,7 @@ from __future__ import annotations
 import difflib
 import os
 import tomllib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -48,8 +48,9 @@ def short(value: Any, limit: int = 80) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _closest(word: str, known: tuple[str, ...]) -> str:
-    close = difflib.get_close_matches(word, known, n=1, cutoff=0.6)
+def did_you_mean(word: str, known: Sequence[str]) -> str:
+    """`` (did you mean 'x'?)`` for the closest of ``known`` to a misspelled ``word``, or ""."""
+    close = difflib.get_close_matches(word, list(known), n=1, cutoff=0.6)
     return f" (did you mean {close[0]!r}?)" if close else ""
 
 
@@ -74,7 +75,7 @@ def read_file(path: Path) -> Mapping[str, Any]:
     except OSError as e:  # a directory, no permission, ...
         raise ConfigError(f"config file {str(path)!r} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")  # a byte-order mark (some Windows editors write one) is not TOML's
     except UnicodeDecodeError as e:
         raise ConfigError(
             f"config file {str(path)!r} is not UTF-8 text (TOML files must be UTF-8): byte "
@@ -88,7 +89,7 @@ def read_file(path: Path) -> Mapping[str, Any]:
 def _check_tables(config: Mapping[str, Any], where: str) -> None:
     for table, value in config.items():
         if table not in SCHEMA:
-            hint = _closest(str(table), tuple(SCHEMA))
+            hint = did_you_mean(str(table), tuple(SCHEMA))
             if not hint and isinstance(value, Mapping) and set(value) & set(SCHEMA):
                 inner = min(set(value) & set(SCHEMA))
                 hint = f" (it holds [{inner}]: nested one table too deep? [{inner}] belongs at the top level)"
@@ -99,7 +100,7 @@ def _check_tables(config: Mapping[str, Any], where: str) -> None:
                              f"{type(value).__name__} {short(value)}")
         for key in value:
             if key not in SCHEMA[table]:
-                hint = _closest(str(key), SCHEMA[table])
+                hint = did_you_mean(str(key), SCHEMA[table])
                 if not hint and key in SCHEMA:
                     hint = f" ([{key}] nested inside [{table}]: it belongs at the top level)"
                 raise ConfigError(f"{where}: unknown key {key!r} in [{table}]{hint}; known keys: "

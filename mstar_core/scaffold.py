@@ -19,6 +19,9 @@ from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.discovery import RESERVED
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
+# A backend name also names the package (NAME_mstar) and the distribution: 64 characters keep
+# every path the skeleton writes far inside a file system's 255-byte name limit.
+MAX_NAME = 64
 
 PYPROJECT = '''\
 [build-system]
@@ -177,9 +180,12 @@ test_conformance = conformance_test("{name}")
 
 
 def check_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.fullmatch(name):
-        raise InputError(f"new-backend: backend name {name!r} must start with a lowercase letter and hold only "
-                         "lowercase letters, digits and underscores (it names the entry point and the package)")
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or len(name) > MAX_NAME:
+        shown = repr(name) if not isinstance(name, str) or len(name) <= 80 else (
+            f"{name[:40]!r}... ({len(name)} characters)")
+        raise InputError(f"new-backend: backend name {shown} must start with a lowercase letter, hold only "
+                         f"lowercase letters, digits and underscores (a Python identifier: it names the entry point "
+                         f"and the package) and be at most {MAX_NAME} characters long")
     if name in RESERVED:
         raise InputError(f"new-backend: backend name {name!r} is reserved for {RESERVED[name]}'s built-in backend; "
                          "choose another")
@@ -204,16 +210,27 @@ def files_for(name: str) -> dict[str, str]:
 
 def write_skeleton(name: str, directory: str | os.PathLike[str]) -> list[Path]:
     """Write the skeleton into ``directory`` (which must not exist, or be empty); returns the
-    files written. All or nothing."""
+    files written. All or nothing: a directory that cannot be created (no permission, a name too
+    long, a file in the way) is an :class:`InputError` naming it, and nothing is left behind."""
     files = files_for(name)
     target = Path(directory).absolute()
+    try:
+        return _write(files, target, directory)
+    except OSError as e:
+        where = f" ({e.filename})" if e.filename is not None and str(e.filename) != str(target) else ""
+        raise InputError(f"new-backend: cannot create {str(directory)!r}: {e.strerror or e}{where}; nothing was "
+                         "written") from None
+
+
+def _write(files: dict[str, str], target: Path, directory: str | os.PathLike[str]) -> list[Path]:
     if target.exists() and (not target.is_dir() or any(target.iterdir())):
         raise InputError(f"new-backend: {str(directory)!r} already exists and is not an empty directory; choose a new "
                          "directory (nothing is overwritten)")
     created = [p for p in (target.parent, *target.parent.parents) if not p.exists()]
-    target.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
+    staging: Path | None = None
     try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        staging = Path(tempfile.mkdtemp(prefix=f".{target.name[:32]}-", dir=target.parent))
         umask = os.umask(0)
         os.umask(umask)
         staging.chmod(0o777 & ~umask)  # as a plain mkdir would make it (mkdtemp makes it private)
@@ -223,8 +240,12 @@ def write_skeleton(name: str, directory: str | os.PathLike[str]) -> list[Path]:
             path.write_text(text)
         os.replace(staging, target)  # replaces an empty directory in one step
     except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         for p in created:  # innermost first: the folders this call made, now empty again
-            p.rmdir()
+            try:
+                p.rmdir()
+            except OSError:
+                pass  # never made (the failure came first), or no longer empty
         raise
     return [target / rel for rel in files]

@@ -22,8 +22,9 @@ from dataclasses import dataclass, field
 import torch
 
 from mstar_core.capabilities import GROUPS
-from mstar_core.errors import InputError, InputTypeError
-from mstar_core.registry.device import as_device
+from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
+from mstar_core.features import AttentionFeatures
+from mstar_core.registry.device import as_device, describe
 from mstar_core.registry.spec import dtype_name, load_ref
 from mstar_core.step import is_int
 
@@ -65,6 +66,13 @@ class WarmupConfig:
         if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
                                 or cap <= 0):
             raise InputError(f"WarmupConfig.soft_cap must be a positive finite number or None, got {cap!r}")
+
+    @property
+    def features(self) -> AttentionFeatures:
+        """What the configuration asks of attention, as every selection judges it (``mstar
+        backends --layer-windows/--soft-cap`` and a build alike): the windows as per-layer
+        windows (several distinct ones ask for the ``layer_windows`` feature), the soft-cap."""
+        return AttentionFeatures(soft_cap=self.soft_cap, layer_windows=self.windows)
 
     def describe(self) -> str:
         parts = [dtype_name(self.dtype), f"head_dim {self.head_dim}", f"page {self.page_size}",
@@ -113,10 +121,11 @@ def warmup(
     capabilities: Sequence[str] | None = None,
 ) -> WarmupReport:
     """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) selects as a
-    build would, per group (paged steps; the dense path); a name warms that backend alone.
-    ``capabilities`` limits what is warmed (default: all the selected backends provide)."""
+    build would, per group (paged steps; the dense path), for ``config.features``; a name warms
+    that backend alone. ``capabilities`` limits what is warmed (default: all the selected
+    backends provide). A group no backend can run is a note; when that is every group, nothing
+    would be warmed and :class:`BackendUnavailable` says why."""
     from mstar_core.registry import (  # plugins load here
-        BackendUnavailable,
         get_registry,
         resolve_requested,
         select_backend,
@@ -131,8 +140,11 @@ def warmup(
     name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
     auto = name == "auto"
     named = None if auto else get_registry().get(name)
+    features = config.features
     kernels: list[WarmedKernel] = []
     notes: list[str] = []
+    missed: list[BackendUnavailable] = []  # the groups no backend can run here (auto)
+    selected = 0
     for group in GROUPS:
         caps = tuple(c for c in group if c in wanted)
         if named is not None:  # a named backend: the part of the group it provides
@@ -141,12 +153,14 @@ def warmup(
             continue
         try:
             sel = select_backend(capabilities=caps, requested=name, device=dev, dtype=config.dtype,
-                                 head_dim=config.head_dim)
+                                 head_dim=config.head_dim, features=features)
         except BackendUnavailable as e:
             if auto:
-                notes.append(f"{', '.join(caps)}: no backend can run here ({e})")
+                notes.append(f"{', '.join(caps)}: not warmed: no backend can run it here ({e})")
+                missed.append(e)
                 continue
             raise
+        selected += 1
         spec = sel.backend
         if spec.warmup is None:
             notes.append(f"{sel.name} ({', '.join(caps)}): nothing to prepare; it compiles nothing on first use")
@@ -154,6 +168,11 @@ def warmup(
         fn = load_ref(spec.warmup) if isinstance(spec.warmup, str) else spec.warmup
         for item in fn(config, dev, caps):
             (notes if isinstance(item, str) else kernels).append(item)
+    if missed and not selected:  # no group asked for has a backend here: nothing was warmed
+        raise BackendUnavailable(
+            f"warmup: nothing was warmed on {describe(dev)}: " + " | ".join(str(e) for e in missed)
+            + ("; device cpu runs the reference backend" if dev.type != "cpu" else ""),
+            requested=name, reasons={k: v for e in missed for k, v in e.reasons.items()})
     if named is not None and not kernels and not notes:
         raise InputError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
                          f"{', '.join(named.provides)})")

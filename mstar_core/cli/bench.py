@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.options import add_config, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
 from mstar_core.errors import InputError
@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Time the decode loop of a tiny decoder with random weights: BATCH requests that already hold "
         "CONTEXT tokens each generate one token per step. Prints the median step time, tokens/s, host time per step "
         "and (CUDA, with graphs) the GPU time of one step's kernels replayed back to back. On a CPU it runs on the "
-        "reference backend. With --tp N (launched by torchrun) the model is sharded over N ranks and rank 0 prints, "
+        "reference backend. The KV cache and weights the sizes ask for are estimated first: sizes that do not fit the "
+        "device's free memory are refused, naming the options. With --tp N (launched by torchrun) the model is "
+        "sharded over N ranks and rank 0 prints, "
         "adding the time of the step's all-reduces alone.",
     )
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
@@ -36,7 +38,8 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default=None,
                    help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
-                   help="replay decode steps from CUDA graphs captured at warm-up (default off)")
+                   help="replay decode steps from CUDA graphs captured at warm-up (default off); on a CPU the graph "
+                   "path runs without CUDA graphs, each replay re-running the forward")
     p.add_argument("--preplan", action=argparse.BooleanOptionalAction, default=d.preplan,
                    help="plan step N+1 while step N runs on the GPU (default off; only where every resource "
                    "supports it -- paged attention does with --graphs -- else a warning and it stays off)")
@@ -63,6 +66,7 @@ def check_options(o: BenchOptions) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    check_device(args.device, "bench")
     fields = BenchOptions.__dataclass_fields__
     # each count >= 1, context >= 0; a bad config file fails here, before the model is built
     opts = BenchOptions(**{k: getattr(args, k) for k in fields if k != "config"}, config=config_from(args))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.options import add_config, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.errors import InputError
 
@@ -42,6 +42,7 @@ def check_seed(seed: int) -> None:
 
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
+    check_device(args.device, "demo")
     config = config_from(args)
     if args.workload == "denoise":
         from mstar_core.demo import denoise

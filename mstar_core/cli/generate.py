@@ -10,8 +10,9 @@ import time
 from typing import Any
 
 from mstar_core.cli.demo import check_seed
-from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.options import add_config, check_device, config_from
 from mstar_core.errors import InputError, StateError
+from mstar_core.memory import check_fits
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -38,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
     p.add_argument("--seed", type=int, default=0, help="random weights' seed when the directory has none (default 0)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps from CUDA graphs (default: on for CUDA)")
+                   help="replay decode steps from CUDA graphs (default: on for CUDA); on a CPU the graph path "
+                   "runs without CUDA graphs, each replay re-running the forward")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
     p.set_defaults(func=run)
@@ -66,23 +68,44 @@ class _Progress:
             print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
+def cache_bytes(model: Any, tokens: int, dtype: Any) -> int | None:
+    """The least a paged KV cache holding ``tokens`` tokens of ``model`` takes (K and V of every
+    layer); None where the model's config does not say its layers and heads."""
+    cfg = model.config
+    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
+    layers, heads = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None)
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads and hasattr(cfg, "hidden_size")
+                                                  else None)
+    dims = (layers, kv_heads, head_dim)
+    if not all(isinstance(x, int) and x > 0 for x in dims):
+        return None
+    n = 2 * dtype.itemsize * tokens  # K and V
+    for x in dims:
+        n *= int(x)  # type: ignore[arg-type]  # ints, checked above
+    return n
+
+
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
+    device = check_device(args.device, "generate")
     config = config_from(args)  # before the model loads: a typo fails fast
     if args.max_new_tokens < 1:
         raise InputError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if importlib.util.find_spec("transformers") is None:
         raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
-    import torch
-
     from mstar_core.integrations.transformers import generate_report
     from mstar_core.integrations.transformers.local import load
     from mstar_core.resource import resolve_dtype
 
-    device = torch.device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
     prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
+    tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
+    need = cache_bytes(model, tokens, dtype)
+    if need is not None:  # refused before the engine sizes its cache for it
+        check_fits(need, device, f"generate: the KV cache for {len(prompts)} prompt(s) of --max-new-tokens "
+                   f"{args.max_new_tokens} each ({tokens} tokens)")
     options: dict[str, Any] = {"on_step": _Progress(), "config": config}
     if args.graphs is not None:
         options["graphs"] = args.graphs
@@ -102,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     source = "weights" if weights else f"random weights, seed {args.seed}"
     print(f"model: {type(model).__name__} from {args.model} ({source}"
           f", {str(dtype).replace('torch.', '')} on {device})")
-    for line in rep.lines():
+    for line in rep.lines(device):
         print(line)
     for i, ids in enumerate(rep.ids):
         print(f"[{i}] {' '.join(map(str, ids))}")

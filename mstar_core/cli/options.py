@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+import torch
+
 from mstar_core.config import Config, load_config
 from mstar_core.errors import InputError
 from mstar_core.features import KV_DTYPES
@@ -21,6 +23,35 @@ def config_from(args: argparse.Namespace) -> Config | None:
     """The ``--config`` file, read and checked now: a typo fails before anything is built."""
     return load_config(args.config) if args.config is not None else None
 
+
+# The device types mstar runs on (ROCm GPUs are "cuda" in torch).
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def check_device(text: str, command: str, option: str = "--device") -> torch.device:
+    """``--device TEXT`` as a torch device this process can run on, refused where it enters:
+    not a device name, a type mstar does not run on, CUDA in a torch built without it, no usable
+    GPU, a GPU index that does not exist. Every message names the option, the value and what
+    would work."""
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        raise InputError(f"{command}: {option} {text!r} is not a torch device; use cpu, cuda or cuda:N") from None
+    if dev.type not in DEVICE_TYPES:
+        raise InputError(f"{command}: {option} {text!r}: mstar runs on cpu or cuda (cuda:N; ROCm GPUs are cuda too), "
+                         f"not on {dev.type}")
+    if dev.type != "cuda":
+        return dev
+    if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:
+        raise InputError(f"{command}: {option} {text}: this torch ({torch.__version__}) was built without CUDA; use "
+                         f"{option} cpu, or install a CUDA build of torch")
+    if not torch.cuda.is_available():
+        raise InputError(f"{command}: {option} {text}: no CUDA device is usable here (torch.cuda.is_available() is "
+                         f"False: no GPU, or no driver); use {option} cpu")
+    count = torch.cuda.device_count()
+    if dev.index is not None and dev.index >= count:
+        raise InputError(f"{command}: {option} {text}: this machine shows {count} GPU(s) (cuda:0..cuda:{count - 1})")
+    return dev
 
 
 def parse_kv_dtype(name: str) -> str:

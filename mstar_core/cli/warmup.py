@@ -6,6 +6,7 @@ import argparse
 import json
 from dataclasses import asdict
 
+from mstar_core.cli.options import check_device
 from mstar_core.warmup import WARMABLE, WarmupConfig, warmup
 
 DTYPES = ("bfloat16", "float16", "float32")
@@ -19,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         description="Prepare every kernel that the given configuration will use on the device: a backend that "
         "compiles on first use (FlashInfer: 20-120 s per kernel family on an H200, cached in ~/.cache/flashinfer "
         "afterwards) does it now, through a tiny plan and run of each variant. Run it at build time, on the "
-        "machine (or image) that serves. Prints what was compiled or loaded and how long each took.",
+        "machine (or image) that serves. Prints what was compiled or loaded and how long each took. The backends "
+        "are selected for the windows and soft-cap given, as `mstar backends --layer-windows/--soft-cap` judges "
+        "them. Exits 2, warming nothing, when no backend can run any of it on the device.",
     )
     p.add_argument("--backend", default="auto",
                    help="backend name, or auto: what a build selects for the paged steps and for the dense path "
@@ -45,9 +48,10 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
+    device = check_device(args.device, "warmup")  # before any plugin loads: no GPU is one line, exit 2
     cfg = WarmupConfig(getattr(torch, args.dtype), args.head_dim, args.page_size, args.qo_heads, args.kv_heads,
                        tuple(args.window or (-1,)), args.soft_cap)
-    report = warmup(cfg, args.backend, args.device, args.capability)
+    report = warmup(cfg, args.backend, device, args.capability)
     if args.json:
         out = asdict(report)
         out["config"]["dtype"] = args.dtype

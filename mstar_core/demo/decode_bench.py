@@ -23,6 +23,7 @@ from mstar_core.errors import InputError, StateError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from mstar_core.graphs import GraphRunner, capture_graph
 from mstar_core.kv import KVConfig, KVManager
+from mstar_core.memory import check_fits, format_bytes
 from mstar_core.node import Node
 from mstar_core.resource import resolve_dtype
 from mstar_core.step import KVSpan, KVStep, Step
@@ -88,12 +89,19 @@ class BenchResult:
     allreduce_share: float | None = None
 
     def lines(self) -> list[str]:
-        gpu = f"{self.gpu_step_ms:.3f} ms" if self.gpu_step_ms is not None else "n/a (no CUDA graph on this device)"
+        cuda = self.device.startswith("cuda")
+        if self.gpu_step_ms is not None:
+            gpu = f"{self.gpu_step_ms:.3f} ms"
+        else:
+            gpu = "n/a (graphs off)" if cuda else f"n/a (no CUDA graphs on {self.device})"
+        # Off CUDA the graph path runs, but no graph is captured: each replay re-runs the forward.
+        graphs = "off" if not self.graphs else "on" if cuda else (
+            f"on: the graph path, replayed on {self.device} (no CUDA graphs: each replay re-runs the forward)")
         tp = [] if self.tp == 1 or self.allreduce_ms is None or self.allreduce_share is None else [
             f"tensor parallel: {self.tp} ranks (step times: the slowest rank's); the step's all-reduces alone: "
             f"{self.allreduce_ms:.3f} ms ({self.allreduce_share:.0%} of the median step)"]
         return [
-            f"backend: {self.backend} on {self.device} ({self.dtype}); graphs {'on' if self.graphs else 'off'}, "
+            f"backend: {self.backend} on {self.device} ({self.dtype}); graphs {graphs}, "
             f"pre-plan {'on' if self.preplan else 'off'}",
             f"median step time: {self.median_step_ms:.3f} ms ({self.tokens_per_s:.0f} tokens/s)",
             f"median host time per step: {self.median_host_ms:.3f} ms",
@@ -118,6 +126,34 @@ class DecodeSetup:
     tp: TensorParallel | None = None
 
 
+def kv_pages(o: BenchOptions) -> int:
+    """Pages per rank's cache: every request's context and the steps' tokens, the graph
+    warm-up's dummy rows and the sink page."""
+    t = o.query_tokens
+    total = o.context + t * (o.warmup + o.steps + 2)
+    return o.batch * -(-total // o.page_size) + 2 * o.batch * -(-t // o.page_size) + 2
+
+
+def estimate_bytes(o: BenchOptions, dtype: torch.dtype) -> tuple[int, int]:
+    """``(KV cache, weights)`` in bytes that :func:`build_decode_setup` allocates on one rank."""
+    size = dtype.itemsize
+    kv = o.layers * kv_pages(o) * 2 * o.page_size * (o.kv_heads // o.tp) * o.head_dim * size
+    h, qd, kd, mlp, vocab = o.hidden, o.qo_heads * o.head_dim, o.kv_heads * o.head_dim, 2 * o.hidden, 256
+    per_layer = 2 * h + (h * qd + 2 * h * kd + qd * h + 3 * h * mlp) // o.tp
+    return kv, (2 * vocab * h + h + o.layers * per_layer) * size
+
+
+def check_memory(o: BenchOptions, device: torch.device, dtype: torch.dtype) -> None:
+    """Refuse sizes whose cache and weights do not fit the device's free memory, naming the
+    options that size each, before anything is allocated."""
+    kv, weights = estimate_bytes(o, dtype)
+    check_fits(kv + weights, device, (
+        f"bench: the KV cache ({format_bytes(kv)}: --layers {o.layers} x --batch {o.batch} x (--context {o.context} "
+        f"+ --steps {o.steps} + --warmup {o.warmup}) x --kv-heads {o.kv_heads} x --head-dim {o.head_dim}, in pages of "
+        f"--page-size {o.page_size}) and the weights ({format_bytes(weights)}: --layers {o.layers}, --hidden "
+        f"{o.hidden}, --qo-heads {o.qo_heads})"))
+
+
 def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> DecodeSetup:
     """Model, KV cache holding ``context`` random tokens per request, attention on the chosen
     backend, and (with ``graphs``) the captured graphs. With ``tp`` (``o.tp`` ranks) this rank's
@@ -128,14 +164,14 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     dev = torch.device(o.device)
     dt = resolve_dtype(o.dtype, dev)
     t = o.query_tokens
+    check_memory(o, dev, dt)
     features = AttentionFeatures(decode_query_tokens=t)
     sel = select_backend(capabilities=PAGED, requested=o.backend, device=dev, dtype=dt,
                          head_dim=o.head_dim, features=features, config=o.config)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
     model = TinyDecoder(cfg, dev, dt, tp=tp)
-    total = o.context + t * (o.warmup + o.steps + 2)
-    pages = o.batch * -(-total // o.page_size) + 2 * o.batch * -(-t // o.page_size) + 2  # + graph dummies, the sink
+    pages = kv_pages(o)
     kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
     kv = KVManager(kvc, dev, dt, features=features, tp=tp)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,

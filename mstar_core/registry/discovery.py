@@ -27,6 +27,21 @@ CORE_DISTRIBUTION = "mstar-core"
 # Backend names only the core may register: a plugin claiming one is refused (a conflict over
 # the reference would leave auto without its fallback).
 RESERVED: dict[str, str] = {name: CORE_DISTRIBUTION for name in BUILTIN}
+# The plugin distributions that ship in mstar's repository (plugins/), by the backend each
+# registers, and the line that installs it from a clone (as the README's Backends section says).
+FIRST_PARTY: dict[str, tuple[str, str]] = {
+    "flashinfer": ("mstar-flashinfer", "pip install ./plugins/flashinfer"),
+    "fa3": ("mstar-fa3", 'pip install "./plugins/fa3[tokenspeed]"'),
+    "rocm": ("mstar-rocm", "pip install ./plugins/rocm"),
+}
+
+
+def install_hint(name: str) -> str | None:
+    """How to install the first-party plugin that registers backend ``name``; None for any other."""
+    if name not in FIRST_PARTY:
+        return None
+    dist, line = FIRST_PARTY[name]
+    return f"it is the {dist} plugin's backend: install it with `{line}` in a clone of mstar"
 
 
 @dataclass(frozen=True)
@@ -93,6 +108,9 @@ def pins_from_env() -> dict[str, str]:
         if not sep:
             raise InputError(f"{ENV_PINS}={raw!r}: {part!r} is not NAME=DISTRIBUTION (e.g. "
                              f"{ENV_PINS}=fast=fast-kernels,other=other-dist)")
+        if name in pins and pins[name] != dist:
+            raise InputError(f"{ENV_PINS}={raw!r}: backend {name!r} is pinned twice, to {pins[name]!r} and to "
+                             f"{dist!r}; pin each name once")
         pins[name] = dist
     return check_pins(pins, f"{ENV_PINS}={raw!r}")
 

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 import pluggy
 import torch
 
-from mstar_core.config import check_pins
+from mstar_core.config import check_pins, did_you_mean
 from mstar_core.errors import InputError, InputTypeError, PluginError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry import discovery, hookspecs
@@ -243,7 +243,7 @@ class Registry:
         if spec is None:
             raise UnknownName(f"no usable backend {backend!r}: "
                            + (self.conflict_reason(backend) if backend in self.conflicts else
-                              f"known: {', '.join(self.names())}"))
+                              f"known: {', '.join(self.names())}{did_you_mean(str(backend), self.names())}"))
         return spec
 
     # -- can it run --------------------------------------------------------------------------

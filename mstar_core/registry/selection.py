@@ -13,11 +13,12 @@ from typing import Any
 import torch
 
 from mstar_core.capabilities import PAGED
-from mstar_core.config import ConfigSource, load_config
+from mstar_core.config import ConfigSource, did_you_mean, load_config
 from mstar_core.config import short as _short
 from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.registry.device import as_device, describe
+from mstar_core.registry.discovery import ENV_ALLOWLIST, FIRST_PARTY, install_hint
 from mstar_core.registry.registry import Registry, get_registry
 from mstar_core.registry.spec import CAPABILITIES, BackendSpec, dtype_name
 from mstar_core.step import is_int
@@ -194,6 +195,19 @@ def select_backend(
     return _select_named(registry, name, source, request, backends)
 
 
+def unregistered_reason(registry: Registry, name: str, known: Sequence[str]) -> str:
+    """Why no backend is called ``name``: no plugin this registry loaded registers it (an
+    allowlist may have left it out), and how to install it or the known name it is closest to."""
+    allow = registry.allowlist
+    why = ("no installed plugin registers it" if allow is None else
+           f"no plugin loaded here registers it ({ENV_ALLOWLIST} allows only: {', '.join(sorted(allow)) or 'none'})")
+    hint = install_hint(name)
+    if hint is not None:
+        listed = "" if allow is None else f"; installed already: add {FIRST_PARTY[name][0]} to {ENV_ALLOWLIST}"
+        return f"{why}; {hint}{listed}"
+    return why + did_you_mean(name, [*known, *(n for n in FIRST_PARTY if n not in known)])
+
+
 def _select_named(registry: Registry, name: str, source: str, request: Request,
                   backends: Mapping[str, BackendSpec]) -> Selection:
     known = list(backends)
@@ -207,7 +221,7 @@ def _select_named(registry: Registry, name: str, source: str, request: Request,
         elif failed:
             why = f"its plugin failed: {failed}"
         else:
-            why = "no installed plugin registers it"
+            why = unregistered_reason(registry, name, known)
         raise BackendUnavailable(
             f"attention backend {name!r} (from {source}) is unknown: {why}. "
             f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "

@@ -15,6 +15,7 @@ from mstar_core import BackendSpec, Config, Registry
 from mstar_core.backends import reference as R
 from mstar_core.cli import main
 from mstar_core.config import load_config
+from mstar_core.errors import InputError
 from mstar_core.scaffold import files_for, write_skeleton
 
 
@@ -136,7 +137,7 @@ def test_new_backend_writes_nothing_when_it_fails_half_way(tmp_path, monkeypatch
         return real(self, text, *a, **kw)
 
     monkeypatch.setattr(Path, "write_text", flaky)
-    with pytest.raises(OSError, match="disk full"):
+    with pytest.raises(InputError, match="cannot create '.*new': disk full; nothing was written"):
         write_skeleton("tpk", tmp_path / "new")
     assert list(tmp_path.iterdir()) == []  # neither the target nor the staging folder
 

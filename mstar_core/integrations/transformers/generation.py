@@ -5,6 +5,8 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import torch
+
 
 @dataclass(frozen=True)
 class StepRecord:
@@ -49,14 +51,19 @@ class Generation:
         return [(b.read_s - a.read_s) * 1e3 for a, b in itertools.pairwise(s)
                 if a.kind == b.kind == "decode" and a.rows == b.rows]
 
-    def lines(self) -> list[str]:
+    def lines(self, device: str | torch.device | None = None) -> list[str]:
+        """The report; ``device`` (None: a CUDA device) says how graph steps ran: replayed from
+        CUDA graphs, or, off CUDA, through the graph path with each replay re-running the forward."""
         kinds = ", ".join(f"{k} {v}" for k, v in self.kinds.items())
         graph = sum(1 for x in self.steps if x.graph)
+        dev = None if device is None else torch.device(device)
+        how = ("replayed from CUDA graphs" if dev is None or dev.type == "cuda" else
+               f"through the graph path on {dev.type} (no CUDA graphs: each replay re-runs the forward)")
         ttft = sorted(self.first_token_s)
         dec = sorted(self.decode_step_ms())
         lines = [
             f"backend: {self.backend}",
-            f"steps: {len(self.steps)} ({kinds}; {graph} replayed from CUDA graphs); admissions deferred: {self.waits}",
+            f"steps: {len(self.steps)} ({kinds}; {graph} {how}); admissions deferred: {self.waits}",
             f"new tokens: {self.new_tokens} in {self.seconds:.2f} s ({self.tokens_per_s:.0f} tokens/s)",
             f"time to first token: median {ttft[len(ttft) // 2] * 1e3:.1f} ms, max {ttft[-1] * 1e3:.1f} ms",
         ]
