@@ -32,6 +32,7 @@ from mstar_core.integrations.transformers.probe import (
     refuse_config,
 )
 from mstar_core.kv import KVConfig, KVManager
+from mstar_core.memory import check_fits
 from mstar_core.node import Node
 from mstar_core.step import AttentionStep, StepContext, is_int
 
@@ -192,6 +193,14 @@ class Engine:
             self.backend = sel.name
             log.info("%s on backend %s", a.describe(), sel.name)  # describe() names the features
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
+            # Refused before anything is allocated: a cache that does not fit would otherwise run
+            # until the allocator fails, naming no option.
+            kv_bytes = 2 * len(a.layers) * o.max_pages * o.page_size * a.kv_heads * a.head_dim \
+                * features.kv_torch_dtype(self.dtype).itemsize
+            check_fits(kv_bytes, self.device,
+                       f"Engine: the KV cache of max_pages {o.max_pages} x page_size {o.page_size} tokens "
+                       f"({len(a.layers)} layers, {a.kv_heads} KV heads of {a.head_dim}; generate sizes max_pages "
+                       "for its prompts and max_new_tokens)")
             self.kv = KVManager(kvc, self.device, self.dtype, features=features)
             graphs = graphs_default(self.device) if o.graphs is None else o.graphs
             widest = max(o.graph_buckets())

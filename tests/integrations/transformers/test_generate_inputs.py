@@ -132,3 +132,21 @@ def test_graphs_by_default_without_room_for_the_widest_bucket_run_eagerly(monkey
         assert not e.runner.enabled
         assert run(e, prompts[:1], 4).ids == [want[0][:4]]
     assert "graphs off: graphs capture batches of up to 4 rows" in caplog.text and "max_pages is 4" in caplog.text
+
+
+def test_a_cache_larger_than_memory_is_refused_before_it_is_allocated(monkeypatch):
+    import mstar_core.memory as memory
+
+    model, prompts, _ = model_and_reference()
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 16 << 30)  # any machine's, not this one's
+    with pytest.raises(ValueError, match=r"Engine: the KV cache of max_pages 62500002 x page_size 16 .* max_new_tokens"
+                                         r".* needs about 3\.7 TiB, more than the 16\.0 GiB available on cpu"):
+        generate(model, [[1, 2]], 10**9, backend="reference")
+    untouched(model)
+    # What fits is served: the check reads the free memory, not a fixed bound.
+    monkeypatch.setattr(memory, "available_bytes", lambda device: 8 << 20)
+    with pytest.raises(ValueError, match=r"max_pages 4097 .* more than the 8\.0 MiB available"):
+        Engine(model, "reference", EngineOptions(max_pages=4097))
+    with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
+        assert run(engine, prompts[:1], 2).ids
+    untouched(model)
