@@ -131,6 +131,28 @@ def admitted_c(w: World) -> StepContext:
     return ctx
 
 
+def rolled_back_b(w: World) -> None:
+    """Setup: a step for ``b`` admitted, planned, then rolled back (its plan is dead)."""
+    ctx = planned_b(w)
+    w.node.rollback_admit(one("b", 2), ctx)
+
+
+def rolled_back_x(w: World) -> Any:
+    """Setup: a bounded step for ``x`` admitted, planned, then rolled back; returns its dead plan."""
+    s, ctx = bstep(StreamPosition("x", 1)), StepContext()
+    assert w.bnode.admit(s, ctx)
+    w.bnode.plan(s, ctx)
+    plan = ctx.plan_results[w.bounded.name]
+    w.bnode.rollback_admit(s, ctx)
+    return plan
+
+
+def admitted_x(w: World) -> StepContext:
+    ctx = StepContext()
+    assert w.bounded.admit(bstep(StreamPosition("x", 1)), ctx)
+    return ctx
+
+
 def planned_x(w: World) -> Any:
     """Setup: a one-token bounded step for ``x`` admitted and planned; returns its plan."""
     s, ctx = bstep(StreamPosition("x", 1)), StepContext()
@@ -140,6 +162,12 @@ def planned_x(w: World) -> Any:
 
 
 ONE = torch.ones(1, HKV, 1, D, dtype=F64)
+
+
+def _bound_write(w: World, ctx: StepContext) -> None:
+    """A write inside the binding of a step that has already committed."""
+    with w.node.bound(ctx):
+        w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text")
 
 
 # (id, call(world, state), error type, a regex the message must match (the bad value)[, setup(world) -> state])
@@ -180,6 +208,16 @@ CASES: list[tuple] = [
     ("plan-without-admit", lambda w, st: w.kv.plan(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
     ("commit-without-admit", lambda w, st: w.kv.commit(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
     ("commit-twice", lambda w, st: w.kv.commit(*st), RuntimeError, r"\('c', 'text'\)", committed_c),
+    ("commit-admitted-never-planned", lambda w, st: w.kv.commit(one("c"), st), RuntimeError,
+     r"\('c', 'text'\)\].*never planned", admitted_c),
+    ("write-after-rollback", lambda w, st: w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text"), RuntimeError,
+     r"no step is planned", rolled_back_b),
+    ("run-after-rollback", lambda w, st: w.attn.run(q(2), "text", layer_idx=0), RuntimeError, r"no step is planned",
+     rolled_back_b),
+    ("write-after-commit", lambda w, st: w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text"), RuntimeError,
+     r"no step is planned", committed_c),
+    ("write-bound-to-a-landed-step", lambda w, st: _bound_write(w, st[1]), RuntimeError, r"no step is planned",
+     committed_c),
     ("write-layer-minus-1", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=-1, label="text"), IndexError,
      r"layer_idx -1 out of range"),
     ("write-layer-2", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=2, label="text"), IndexError,
@@ -234,6 +272,13 @@ CASES: list[tuple] = [
      RuntimeError, r"'x'", planned_x),
     ("bounded-plan-without-admit", lambda w, st: w.bounded.plan(bstep(StreamPosition("x", 1)), StepContext()),
      RuntimeError, r"'x'"),
+    ("bounded-attend-after-rollback", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE, plan=st), RuntimeError,
+     r"no step is planned.*\['x'\]", rolled_back_x),
+    ("bounded-attend-current-after-rollback", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE), RuntimeError,
+     r"no step is planned.*\['x'\]", rolled_back_x),
+    ("bounded-commit-admitted-never-planned",
+     lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), st), RuntimeError, r"\['x'\].*never planned",
+     admitted_x),
     ("bounded-commit-without-admit", lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), StepContext()),
      RuntimeError, r"'x'"),
     # -- selection ----------------------------------------------------------------------------

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -76,6 +76,9 @@ class PagedAttnPlan:
     """One step's planned wrappers, per label."""
 
     entries: tuple[PagedAttnEntry, ...]
+    # The KV plan of the same step: this plan is usable while that one is live (its step neither
+    # committed nor rolled back).
+    kv_plan: Any = field(default=None, compare=False, repr=False)
 
     def entry(self, label: str | None) -> PagedAttnEntry:
         if label is None:
@@ -246,7 +249,7 @@ class PagedAttentionManager(AttentionManager):
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
                       len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
             entries.append(PagedAttnEntry(label, kind, ctx.graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
-        self._current = PagedAttnPlan(tuple(entries))
+        self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
 
     def _check_graph_step(self, kind: str, ctx: StepContext, q_lens: tuple[int, ...]) -> None:
@@ -362,12 +365,13 @@ class PagedAttentionManager(AttentionManager):
     def current(self) -> PagedAttnPlan:
         """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
         latest plan."""
-        bound = self.bound_plan()
-        if bound is not None:
-            return bound
-        if self._current is None:
-            raise StateError("PagedAttentionManager has no plan yet: call plan(step, ctx) first (run before plan)")
-        return self._current
+        plan = self.bound_plan()
+        if plan is None:
+            plan = self._current
+        if plan is None or not self.kv.is_live(plan.kv_plan):
+            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
+                             "rolled back): admit and plan a step before run")
+        return plan
 
     def fingerprint(self) -> bytes:
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written

@@ -85,7 +85,7 @@ def test_step_mixing_windowed_and_full_layers_plans_once_per_window():
     f = AttentionFeatures(layer_windows=(2, -1, 2))
     worst, _, attn = run_steps(f, SCHEDULE)
     assert max(worst) < 1e-5, worst
-    (entry,) = attn.current.entries
+    (entry,) = attn._current.entries  # the last step's plan (it has landed: not current)
     assert sorted(entry.per_window) == [-1, 2]  # two distinct windows: two plans, not three
     assert entry.per_window[2][0] is not entry.per_window[-1][0]
 
