@@ -376,6 +376,9 @@ class DenseAttentionManager(AttentionManager):
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)
+        else:
+            # layer_idx keys the gathered prefix and picks the FP8 scales: they must be the view's layer's
+            self.kv.check_layer_view(kv_cache_layer, self.kv.check_layer(layer_idx), f"{who}.run")
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx)
         keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)

@@ -345,6 +345,10 @@ class PagedAttentionManager(AttentionManager):
                 raise InputError("run needs kv_cache_layer or layer_idx")
             li = self.kv.check_layer(layer_idx) if li is None else li
             kv_cache_layer = self.kv.storage[li]  # layer_view, checked already
+        elif layer_idx is not None:
+            # layer_idx picks the window and FP8 scales: they must be the view's layer's
+            li = self.kv.check_layer(layer_idx) if li is None else li
+            self.kv.check_layer_view(kv_cache_layer, li, f"{who}.run")
         if q.device != kv_cache_layer.device:
             raise InputError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         kw: dict[str, Any] = {}
@@ -352,8 +356,8 @@ class PagedAttentionManager(AttentionManager):
             if layer_idx is None:
                 raise InputError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
             kw = self._layer_kw[self.kv.check_layer(layer_idx) if li is None else li]
+        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if sinks is not None:
-            self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
             kw = {**kw, "sinks": sinks}
         try:
             return wrapper.run(q, kv_cache_layer, **kw)

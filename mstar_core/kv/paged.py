@@ -578,6 +578,24 @@ class KVManager(Resource):
         """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
         return self.storage[self.check_layer(layer_idx)]
 
+    def check_layer_view(self, view: Any, layer_idx: int, who: str) -> None:
+        """``view`` must be ``layer_view(layer_idx)`` (checked layer): a run that reads one
+        layer's pages with another layer's window or FP8 scales is refused, naming both layers.
+        Pointer arithmetic on the host (no device work, capture-safe)."""
+        s = self.storage
+        if not isinstance(view, torch.Tensor):
+            raise InputTypeError(f"{who}: kv_cache_layer must be a tensor, layer_view({layer_idx}), got "
+                                 f"{type(view).__name__}")
+        size = s.stride(0) * s.element_size()  # bytes per layer
+        off = view.data_ptr() - s.data_ptr()
+        if off == layer_idx * size and view.shape == s.shape[1:] and view.dtype == s.dtype:
+            return
+        if view.shape == s.shape[1:] and view.dtype == s.dtype and off % size == 0 and 0 <= off // size < len(s):
+            raise InputError(f"{who}: kv_cache_layer is layer {off // size}'s view (layer_view({off // size})), but "
+                             f"layer_idx is {layer_idx}; pass layer_view({layer_idx}) with layer_idx={layer_idx}")
+        raise InputError(f"{who}: kv_cache_layer ({tuple(view.shape)}, {view.dtype}) is not a layer of this KV "
+                         f"cache; pass layer_view({layer_idx}) with layer_idx={layer_idx}")
+
     def scales(self, layer_idx: int) -> tuple[float | None, float | None]:
         """``(k_scale, v_scale)`` a kernel reads ``layer_idx``'s FP8 pages with; ``(None, None)``
         when the cache holds the model dtype."""
