@@ -605,7 +605,7 @@ class KVManager(Resource):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
         ``label`` at the locations the current plan computed; an FP8 cache stores
-        ``k / k_scale`` (saturated at the format's largest value)."""
+        ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`)."""
         lay = self.current.layout(label)
         # rows = the step's tokens, or the graph bucket they were padded to
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
@@ -619,8 +619,8 @@ class KVManager(Resource):
     def store(self, layer_idx: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """``k``/``v`` ``[tokens, H_kv, D]`` into ``layer_idx``'s slots ``(pages, offsets)``, in
-        the cache's dtype: an FP8 cache stores ``k / k_scale`` (saturated at the format's largest
-        value). ``write_kv`` writes a plan's locations through it."""
+        the cache's dtype: an FP8 cache stores ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`).
+        ``write_kv`` writes a plan's locations through it."""
         i = self.check_layer(layer_idx)
         layer = self.storage[i]
         if self._scales is not None:
