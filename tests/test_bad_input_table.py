@@ -257,6 +257,15 @@ CASES: list[tuple] = [
      r"\[0\]"),
     ("runner-slots-0", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=0),
      ValueError, r"got 0"),
+    ("runner-bucket-float", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[2.0], device="cpu"),
+     ValueError, r"\[2\.0\]"),
+    ("runner-bucket-bool", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[True], device="cpu"),
+     ValueError, r"\[True\]"),
+    ("runner-buckets-an-int", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=3, device="cpu"),
+     TypeError, r"int 3"),
+    ("runner-query-tokens-past-features",
+     lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", query_tokens=2), ValueError,
+     r"query_tokens=2.*\['kv', 'attn'\].*decode_query_tokens=1"),
     ("runner-one-slot-double-buffer",
      lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=1), ValueError, r"slots=1"),
     # -- bounded KV manager -------------------------------------------------------------------
@@ -335,6 +344,8 @@ class FeatureWorld:
     attn: PagedAttentionManager
     dkv: KVManager
     dense: DenseAttentionManager
+    mkv: KVManager  # multi-token decode, two query tokens per row, under graphs
+    mnode: Node
 
 
 def make_feature_world() -> FeatureWorld:
@@ -348,14 +359,16 @@ def make_feature_world() -> FeatureWorld:
         step, ctx = Step(KVStep((span,))), StepContext()
         assert node.admit(step, ctx)
         node.plan(step, ctx)
-    return FeatureWorld(kv, attn, dkv, dense)
+    mkv = KVManager(cfg, "cpu", F64, features=AttentionFeatures(decode_query_tokens=2))
+    mnode = Node([mkv, PagedAttentionManager(mkv, "cpu", F64, cfg, REF_WRAPPERS, accelerator_graph=True)])
+    return FeatureWorld(kv, attn, dkv, dense, mkv, mnode)
 
 
 def feature_snapshot(f: FeatureWorld) -> tuple:
     return tuple(x for kv in (f.kv, f.dkv) for x in (
         sorted(kv.pool.used), kv.storage.clone(),
         {k: (tuple(s.pages), s.length, s.in_flight) for k, s in kv.streams.items()},
-    )) + (dict(f.attn._planned), f.dense.cached_prefix_tokens)
+    )) + (dict(f.attn._planned), f.dense.cached_prefix_tokens, f.mkv.num_free_pages, f.mkv.sink_page)
 
 
 def kvq(n: int) -> torch.Tensor:
@@ -416,6 +429,9 @@ FEATURE_CASES: list[tuple] = [
      r"layer_idx True"),
     ("write-layer-bool", lambda f: f.kv.write_kv(kvq(3), kvq(3), layer_idx=False, label="text"), IndexError,
      r"layer_idx False"),
+    ("runner-query-tokens-past-features",
+     lambda f: GraphRunner(f.mnode, lambda c, t: t, buckets=[1, 2], device="cpu", query_tokens=4).warmup(),
+     ValueError, r"query_tokens=4.*decode_query_tokens=2"),
     ("paged-sinks-wrong-shape", lambda f: f.attn.run(q(3), "text", layer_idx=0, sinks=SINKS[:2]), ValueError,
      r"\(2,\)"),
 ]
