@@ -11,10 +11,10 @@ reason naming it, as it does for head dims and dtypes.
 - ``soft_cap``: scores become ``soft_cap * tanh(scores / soft_cap)`` after ``sm_scale``
   (Gemma 2, Grok).
 - ``sink_logits``: a learned logit per query head added to each softmax denominator (gpt-oss),
-  passed per layer to ``run(..., sinks=)``. Not the bounded manager's *sink tokens* (the first
-  tokens a bounded slot keeps).
-- ``layer_windows``: ``window_left`` per layer (-1: full attention); one step may mix windowed
-  and full layers. The managers plan once per distinct window and ``run(layer_idx=)`` picks.
+  passed per layer to ``run(..., sinks=)`` (required there once declared). Not the bounded
+  manager's *sink tokens* (the first tokens a bounded slot keeps).
+- ``layer_windows``: ``window_left`` per layer, a tuple or list (-1: full attention); one step
+  may mix windowed and full layers. The managers plan once per distinct window and ``run(layer_idx=)`` picks.
 - ``decode_query_tokens``: query tokens per decode row (1, or 2..8 for speculative
   verification); a step whose rows all have that many tokens is planned, captured and replayed
   like a one-token decode step.
@@ -22,7 +22,7 @@ reason naming it, as it does for head dims and dtypes.
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,7 +31,7 @@ import torch
 from mstar_core.attention.checks import check_sinks
 from mstar_core.capabilities import FEATURE_REACH
 from mstar_core.errors import InputError, InputTypeError
-from mstar_core.step import is_int, is_positive_finite
+from mstar_core.step import SCALE_RANGE, is_int, is_positive_finite
 
 # KV storage dtypes by name; "auto" is the model dtype.
 KV_DTYPES: dict[str, torch.dtype | None] = {
@@ -58,8 +58,25 @@ Scales = float | tuple[float, ...]
 
 def _check_scale(value: Any, what: str) -> float:
     if not is_positive_finite(value):
-        raise InputError(f"AttentionFeatures: {what} must be a finite float > 0, got {value!r}")
+        raise InputError(f"AttentionFeatures: {what} must be {SCALE_RANGE}, got {value!r}")
     return float(value)
+
+
+def _windows(value: Any) -> tuple[int, ...]:
+    """``layer_windows``: one ``window_left`` per layer, in layer order (a tuple or list); a
+    mapping, a set, a string or a single int is refused, naming it."""
+    allowed = "a sequence (tuple or list) of one window_left per layer, each an int >= 0 or -1 for a full layer"
+    if isinstance(value, Mapping) or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(f"AttentionFeatures: layer_windows must be {allowed}; got {type(value).__name__} "
+                             f"{value!r}")
+    windows = tuple(value)
+    if not windows:
+        raise InputError("AttentionFeatures: layer_windows must name one window per layer, got none")
+    for i, w in enumerate(windows):
+        if not is_int(w) or w < -1:
+            raise InputError(f"AttentionFeatures: layer_windows[{i}] must be an int >= 0, or -1 for a full "
+                             f"layer; got {w!r}")
+    return tuple(int(w) for w in windows)
 
 
 def _scales(value: Any, what: str) -> Scales:
@@ -86,24 +103,25 @@ class AttentionFeatures:
     decode_query_tokens: int = 1
 
     def __post_init__(self) -> None:
-        if self.kv_dtype not in KV_DTYPES:
+        if not isinstance(self.kv_dtype, str) or self.kv_dtype not in KV_DTYPES:
             raise InputError(f"AttentionFeatures: kv_dtype {self.kv_dtype!r} is not supported; "
                              f"choose one of {list(KV_DTYPES)}")
         object.__setattr__(self, "k_scale", _scales(self.k_scale, "k_scale"))
         object.__setattr__(self, "v_scale", _scales(self.v_scale, "v_scale"))
+        if self.kv_dtype == "auto":
+            for what in ("k_scale", "v_scale"):
+                value = getattr(self, what)
+                if any(x != 1.0 for x in (value if isinstance(value, tuple) else (value,))):
+                    # Nothing is quantised, so nothing would read it: refused rather than ignored.
+                    raise InputError(f"AttentionFeatures: {what}={value!r} given with kv_dtype 'auto' (K/V stored "
+                                     f"in the model dtype, no scales); scales apply to an FP8 cache: set kv_dtype to "
+                                     f"one of {[d for d in KV_DTYPES if d != 'auto']}, or leave {what} at 1.0")
         if self.soft_cap is not None:
             object.__setattr__(self, "soft_cap", _check_scale(self.soft_cap, "soft_cap"))
         if not isinstance(self.sink_logits, bool):
             raise InputTypeError(f"AttentionFeatures: sink_logits must be a bool, got {self.sink_logits!r}")
         if self.layer_windows is not None:
-            windows = tuple(self.layer_windows)
-            for i, w in enumerate(windows):
-                if not is_int(w) or w < -1:
-                    raise InputError(f"AttentionFeatures: layer_windows[{i}] must be an int >= 0, or -1 for a full "
-                                     f"layer; got {w!r}")
-            if not windows:
-                raise InputError("AttentionFeatures: layer_windows must name one window per layer, got none")
-            object.__setattr__(self, "layer_windows", tuple(int(w) for w in windows))
+            object.__setattr__(self, "layer_windows", _windows(self.layer_windows))
         t = self.decode_query_tokens
         if not is_int(t) or not 1 <= t <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"AttentionFeatures: decode_query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS}, "
@@ -180,9 +198,13 @@ class AttentionFeatures:
         return tuple(windows.index(w) for w in self.layer_windows)
 
     def check_sinks(self, sinks: torch.Tensor | None, num_qo_heads: int, device: torch.device, who: str) -> None:
-        """``sinks`` as ``run`` accepts them: None, or a finite float tensor ``[num_qo_heads]`` on
-        the cache's device, and only where the features ask for sink logits."""
+        """``sinks`` as ``run`` accepts them: a float tensor ``[num_qo_heads]`` on the cache's
+        device exactly where the features ask for sink logits, None elsewhere."""
         if sinks is None:
+            if self.sink_logits:
+                # A plain softmax where the model has sink logits would be silently wrong.
+                raise InputError(f"{who}: sinks not given, but the features ask for sink logits (sink_logits=True): "
+                                 "pass this layer's sinks [num_qo_heads] to run(..., sinks=)")
             return
         if not self.sink_logits:
             raise InputError(f"{who}: sinks given, but the features do not ask for sink logits; build with "

@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from mstar_core.errors import InputError, StateError
-from mstar_core.features import MAX_DECODE_QUERY_TOKENS
+from mstar_core.errors import InputError, InputTypeError, StateError
+from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from mstar_core.node import Node
 from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int
 
@@ -77,13 +77,26 @@ class GraphRunner:
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
                  attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
-        if not buckets or min(buckets) < 1:
-            raise InputError(f"GraphRunner: buckets must be batch sizes >= 1, got {list(buckets)}")
+        if not isinstance(buckets, (Sequence, set, frozenset)) or isinstance(buckets, str):
+            raise InputTypeError(f"GraphRunner: buckets must be a sequence of batch sizes (ints >= 1), got "
+                                 f"{type(buckets).__name__} {buckets!r}")
+        if not buckets or any(not is_int(b) or b < 1 for b in buckets):
+            raise InputError(f"GraphRunner: buckets must be batch sizes, ints >= 1, got {list(buckets)}")
         if not is_int(query_tokens) or not 1 <= query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
                              f"per decode row), got {query_tokens!r}")
-        if slots < 1:
-            raise InputError(f"GraphRunner: slots must be >= 1, got {slots}")
+        if query_tokens > 1:
+            # Refused here, before warm-up takes buffers: each resource sized for its features.
+            low = [(r.name, f.decode_query_tokens) for r in node.resources
+                   if isinstance(f := getattr(r, "features", None), AttentionFeatures)
+                   and f.decode_query_tokens < query_tokens]
+            if low:
+                raise InputError(
+                    f"GraphRunner: query_tokens={query_tokens}, but resource(s) {[n for n, _ in low]} were built with "
+                    f"features allowing decode_query_tokens={low[0][1]}; build them with "
+                    f"AttentionFeatures(decode_query_tokens={query_tokens}) or lower query_tokens")
+        if not is_int(slots) or slots < 1:
+            raise InputError(f"GraphRunner: slots must be an int >= 1, got {slots!r}")
         double = [r.name for r in node.resources if r.force_double_buffer]
         if double and slots < 2:
             raise InputError(

@@ -12,6 +12,8 @@ import numbers
 from dataclasses import dataclass, field
 from typing import Any, TypeGuard
 
+import torch
+
 from mstar_core.errors import InputError, InputTypeError
 
 
@@ -31,11 +33,18 @@ def as_count(value: Any, what: str) -> int:
     return int(value)
 
 
+# What a scale, soft-cap or sm_scale may be: kernels compute in float32, where a value below its
+# smallest normal number (a denormal, or less) flushes products to 0 and one above its largest is inf.
+SCALE_MIN, SCALE_MAX = torch.finfo(torch.float32).tiny, torch.finfo(torch.float32).max
+SCALE_RANGE = f"a finite float > 0, within float32's normal range {SCALE_MIN:.4g} .. {SCALE_MAX:.4g}"
+
+
 def is_positive_finite(value: Any) -> bool:
-    """A real number (not a bool), finite and > 0: what every scale, soft-cap and sm_scale is."""
+    """A real number (not a bool), finite and > 0 and within float32's normal range
+    (:data:`SCALE_RANGE`): what every scale, soft-cap and sm_scale is."""
     # float(): numbers.Real declares no ">"; isfinite converts to float already.
     return (isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
-            and float(value) > 0)
+            and SCALE_MIN <= float(value) <= SCALE_MAX)
 
 
 def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
@@ -44,7 +53,7 @@ def check_window_and_scale(who: str, window_left: Any, sm_scale: Any) -> None:
     if not is_int(window_left) or window_left < -1:
         raise InputError(f"{who}: window_left must be an int >= 0, or -1 for no window; got {window_left!r}")
     if sm_scale is not None and not is_positive_finite(sm_scale):
-        raise InputError(f"{who}: sm_scale must be a finite float > 0, or None for 1/sqrt(head_dim); got {sm_scale!r}")
+        raise InputError(f"{who}: sm_scale must be {SCALE_RANGE}, or None for 1/sqrt(head_dim); got {sm_scale!r}")
 
 
 def _check_str(value: Any, what: str) -> None:

@@ -16,7 +16,8 @@ plain PyTorch).
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import torch
@@ -57,7 +58,11 @@ class WarmupConfig:
         if self.num_qo_heads % self.num_kv_heads:
             raise InputError(f"WarmupConfig: num_qo_heads {self.num_qo_heads} is not a multiple of num_kv_heads "
                              f"{self.num_kv_heads}")
-        windows = tuple(self.windows)
+        w_in = self.windows
+        if isinstance(w_in, (Mapping, str, bytes)) or not isinstance(w_in, (Sequence, AbstractSet)):
+            raise InputTypeError(f"WarmupConfig.windows must be a sequence (or set) of window_left values, each -1 "
+                                 f"(full attention) or >= 0; got {type(w_in).__name__} {w_in!r}")
+        windows = tuple(w_in)
         if not windows or any(not is_int(w) or w < -1 for w in windows):
             raise InputError(f"WarmupConfig.windows must hold window_left values, each -1 (full attention) or >= 0; "
                              f"got {self.windows!r}")

@@ -20,10 +20,12 @@ import pytest
 import torch
 
 from mstar_core import (
+    AttentionFeatures,
     AttentionStep,
     BoundedKVConfig,
     BoundedKVManager,
     BoundedStep,
+    DenseAttentionManager,
     GraphRunner,
     KVConfig,
     KVManager,
@@ -36,6 +38,8 @@ from mstar_core import (
     StreamPosition,
     select_backend,
 )
+from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
+from mstar_core.warmup import WarmupConfig
 
 from .helpers import REF_WRAPPERS, bstep
 
@@ -131,6 +135,28 @@ def admitted_c(w: World) -> StepContext:
     return ctx
 
 
+def rolled_back_b(w: World) -> None:
+    """Setup: a step for ``b`` admitted, planned, then rolled back (its plan is dead)."""
+    ctx = planned_b(w)
+    w.node.rollback_admit(one("b", 2), ctx)
+
+
+def rolled_back_x(w: World) -> Any:
+    """Setup: a bounded step for ``x`` admitted, planned, then rolled back; returns its dead plan."""
+    s, ctx = bstep(StreamPosition("x", 1)), StepContext()
+    assert w.bnode.admit(s, ctx)
+    w.bnode.plan(s, ctx)
+    plan = ctx.plan_results[w.bounded.name]
+    w.bnode.rollback_admit(s, ctx)
+    return plan
+
+
+def admitted_x(w: World) -> StepContext:
+    ctx = StepContext()
+    assert w.bounded.admit(bstep(StreamPosition("x", 1)), ctx)
+    return ctx
+
+
 def planned_x(w: World) -> Any:
     """Setup: a one-token bounded step for ``x`` admitted and planned; returns its plan."""
     s, ctx = bstep(StreamPosition("x", 1)), StepContext()
@@ -140,6 +166,12 @@ def planned_x(w: World) -> Any:
 
 
 ONE = torch.ones(1, HKV, 1, D, dtype=F64)
+
+
+def _bound_write(w: World, ctx: StepContext) -> None:
+    """A write inside the binding of a step that has already committed."""
+    with w.node.bound(ctx):
+        w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text")
 
 
 # (id, call(world, state), error type, a regex the message must match (the bad value)[, setup(world) -> state])
@@ -180,6 +212,16 @@ CASES: list[tuple] = [
     ("plan-without-admit", lambda w, st: w.kv.plan(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
     ("commit-without-admit", lambda w, st: w.kv.commit(one("b"), StepContext()), RuntimeError, r"\('b', 'text'\)"),
     ("commit-twice", lambda w, st: w.kv.commit(*st), RuntimeError, r"\('c', 'text'\)", committed_c),
+    ("commit-admitted-never-planned", lambda w, st: w.kv.commit(one("c"), st), RuntimeError,
+     r"\('c', 'text'\)\].*never planned", admitted_c),
+    ("write-after-rollback", lambda w, st: w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text"), RuntimeError,
+     r"no step is planned", rolled_back_b),
+    ("run-after-rollback", lambda w, st: w.attn.run(q(2), "text", layer_idx=0), RuntimeError, r"no step is planned",
+     rolled_back_b),
+    ("write-after-commit", lambda w, st: w.kv.write_kv(kvt(2), kvt(2), layer_idx=0, label="text"), RuntimeError,
+     r"no step is planned", committed_c),
+    ("write-bound-to-a-landed-step", lambda w, st: _bound_write(w, st[1]), RuntimeError, r"no step is planned",
+     committed_c),
     ("write-layer-minus-1", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=-1, label="text"), IndexError,
      r"layer_idx -1 out of range"),
     ("write-layer-2", lambda w, st: w.kv.write_kv(kvt(1), kvt(1), layer_idx=2, label="text"), IndexError,
@@ -215,6 +257,15 @@ CASES: list[tuple] = [
      r"\[0\]"),
     ("runner-slots-0", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=0),
      ValueError, r"got 0"),
+    ("runner-bucket-float", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[2.0], device="cpu"),
+     ValueError, r"\[2\.0\]"),
+    ("runner-bucket-bool", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[True], device="cpu"),
+     ValueError, r"\[True\]"),
+    ("runner-buckets-an-int", lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=3, device="cpu"),
+     TypeError, r"int 3"),
+    ("runner-query-tokens-past-features",
+     lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", query_tokens=2), ValueError,
+     r"query_tokens=2.*\['kv', 'attn'\].*decode_query_tokens=1"),
     ("runner-one-slot-double-buffer",
      lambda w, st: GraphRunner(w.node, lambda c, t: t, buckets=[1], device="cpu", slots=1), ValueError, r"slots=1"),
     # -- bounded KV manager -------------------------------------------------------------------
@@ -234,6 +285,13 @@ CASES: list[tuple] = [
      RuntimeError, r"'x'", planned_x),
     ("bounded-plan-without-admit", lambda w, st: w.bounded.plan(bstep(StreamPosition("x", 1)), StepContext()),
      RuntimeError, r"'x'"),
+    ("bounded-attend-after-rollback", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE, plan=st), RuntimeError,
+     r"no step is planned.*\['x'\]", rolled_back_x),
+    ("bounded-attend-current-after-rollback", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE), RuntimeError,
+     r"no step is planned.*\['x'\]", rolled_back_x),
+    ("bounded-commit-admitted-never-planned",
+     lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), st), RuntimeError, r"\['x'\].*never planned",
+     admitted_x),
     ("bounded-commit-without-admit", lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), StepContext()),
      RuntimeError, r"'x'"),
     # -- selection ----------------------------------------------------------------------------
@@ -270,3 +328,138 @@ def test_the_table_covers_every_boundary():
     """Counts reported in the closing note; a shrinking table would hide a lost case."""
     assert len(CASES) >= 60
     assert len({c[0] for c in CASES}) == len(CASES)
+
+
+# -- attention features: a second world whose managers ask for FP8 KV, sink logits and per-layer
+# windows (the paged and the dense manager, each over its own cache), one step planned in each ---
+
+FEATURES = AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=(0.5, 2.0), v_scale=0.25, sink_logits=True,
+                             layer_windows=(2, -1))
+SINKS = torch.zeros(HQ, dtype=F64)
+
+
+@dataclass
+class FeatureWorld:
+    kv: KVManager
+    attn: PagedAttentionManager
+    dkv: KVManager
+    dense: DenseAttentionManager
+    mkv: KVManager  # multi-token decode, two query tokens per row, under graphs
+    mnode: Node
+
+
+def make_feature_world() -> FeatureWorld:
+    cfg = KVConfig(2, HKV, D, 4, 32, HQ)
+    kv, dkv = KVManager(cfg, "cpu", F64, features=FEATURES), KVManager(cfg, "cpu", F64, features=FEATURES)
+    attn = PagedAttentionManager(kv, "cpu", F64, cfg, REF_WRAPPERS)
+    dense = DenseAttentionManager(dkv, "cpu", F64, cfg, ReferencePrefixedPrefillWrapper)
+    for mgr, span in ((kv, KVSpan("a", "text", 3)), (dkv, KVSpan("a", "text", 3, commit=False))):
+        node = Node([mgr, attn if mgr is kv else dense])
+        node.ingest_request("a")
+        step, ctx = Step(KVStep((span,))), StepContext()
+        assert node.admit(step, ctx)
+        node.plan(step, ctx)
+    mkv = KVManager(cfg, "cpu", F64, features=AttentionFeatures(decode_query_tokens=2))
+    mnode = Node([mkv, PagedAttentionManager(mkv, "cpu", F64, cfg, REF_WRAPPERS, accelerator_graph=True)])
+    return FeatureWorld(kv, attn, dkv, dense, mkv, mnode)
+
+
+def feature_snapshot(f: FeatureWorld) -> tuple:
+    return tuple(x for kv in (f.kv, f.dkv) for x in (
+        sorted(kv.pool.used), kv.storage.clone(),
+        {k: (tuple(s.pages), s.length, s.in_flight) for k, s in kv.streams.items()},
+    )) + (dict(f.attn._planned), f.dense.cached_prefix_tokens, f.mkv.num_free_pages, f.mkv.sink_page)
+
+
+def kvq(n: int) -> torch.Tensor:
+    return torch.ones(n, HKV, D, dtype=F64)
+
+
+# (id, call(feature world), error type, a regex the message must match (the bad value))
+FEATURE_CASES: list[tuple] = [
+    # -- what AttentionFeatures accepts -----------------------------------------------------
+    ("k-scale-without-fp8", lambda f: AttentionFeatures(k_scale=2.0), ValueError, r"k_scale=2\.0.*kv_dtype 'auto'"),
+    ("v-scales-without-fp8", lambda f: AttentionFeatures(v_scale=(1.0, 0.5)), ValueError,
+     r"v_scale=\(1\.0, 0\.5\).*kv_dtype 'auto'"),
+    ("k-scale-denormal", lambda f: AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=1e-320), ValueError,
+     r"k_scale must be .*float32.*got 1e-320"),
+    ("k-scale-below-float32", lambda f: AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=1e-39), ValueError,
+     r"k_scale must be .*got 1e-39"),
+    ("v-scale-past-float32", lambda f: AttentionFeatures(kv_dtype="fp8_e5m2", v_scale=(1.0, 1e39)), ValueError,
+     r"v_scale\[1\] must be .*got 1e\+39"),
+    ("k-scale-bool", lambda f: AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=True), ValueError, r"got True"),
+    ("soft-cap-denormal", lambda f: AttentionFeatures(soft_cap=5e-324), ValueError, r"soft_cap must be .*got 5e-324"),
+    ("sm-scale-denormal", lambda f: AttentionStep(sm_scale=1e-310), ValueError, r"sm_scale must be .*got 1e-310"),
+    ("layer-windows-mapping", lambda f: AttentionFeatures(layer_windows={1: 2}), TypeError,
+     r"layer_windows must be a sequence .*per layer.*got dict \{1: 2\}"),
+    ("layer-windows-int", lambda f: AttentionFeatures(layer_windows=5), TypeError,
+     r"layer_windows must be a sequence .*got int 5"),
+    ("layer-windows-set", lambda f: AttentionFeatures(layer_windows={4, -1}), TypeError, r"got set"),
+    ("layer-windows-str", lambda f: AttentionFeatures(layer_windows="12"), TypeError, r"got str '12'"),
+    ("layer-windows-bool", lambda f: AttentionFeatures(layer_windows=(2, False)), ValueError,
+     r"layer_windows\[1\] .*got False"),
+    ("layer-windows-float", lambda f: AttentionFeatures(layer_windows=(2.0,)), ValueError,
+     r"layer_windows\[0\] .*got 2\.0"),
+    ("kv-dtype-list", lambda f: AttentionFeatures(kv_dtype=["fp8_e4m3"]), ValueError, r"kv_dtype \['fp8_e4m3'\]"),
+    ("decode-tokens-float", lambda f: AttentionFeatures(decode_query_tokens=2.0), ValueError, r"got 2\.0"),
+    ("warmup-windows-int", lambda f: WarmupConfig(windows=5), TypeError, r"windows must be a sequence .*got int 5"),
+    ("warmup-windows-mapping", lambda f: WarmupConfig(windows={1: 2}), TypeError, r"got dict \{1: 2\}"),
+    # -- a declared feature is supplied; a per-layer input belongs to its layer -------------
+    ("paged-sinks-missing", lambda f: f.attn.run(q(3), "text", f.kv.layer_view(0), layer_idx=0), ValueError,
+     r"sinks not given.*sink_logits"),
+    ("dense-sinks-missing", lambda f: f.dense.run(q(3), "text", k=kvq(3), v=kvq(3), layer_idx=0), ValueError,
+     r"sinks not given.*sink_logits"),
+    ("paged-view-of-another-layer",
+     lambda f: f.attn.run(q(3), "text", f.kv.layer_view(0), layer_idx=1, sinks=SINKS), ValueError,
+     r"layer 0's view.*layer_idx is 1"),
+    ("dense-view-of-another-layer",
+     lambda f: f.dense.run(q(3), "text", f.dkv.layer_view(1), k=kvq(3), v=kvq(3), layer_idx=0, sinks=SINKS),
+     ValueError, r"layer 1's view.*layer_idx is 0"),
+    ("paged-view-of-another-cache",
+     lambda f: f.attn.run(q(3), "text", f.dkv.layer_view(0), layer_idx=0, sinks=SINKS), ValueError,
+     r"not a layer of this KV cache.*layer_view\(0\)"),
+    ("paged-view-a-copy",
+     lambda f: f.attn.run(q(3), "text", f.kv.layer_view(1).clone(), layer_idx=1, sinks=SINKS), ValueError,
+     r"not a layer of this KV cache.*layer_view\(1\)"),
+    ("paged-view-part-of-a-layer",
+     lambda f: f.attn.run(q(3), "text", f.kv.layer_view(1)[:4], layer_idx=1, sinks=SINKS), ValueError,
+     r"\(4, 2, 4, 2, 8\).*not a layer"),
+    ("paged-view-a-list", lambda f: f.attn.run(q(3), "text", [0], layer_idx=0, sinks=SINKS), TypeError, r"got list"),
+    ("paged-layer-bool", lambda f: f.attn.run(q(3), "text", layer_idx=True, sinks=SINKS), IndexError,
+     r"layer_idx True"),
+    ("write-layer-bool", lambda f: f.kv.write_kv(kvq(3), kvq(3), layer_idx=False, label="text"), IndexError,
+     r"layer_idx False"),
+    ("runner-query-tokens-past-features",
+     lambda f: GraphRunner(f.mnode, lambda c, t: t, buckets=[1, 2], device="cpu", query_tokens=4).warmup(),
+     ValueError, r"query_tokens=4.*decode_query_tokens=2"),
+    ("paged-sinks-wrong-shape", lambda f: f.attn.run(q(3), "text", layer_idx=0, sinks=SINKS[:2]), ValueError,
+     r"\(2,\)"),
+]
+
+
+@pytest.mark.parametrize("name,call,exc,names", FEATURE_CASES, ids=[c[0] for c in FEATURE_CASES])
+def test_bad_feature_input_is_refused_by_name_and_changes_nothing(name, call, exc, names):
+    f = make_feature_world()
+    before = feature_snapshot(f)
+    with pytest.raises(exc) as err:
+        call(f)
+    msg = str(err.value.args[0]) if err.value.args else str(err.value)
+    assert re.search(names, msg), f"message does not name the bad value ({names!r}): {msg}"
+    assert same(before, feature_snapshot(f)), f"{name}: the managers changed"
+    # The worlds still work: each planned step runs with its sinks and its layers' views.
+    for layer in (0, 1):
+        assert torch.isfinite(f.attn.run(q(3) + 1, "text", f.kv.layer_view(layer), layer_idx=layer,
+                                         sinks=SINKS)).all()
+        assert torch.isfinite(f.dense.run(q(3) + 1, "text", f.dkv.layer_view(layer), k=kvq(3), v=kvq(3),
+                                          layer_idx=layer, sinks=SINKS)).all()
+
+
+def test_a_declared_sink_logit_is_used():
+    """The refusal above is not vacuous: with sinks the output differs from the plain softmax."""
+    f = make_feature_world()
+    big = torch.full((HQ,), 5.0, dtype=F64)
+    kvs = torch.randn(3, HKV, D, dtype=F64)
+    f.kv.write_kv(kvs, kvs, layer_idx=0, label="text")
+    with_sinks = f.attn.run(q(3) + 1, "text", layer_idx=0, sinks=big)
+    without = f.attn.run(q(3) + 1, "text", layer_idx=0, sinks=SINKS - 50.0)
+    assert not torch.allclose(with_sinks, without)

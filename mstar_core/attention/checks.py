@@ -9,7 +9,7 @@ from typing import Any
 import torch
 
 from mstar_core.errors import InputError, InputTypeError, Unsupported
-from mstar_core.step import check_window_and_scale, is_positive_finite
+from mstar_core.step import SCALE_RANGE, check_window_and_scale, is_positive_finite
 
 # FP8 KV storage dtypes a plan's kv_data_type may name (besides the query dtype).
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
@@ -31,18 +31,18 @@ def check_sinks(sinks: torch.Tensor, num_qo_heads: int, device: torch.device, wh
 
 
 def check_soft_cap(value: Any, who: str) -> float | None:
-    """A plan's ``logits_soft_cap``: None (no cap) or a finite float > 0."""
+    """A plan's ``logits_soft_cap``: None (no cap) or a finite float > 0 (float32's normal range)."""
     if value is None:
         return None
     if not is_positive_finite(value):
-        raise InputError(f"{who}: logits_soft_cap must be a finite float > 0, or None for no cap; got {value!r}")
+        raise InputError(f"{who}: logits_soft_cap must be {SCALE_RANGE}, or None for no cap; got {value!r}")
     return float(value)
 
 
 def check_scale(value: Any, name: str, who: str) -> None:
-    """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0."""
+    """A run's ``k_scale``/``v_scale``: None (1.0) or a finite float > 0 (float32's normal range)."""
     if value is not None and not is_positive_finite(value):
-        raise InputError(f"{who}: {name} must be a finite float > 0 (or None: 1.0), got {value!r}")
+        raise InputError(f"{who}: {name} must be {SCALE_RANGE} (or None: 1.0), got {value!r}")
 
 
 # The keyword arguments a paged wrapper's plan takes beyond its layout (FlashInfer's names).

@@ -88,6 +88,9 @@ class DensePlan:
     wrapper: PrefixedPrefillWrapper | None = None
     # What each label's run reads (the step's own, whatever was planned since).
     label_runs: tuple[_LabelRun, ...] = field(default=(), compare=False, repr=False)
+    # The KV plan of the same step: this plan is usable while that one is live (its step neither
+    # committed nor rolled back).
+    kv_plan: Any = field(default=None, compare=False, repr=False)
 
     @property
     def num_q(self) -> int:
@@ -262,7 +265,7 @@ class DenseAttentionManager(AttentionManager):
                      for label, lay in kv_plan.labels)
         plans = [r.plan for r in runs]
         plan = plans[0] if len(plans) == 1 else _merge(plans, a.causal)
-        self._current = replace(plan, label_runs=runs)
+        self._current = replace(plan, label_runs=runs, kv_plan=kv_plan)
         return self._current
 
     def _plan_label(self, label: str, lay: LabelLayout, commits: dict[tuple[str, str], bool], causal: bool,
@@ -328,12 +331,13 @@ class DenseAttentionManager(AttentionManager):
     def current(self) -> DensePlan:
         """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
         latest plan."""
-        bound = self.bound_plan()
-        if bound is not None:
-            return bound
-        if self._current is None:
-            raise StateError("DenseAttentionManager has no plan yet: call plan(step, ctx) first")
-        return self._current
+        plan = self.bound_plan()
+        if plan is None:
+            plan = self._current
+        if plan is None or not self.kv.is_live(plan.kv_plan):
+            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
+                             "rolled back): admit and plan a step before run")
+        return plan
 
     def run(
         self,
@@ -372,6 +376,9 @@ class DenseAttentionManager(AttentionManager):
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if kv_cache_layer is None:
             kv_cache_layer = self.kv.layer_view(layer_idx)
+        else:
+            # layer_idx keys the gathered prefix and picks the FP8 scales: they must be the view's layer's
+            self.kv.check_layer_view(kv_cache_layer, self.kv.check_layer(layer_idx), f"{who}.run")
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx)
         keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
@@ -382,8 +389,6 @@ class DenseAttentionManager(AttentionManager):
             raise
 
     def _label_run(self, label: str | None, i: int) -> tuple[_LabelRun, Any]:
-        if self.bound_plan() is None and self._current is None:
-            raise StateError(f"{type(self).__name__}.run before plan")
         runs = self.current.label_runs  # one per label, a handful: a scan, not a dict per layer
         lr: _LabelRun | None
         if label is None:

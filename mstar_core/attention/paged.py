@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -76,6 +76,9 @@ class PagedAttnPlan:
     """One step's planned wrappers, per label."""
 
     entries: tuple[PagedAttnEntry, ...]
+    # The KV plan of the same step: this plan is usable while that one is live (its step neither
+    # committed nor rolled back).
+    kv_plan: Any = field(default=None, compare=False, repr=False)
 
     def entry(self, label: str | None) -> PagedAttnEntry:
         if label is None:
@@ -255,7 +258,7 @@ class PagedAttentionManager(AttentionManager):
             log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
                       len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
             entries.append(PagedAttnEntry(label, kind, ctx.graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
-        self._current = PagedAttnPlan(tuple(entries))
+        self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
 
     def _check_graph_step(self, kind: str, ctx: StepContext, q_lens: tuple[int, ...]) -> None:
@@ -351,6 +354,10 @@ class PagedAttentionManager(AttentionManager):
                 raise InputError("run needs kv_cache_layer or layer_idx")
             li = self.kv.check_layer(layer_idx) if li is None else li
             kv_cache_layer = self.kv.storage[li]  # layer_view, checked already
+        elif layer_idx is not None:
+            # layer_idx picks the window and FP8 scales: they must be the view's layer's
+            li = self.kv.check_layer(layer_idx) if li is None else li
+            self.kv.check_layer_view(kv_cache_layer, li, f"{who}.run")
         if q.device != kv_cache_layer.device:
             raise InputError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         kw: dict[str, Any] = {}
@@ -358,8 +365,8 @@ class PagedAttentionManager(AttentionManager):
             if layer_idx is None:
                 raise InputError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
             kw = self._layer_kw[self.kv.check_layer(layer_idx) if li is None else li]
+        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
         if sinks is not None:
-            self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
             kw = {**kw, "sinks": sinks}
         try:
             return wrapper.run(q, kv_cache_layer, **kw)
@@ -371,12 +378,13 @@ class PagedAttentionManager(AttentionManager):
     def current(self) -> PagedAttnPlan:
         """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
         latest plan."""
-        bound = self.bound_plan()
-        if bound is not None:
-            return bound
-        if self._current is None:
-            raise StateError("PagedAttentionManager has no plan yet: call plan(step, ctx) first (run before plan)")
-        return self._current
+        plan = self.bound_plan()
+        if plan is None:
+            plan = self._current
+        if plan is None or not self.kv.is_live(plan.kv_plan):
+            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
+                             "rolled back): admit and plan a step before run")
+        return plan
 
     def fingerprint(self) -> bytes:
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written

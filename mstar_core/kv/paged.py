@@ -12,7 +12,7 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -41,6 +41,9 @@ class _Admitted:
     taken: dict[tuple[str, str], list[int]]
     created: list[tuple[str, str]]
     streams: dict[tuple[str, str], CacheStream]
+    # The plans made for this step: live (``write_kv`` may write through them) until the step
+    # commits or is rolled back; a commit without one is refused.
+    plans: list[KVPlan] = field(default_factory=list)
 
 
 def pages_for(tokens: int, page_size: int) -> int:
@@ -124,6 +127,9 @@ class KVManager(Resource):
         self.streams: dict[tuple[str, str], CacheStream] = {}
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
+        # Plans whose step is admitted and neither committed nor rolled back, by id (the dict
+        # holds them, so an id is not reused while it is here): ``current`` serves no other.
+        self._live_plans: dict[int, KVPlan] = {}
         # Graph mode (build_accelerator_graph_buffers): per-slot static device buffers for the
         # per-token arrays, and a sink page that padding rows write to.
         self._graph_bufs: torch.Tensor | None = None  # [slots, 3, max_bs] int32
@@ -326,8 +332,17 @@ class KVManager(Resource):
         ctx.admitted[self.name] = rec
         return AdmitOutcome.ok()
 
+    def _land(self, rec: _Admitted) -> None:
+        """``rec``'s step committed or was rolled back: its plans are dead (a later ``write_kv``
+        through them would write pages that may be another stream's by now)."""
+        for p in rec.plans:
+            self._live_plans.pop(id(p), None)
+        if self._current is not None and id(self._current) not in self._live_plans:
+            self._current = None
+
     def _undo(self, rec: _Admitted) -> None:
         """Give back what ``rec`` took from streams that are still the ones it admitted."""
+        self._land(rec)
         for key, stream in rec.streams.items():
             if self.streams.get(key) is not stream:
                 # reset or removed after the admit: its pages were parked until now
@@ -403,8 +418,15 @@ class KVManager(Resource):
             self._check_graph_step(graph_tokens, sum(r.qo[-1] for r in labels.values()))
         cols = self.table.prepare()
         plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
+        rec.plans.append(plan)
+        self._live_plans[id(plan)] = plan
         self._current = plan
         return plan
+
+    def is_live(self, plan: object) -> bool:
+        """Whether ``plan`` is one of this manager's plans whose step is still in flight (admitted,
+        neither committed nor rolled back): what may be written and read through."""
+        return id(plan) in self._live_plans
 
     def _layout(self, rows: _LabelRows, ctx: StepContext, cols: int) -> LabelLayout:
         """The label's row arrays (and a decode step's per-token arrays, known on the host) in one
@@ -505,12 +527,13 @@ class KVManager(Resource):
     def current(self) -> KVPlan:
         """What ``write_kv`` writes through: the plan of the step whose forward a runner is
         running (:meth:`Node.bound`), else the latest plan."""
-        bound = self.bound_plan()
-        if bound is not None:
-            return bound
-        if self._current is None:
-            raise StateError("KVManager has no plan yet: call plan(step, ctx) first")
-        return self._current
+        plan = self.bound_plan()
+        if plan is None:
+            plan = self._current
+        if plan is None or id(plan) not in self._live_plans:
+            raise StateError(f"{self.name}: no step is planned (none yet, or its step was committed or rolled "
+                             "back): admit and plan a step before write_kv or run")
+        return plan
 
     def commit(self, step: Step, ctx: StepContext) -> None:
         """Advance ``commit=True`` spans' length and release pages held only for ``commit=False``
@@ -518,7 +541,11 @@ class KVManager(Resource):
         pages went back to the pool with the reset, so there is nothing to commit to."""
         ps = self.config.page_size
         rec = self._record(ctx, step, "commit")
+        if not rec.plans:
+            raise StateError(f"{self.name}: commit of streams {list(step.kv.keys())}, admitted but never planned: "
+                             "plan the step (and run its forward) before commit, or roll it back")
         del ctx.admitted[self.name]  # consumed: a second commit or a rollback finds nothing
+        self._land(rec)
         for s in step.kv.spans:
             stream = self._live(rec, (s.request_id, s.label))
             if stream is None:
@@ -551,6 +578,24 @@ class KVManager(Resource):
         """``[max_pages, 2, page_size, H_kv, D]``: the layout FlashInfer's NHD kernels read."""
         return self.storage[self.check_layer(layer_idx)]
 
+    def check_layer_view(self, view: Any, layer_idx: int, who: str) -> None:
+        """``view`` must be ``layer_view(layer_idx)`` (checked layer): a run that reads one
+        layer's pages with another layer's window or FP8 scales is refused, naming both layers.
+        Pointer arithmetic on the host (no device work, capture-safe)."""
+        s = self.storage
+        if not isinstance(view, torch.Tensor):
+            raise InputTypeError(f"{who}: kv_cache_layer must be a tensor, layer_view({layer_idx}), got "
+                                 f"{type(view).__name__}")
+        size = s.stride(0) * s.element_size()  # bytes per layer
+        off = view.data_ptr() - s.data_ptr()
+        if off == layer_idx * size and view.shape == s.shape[1:] and view.dtype == s.dtype:
+            return
+        if view.shape == s.shape[1:] and view.dtype == s.dtype and off % size == 0 and 0 <= off // size < len(s):
+            raise InputError(f"{who}: kv_cache_layer is layer {off // size}'s view (layer_view({off // size})), but "
+                             f"layer_idx is {layer_idx}; pass layer_view({layer_idx}) with layer_idx={layer_idx}")
+        raise InputError(f"{who}: kv_cache_layer ({tuple(view.shape)}, {view.dtype}) is not a layer of this KV "
+                         f"cache; pass layer_view({layer_idx}) with layer_idx={layer_idx}")
+
     def scales(self, layer_idx: int) -> tuple[float | None, float | None]:
         """``(k_scale, v_scale)`` a kernel reads ``layer_idx``'s FP8 pages with; ``(None, None)``
         when the cache holds the model dtype."""
@@ -560,7 +605,7 @@ class KVManager(Resource):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
         ``label`` at the locations the current plan computed; an FP8 cache stores
-        ``k / k_scale`` (saturated at the format's largest value)."""
+        ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`)."""
         lay = self.current.layout(label)
         # rows = the step's tokens, or the graph bucket they were padded to
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
@@ -574,8 +619,8 @@ class KVManager(Resource):
     def store(self, layer_idx: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
               v: torch.Tensor) -> None:
         """``k``/``v`` ``[tokens, H_kv, D]`` into ``layer_idx``'s slots ``(pages, offsets)``, in
-        the cache's dtype: an FP8 cache stores ``k / k_scale`` (saturated at the format's largest
-        value). ``write_kv`` writes a plan's locations through it."""
+        the cache's dtype: an FP8 cache stores ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`).
+        ``write_kv`` writes a plan's locations through it."""
         i = self.check_layer(layer_idx)
         layer = self.storage[i]
         if self._scales is not None:
@@ -616,6 +661,7 @@ class KVManager(Resource):
         self.pool = PagePool(self.config.max_pages)
         self.storage = self.storage.new_empty(0)
         self._current = None
+        self._live_plans.clear()
         self._graph_bufs = self._pad_cols = None
         self._sink_page = None
         self.table = PageTable(self.device, self.config.max_pages)

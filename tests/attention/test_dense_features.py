@@ -53,7 +53,7 @@ def test_dense_steps_with_features(features, which, request):
         assert err < TOLERANCE[dtype], err
     assert h.kv.stream("a", LABEL).length == 40
     if features.layer_windows is not None:
-        (run,) = h.attn.current.label_runs
+        (run,) = h.attn._current.label_runs  # the last step's plan (it has landed: not current)
         assert sorted(run.per_window) == sorted(set(features.layer_windows))
 
 

@@ -203,7 +203,7 @@ def test_two_labels_in_one_step():
     h.step([("a", "text", 12, True), ("a", "latent", 20, True), ("b", "latent", 7, True)])
     err, _ = h.step([("a", "text", 3, False), ("a", "latent", 9, False), ("b", "latent", 4, False)])
     assert err < F32
-    plan = h.attn.current
+    plan = h.attn._current  # the last step's plan (it has landed: not current)
     assert plan.wrapper is None and [s.label for s in plan.segments] == ["text", "latent", "latent"]
 
 
@@ -243,7 +243,7 @@ def test_run_errors():
     a = h.attn
     q = torch.randn(8, 4, 32)
     kv = torch.randn(8, 2, 32)
-    with pytest.raises(RuntimeError, match="before plan"):
+    with pytest.raises(RuntimeError, match="no step is planned"):
         a.run(q, LABEL, k=kv, v=kv, layer_idx=0)
     denoise_setup(h)
     step = Step(KVStep((KVSpan("a", LABEL, 8, False),)))

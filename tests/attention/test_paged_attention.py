@@ -65,7 +65,7 @@ def run_layer0(node, kv, attn, hist, spans, attn_step=PLAIN_STEP, commit=True):
 
     res = node.step(step, forward)
     assert res.outcome
-    return res.output, attn.current
+    return res.output, res.ctx.plan_results[attn.name]
 
 
 def test_prefill_mixed_decode_steps_match_oracle():

@@ -85,7 +85,7 @@ def test_step_mixing_windowed_and_full_layers_plans_once_per_window():
     f = AttentionFeatures(layer_windows=(2, -1, 2))
     worst, _, attn = run_steps(f, SCHEDULE)
     assert max(worst) < 1e-5, worst
-    (entry,) = attn.current.entries
+    (entry,) = attn._current.entries  # the last step's plan (it has landed: not current)
     assert sorted(entry.per_window) == [-1, 2]  # two distinct windows: two plans, not three
     assert entry.per_window[2][0] is not entry.per_window[-1][0]
 
@@ -145,10 +145,10 @@ def test_selection_gets_the_managers_features():
 # -- bad input: a clear error naming the value and what is allowed; the cache untouched --------
 
 @pytest.mark.parametrize("kw, match", [
-    ({"k_scale": 0.0}, r"k_scale must be a finite float > 0, got 0.0"),
-    ({"v_scale": float("nan")}, r"v_scale must be a finite float > 0, got nan"),
-    ({"k_scale": (1.0, -2.0)}, r"k_scale\[1\] must be a finite float > 0, got -2.0"),
-    ({"soft_cap": float("inf")}, r"soft_cap must be a finite float > 0, got inf"),
+    ({"kv_dtype": "fp8_e4m3", "k_scale": 0.0}, r"k_scale must be a finite float > 0.*, got 0.0"),
+    ({"kv_dtype": "fp8_e4m3", "v_scale": float("nan")}, r"v_scale must be a finite float > 0.*, got nan"),
+    ({"kv_dtype": "fp8_e4m3", "k_scale": (1.0, -2.0)}, r"k_scale\[1\] must be a finite float > 0.*, got -2.0"),
+    ({"soft_cap": float("inf")}, r"soft_cap must be a finite float > 0.*, got inf"),
     ({"kv_dtype": "fp4"}, r"kv_dtype 'fp4' is not supported; choose one of \['auto', 'fp8_e4m3', 'fp8_e5m2'\]"),
     ({"layer_windows": (3, -2)}, r"layer_windows\[1\] must be an int >= 0, or -1"),
     ({"decode_query_tokens": 9}, r"decode_query_tokens must be an int in 1..8, got 9"),

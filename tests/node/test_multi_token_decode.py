@@ -38,8 +38,10 @@ def test_rows_of_another_length_run_eagerly():
 
 
 def test_graph_steps_beyond_the_features_query_tokens_are_refused():
-    _, _, _, node, runner = multi_token_graph_node(4, features=AttentionFeatures(decode_query_tokens=2))
-    with pytest.raises(ValueError, match=r"4 query tokens per row; the features allow decode_query_tokens=2"):
-        runner.warmup()
+    # refused when the runner is made, before warm-up takes a sink page or buffers
+    with pytest.raises(ValueError, match=r"query_tokens=4, .*\['kv', 'attn'\].*decode_query_tokens=2"):
+        multi_token_graph_node(4, features=AttentionFeatures(decode_query_tokens=2))
+    _, kv, _, node, runner = multi_token_graph_node(2, features=AttentionFeatures(decode_query_tokens=2))
+    assert kv.sink_page is None and kv.num_free_pages == kv.config.max_pages
     with pytest.raises(ValueError, match=r"query_tokens must be an int in 1..8"):
         GraphRunner(node, lambda ctx, t: t, [2], "cpu", query_tokens=9)

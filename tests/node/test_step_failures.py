@@ -77,6 +77,7 @@ def test_rollback_and_commit_skip_streams_reset_or_removed_after_admit():
     ctx = StepContext()
     kv.ingest_request("a")
     assert kv.admit(step, ctx)
+    kv.plan(step, ctx)
     kv.reset_request("a")
     kv.commit(step, ctx)  # a's span is dropped: it holds no pages for those tokens any more
     assert kv.stream("a", "t").length == 0 and kv.stream("a", "t").pages == []
@@ -97,12 +98,15 @@ def test_a_stale_step_after_reset_and_readmit_touches_nothing_of_the_new_one():
         kv.reset_request("r")
         s0, c0 = step(4), StepContext()
         assert kv.admit(s0, c0)
+        kv.plan(s0, c0)
         kv.commit(s0, c0)
         a, ca = step(1), StepContext()
         assert kv.admit(a, ca)
+        kv.plan(a, ca)
         kv.reset_request("r")
         b, cb = step(5), StepContext()
         assert kv.admit(b, cb)
+        kv.plan(b, cb)
         b_pages = list(kv.stream("r", "t").pages)
         getattr(kv, "commit" if late == "commit" else "rollback_admit")(a, ca)
         assert kv.stream("r", "t").pages == b_pages and kv.stream("r", "t").length == 0, late
@@ -121,6 +125,7 @@ def test_a_stream_cannot_be_admitted_twice_before_commit():
     assert kv.admit(step, ctx)
     with pytest.raises(RuntimeError, match=r"\('a', 't'\).*neither committed nor rolled back"):
         kv.admit(step, StepContext())
+    kv.plan(step, ctx)
     kv.commit(step, ctx)
     assert kv.admit(step, StepContext())
 

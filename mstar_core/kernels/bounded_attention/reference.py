@@ -119,6 +119,9 @@ def bounded_attention_reference(
 
     # This step's own keys, causal.
     own = torch.cat([k, v], dim=-1).view(B, rows, H, T, 2 * D)
+    # Positions past a row's tokens are padding, whatever they hold: a NaN there times its 0
+    # probability would still be NaN in the row's real outputs.
+    own = torch.where(qvalid[:, None, None, :, None], own, 0)
     kpos = qpos
     keys.append(own)
     masks.append(visible(kpos, qvalid))

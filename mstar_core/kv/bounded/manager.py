@@ -85,6 +85,7 @@ class _Admitted:
 
     fresh: list[str] = field(default_factory=list)
     epochs: dict[str, int] = field(default_factory=dict)
+    planned: set[str] = field(default_factory=set)  # the admitted requests a plan covered
 
 
 class BoundedKVManager(Resource):
@@ -123,6 +124,10 @@ class BoundedKVManager(Resource):
         # (rid, epoch of its step in flight) -> the slot it held when reset or removed: that
         # step may still write it, so it is neither held nor free until the step lands.
         self._parked: dict[tuple[str, int], int] = {}
+        # Counts the events that can end a step's time in flight (commit, rollback, reset, remove):
+        # ``attend`` checks that its plan is live once per plan and count, not once per layer.
+        self._landings = 0
+        self._seen_live: tuple[BoundedPlan, int] | None = None
 
     # Attention features (mstar_core.features) the bounded kernels implement: none yet. Their
     # reference and Triton kernels take no soft-cap, sink logits or FP8 slots; asking for one is
@@ -190,6 +195,7 @@ class BoundedKVManager(Resource):
     def _release(self, rid: str) -> None:
         """``rid`` no longer holds a slot (nor a length, epoch or step in flight). Its slot goes
         back to the free list, or, with a step in flight, is parked until that step lands."""
+        self._landings += 1
         self._epoch.pop(rid, None)
         epoch = self._in_flight.pop(rid, None)
         slot = self._slot.pop(rid, None)
@@ -276,7 +282,7 @@ class BoundedKVManager(Resource):
             )
         free_slots, slots, lengths, epochs = list(self._free), dict(self._slot), dict(self._length), dict(self._epoch)
         marks, in_flight = dict(self._uncommitted_writes), dict(self._in_flight)
-        rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs))
+        rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs), set(old.planned))
         for rid in fresh:
             slot = free_slots.pop()
             slots[rid], lengths[rid], epochs[rid] = slot, 0, next(self._epochs)
@@ -316,10 +322,12 @@ class BoundedKVManager(Resource):
         return rec is not None and rec.epochs.get(rid) is not None and rec.epochs[rid] == self._epoch.get(rid)
 
     def _forget_admitted(self, ctx: StepContext, rids: set[str]) -> None:
+        self._landings += 1
         rec = self._record(ctx)
         if rec is None:
             return
         rec.fresh[:] = [r for r in rec.fresh if r not in rids]
+        rec.planned -= rids
         for r in rids:
             rec.epochs.pop(r, None)
         if not rec.fresh and not rec.epochs:
@@ -386,8 +394,16 @@ class BoundedKVManager(Resource):
             reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
             owners=() if rec is None else tuple((r, rec.epochs[r]) for r in part.request_ids),
         )
+        if rec is not None:
+            rec.planned.update(part.request_ids)
         self._current = plan
         return plan
+
+    def is_live(self, plan: BoundedPlan) -> bool:
+        """Whether ``plan``'s step is still in flight for every request it covers (admitted, neither
+        committed nor rolled back; a request reset since keeps its parked slot until then): what
+        ``attend`` may read and write through."""
+        return all(self._in_flight.get(rid) == epoch or (rid, epoch) in self._parked for rid, epoch in plan.owners)
 
     def _stage(self, host: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The table on the device. An eager step (``ctx.bucket`` None) gets a fresh tensor,
@@ -418,12 +434,12 @@ class BoundedKVManager(Resource):
     def current(self) -> BoundedPlan:
         """What ``attend`` uses when given none: the plan of the step whose forward a runner is
         running (:meth:`Node.bound`), else the latest plan."""
-        bound = self.bound_plan()
-        if bound is not None:
-            return bound
-        if self._current is None:
-            raise StateError(f"{self.name}: no plan yet: call plan(step, ctx) first")
-        return self._current
+        plan = self.bound_plan()
+        if plan is None:
+            plan = self._current
+        if plan is None:
+            raise StateError(f"{self.name}: no step is planned: admit and plan a step before attend")
+        return plan
 
     def commit(self, step: Step, ctx: StepContext) -> None:
         """Record the step's consumption: committed streams advance by their tokens. Consumes the
@@ -433,6 +449,10 @@ class BoundedKVManager(Resource):
         part = bounded_part(step)
         rec = self._admitted(ctx, part.request_ids, "commit of request(s) {}")
         assert rec is not None or not part.positions
+        unplanned = [r for r in part.request_ids if rec is not None and r not in rec.planned]
+        if unplanned:
+            raise StateError(f"{self.name}: commit of request(s) {unplanned}, admitted but never planned: plan the "
+                             "step (and run its forward) before commit, or roll it back")
         for p in part.positions:
             rid = p.request_id
             if rec is None or not self._live(rec, rid):
@@ -507,6 +527,12 @@ class BoundedKVManager(Resource):
         self._check_tensors(q=q, k=k, v=v, source=source, rel_bias=rel_bias,
                             row_source_storage=None if row_source is None else row_source[0])
         plan = self.current if plan is None else plan
+        seen = self._seen_live
+        if (seen is None or seen[0] is not plan or seen[1] != self._landings) and not self.is_live(plan):
+            raise StateError(f"{self.name}.attend: no step is planned: this plan's step (requests "
+                             f"{[r for r, _ in plan.owners]}) was committed or rolled back; admit and plan a step "
+                             "before attend")
+        self._seen_live = (plan, self._landings)  # once per plan, not per layer, until a step lands
         cfg = self.config
         B = plan.batch
         if q.dim() != 4 or q.shape[0] != B * cfg.rows:
@@ -624,6 +650,7 @@ class BoundedKVManager(Resource):
         self._retired.clear()
         self._uncommitted_writes.clear()
         self._marked = None
+        self._seen_live = None
         self._epoch.clear()
         self._in_flight.clear()
         self._parked.clear()

@@ -195,7 +195,7 @@ def test_build_and_cleanup():
     assert mgr.admit(bstep(("a", 1)), ctx)
     mgr.cleanup()
     assert mgr.requests == () and mgr.num_free_slots == 5 and mgr.storage.numel() == 0
-    with pytest.raises(RuntimeError, match="no plan"):
+    with pytest.raises(RuntimeError, match="no step is planned"):
         _ = mgr.current
 
 
