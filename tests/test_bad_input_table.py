@@ -4,9 +4,10 @@ slots, lengths, in-flight marks, stored K/V, planned wrappers, pending graph ste
 
 The world holds a paged KV manager + paged attention under a GraphRunner (graphs on, one step
 prepared and pending) and a bounded KV manager with a committed request; snapshots compare all
-of their state before and after each case. The plugins' own tables (FlashInfer index arrays,
-varlen ``cu`` arrays, the CLI) are in tests/plugins/flashinfer/test_bad_inputs.py,
-tests/backends/test_varlen_bad_inputs.py and tests/cli/test_cli_bad_inputs.py.
+of their state before and after each case. The other surfaces' own tables (FlashInfer index
+arrays, varlen ``cu`` arrays, the CLI, the transformers engine) are in
+tests/plugins/flashinfer/test_bad_inputs.py, tests/backends/test_varlen_bad_inputs.py,
+tests/cli/test_cli_bad_inputs.py and tests/integrations/transformers/test_generate_inputs.py.
 """
 
 from __future__ import annotations
