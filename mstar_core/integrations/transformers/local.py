@@ -82,6 +82,8 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
     naming what is missing."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not os.fspath(directory).strip():
+        raise InputError("model directory is empty: give the path of a local directory with config.json")
     d = Path(directory)
     if not d.is_dir():
         raise InputError(f"model directory {str(d)!r} does not exist (mstar generate reads a local directory with "
