@@ -116,6 +116,8 @@ def load_config(config: ConfigSource) -> Config:
         return Config()
     where = "config"
     if isinstance(config, (str, os.PathLike)):
+        if not os.fspath(config).strip():
+            raise ConfigError("config file path is empty; give the path of a TOML file")
         path = Path(config)
         config = read_file(path)
         where = f"config file {str(path)!r}"

@@ -213,6 +213,8 @@ def write_skeleton(name: str, directory: str | os.PathLike[str]) -> list[Path]:
     files written. All or nothing: a directory that cannot be created (no permission, a name too
     long, a file in the way) is an :class:`InputError` naming it, and nothing is left behind."""
     files = files_for(name)
+    if not os.fspath(directory).strip():
+        raise InputError("new-backend: DIR is empty; give the directory to create")
     target = Path(directory).absolute()
     try:
         return _write(files, target, directory)

@@ -182,3 +182,59 @@ def test_progress_keeps_overlapping_first_uses_apart_and_says_failed():
     settled = out.getvalue()
     time.sleep(0.05)
     assert out.getvalue() == settled  # no ticker left writing
+
+
+# -- nothing warmed is not a success; selection judges the windows asked for ------------------------
+
+def test_warmup_on_a_device_no_backend_runs_on_raises_naming_why(monkeypatch):
+    """A CUDA build of torch that sees no GPU: no group has a backend, so nothing is warmed."""
+    from mstar_core.errors import BackendUnavailable
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(BackendUnavailable, match=r"warmup: nothing was warmed on cuda:0: no attention backend can "
+                                                 r"run here .* no GPU is usable here.*; device cpu runs the reference"):
+        warmup(WarmupConfig(), "auto", "cuda")
+
+
+def test_cli_warmup_without_a_gpu_exits_2_having_warmed_nothing(capsys, monkeypatch):
+    monkeypatch.setattr(torch.version, "cuda", None)
+    monkeypatch.setattr(torch.version, "hip", None, raising=False)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert main(["warmup"]) == 2  # the default --device cuda
+    cap = capsys.readouterr()
+    assert cap.out == "" and "warm-up for" not in cap.err
+    assert "mstar warmup: error: warmup: --device cuda:" in cap.err and "use --device cpu" in cap.err
+
+
+def _register_no_windows_backend():
+    """A plugin backend auto tries before the reference, declaring no features."""
+    ref = "mstar_core.backends.reference.paged"
+    get_registry().register(BackendSpec(
+        name="nowin", provides={"paged_prefill": f"{ref}:ReferencePrefillWrapper",
+                                "paged_decode": f"{ref}:ReferenceDecodeWrapper",
+                                "mixed": f"{ref}:ReferenceMixedWrapper"},
+        devices=("cpu",), dtypes=(torch.float32,), priority=10))
+
+
+@pytest.mark.parametrize("windows,pick", [((-1,), "nowin"), ((-1, 4096), "reference"), ((4096,), "nowin")])
+def test_warmup_selects_for_the_windows_as_mstar_backends_does(capsys, windows, pick):
+    from mstar_core.cli.backends import collect
+    from mstar_core.features import AttentionFeatures
+
+    _register_no_windows_backend()
+    rep = warmup(WarmupConfig(torch.float32, 16, 4, 4, 2, windows), "auto", "cpu", ("paged_decode",))
+    assert rep.notes[0].startswith(f"{pick} (paged_decode):")
+    listed = collect(get_registry(), torch.device("cpu"), torch.float32, 16, AttentionFeatures(layer_windows=windows))
+    assert listed["auto"]["paged_decode"]["pick"] == pick
+    # and on the command line: warmup --window ... against backends --layer-windows ...
+    argv = [f"--window={w}" for w in windows]
+    assert main(["warmup", "--device", "cpu", "--dtype", "float32", "--head-dim", "16", "--page-size", "4",
+                 "--qo-heads", "4", "--kv-heads", "2", "--capability", "paged_decode", *argv]) == 0
+    assert f"  {pick} (paged_decode): nothing to prepare" in capsys.readouterr().out
+
+
+def test_warmup_selects_for_the_soft_cap():
+    _register_no_windows_backend()
+    rep = warmup(WarmupConfig(torch.float32, 16, 4, 4, 2, soft_cap=30.0), "auto", "cpu", ("paged_decode",))
+    assert rep.notes[0].startswith("reference (paged_decode):")
+    assert WarmupConfig(soft_cap=30.0, windows=(-1, 8)).features.requested() == ("soft_cap", "layer_windows")

@@ -17,12 +17,12 @@ from typing import Any
 
 import torch
 
-from mstar_core.cli.options import parse_kv_dtype
+from mstar_core.cli.options import parse_device, parse_kv_dtype
 from mstar_core.errors import InputError
 from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.api import API_VERSION
-from mstar_core.registry.device import as_device, describe, device_arch
+from mstar_core.registry.device import describe, device_arch
 from mstar_core.registry.selection import ENV_BACKEND
 from mstar_core.registry.spec import dtype_name
 
@@ -252,7 +252,7 @@ def run(args: argparse.Namespace) -> int:
         raise InputError(f"backends: --head-dim {args.head_dim} must be >= 1 "
                          "(the head dim auto's picks are judged for)")
     features = features_from_args(args)
-    device = as_device(args.device) if args.device else _default_device()
+    device = parse_device(args.device, "backends") if args.device is not None else _default_device()
     data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)
     print(json.dumps(data, indent=2) if args.json else render(data))
     return 0

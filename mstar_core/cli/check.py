@@ -7,7 +7,7 @@ import argparse
 import json
 import sys
 
-from mstar_core.cli.options import add_config, config_from
+from mstar_core.cli.options import add_config, config_from, parse_device
 from mstar_core.errors import InputError
 from mstar_core.resource import as_dtype
 
@@ -38,6 +38,7 @@ def register(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from mstar_core.testing.check import check_backend
 
+    device = str(parse_device(args.device, "check")) if args.device is not None else None
     dtypes = [as_dtype(d) for d in args.dtype] if args.dtype else None
     for d in args.head_dim or ():
         if d < 1:
@@ -47,6 +48,6 @@ def run(args: argparse.Namespace) -> int:
         if not args.json and not result.passed:
             print(f"FAIL {result.capability} {result.dtype} {result.group} {result.name}", file=sys.stderr, flush=True)
 
-    report = check_backend(args.name, args.device, dtypes, args.head_dim, on_result=progress, config=config_from(args))
+    report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress, config=config_from(args))
     print(json.dumps(report.as_json(), indent=2) if args.json else report.render(all_rows=not args.failures_only))
     return 0 if report.ok else 1

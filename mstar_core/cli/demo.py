@@ -34,9 +34,9 @@ def register(sub: argparse._SubParsersAction) -> None:
 SEED_MAX = 2**64 - 1
 
 
-def check_seed(seed: int) -> None:
+def check_seed(seed: int, command: str = "demo") -> None:
     if isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed <= SEED_MAX:
-        raise InputError(f"demo: --seed {seed} is out of range; a torch seed is an integer from 0 to {SEED_MAX} "
+        raise InputError(f"{command}: --seed {seed} is out of range; a torch seed is an integer from 0 to {SEED_MAX} "
                          "(2**64 - 1)")
 
 

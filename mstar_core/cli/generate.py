@@ -87,7 +87,7 @@ def cache_bytes(model: Any, tokens: int, dtype: Any) -> int | None:
 
 
 def run(args: argparse.Namespace) -> int:
-    check_seed(args.seed)
+    check_seed(args.seed, "generate")
     device = check_device(args.device, "generate")
     config = config_from(args)  # before the model loads: a typo fails fast
     if args.max_new_tokens < 1:

@@ -28,11 +28,9 @@ def config_from(args: argparse.Namespace) -> Config | None:
 DEVICE_TYPES = ("cpu", "cuda")
 
 
-def check_device(text: str, command: str, option: str = "--device") -> torch.device:
-    """``--device TEXT`` as a torch device this process can run on, refused where it enters:
-    not a device name, a type mstar does not run on, CUDA in a torch built without it, no usable
-    GPU, a GPU index that does not exist. Every message names the option, the value and what
-    would work."""
+def parse_device(text: str, command: str, option: str = "--device") -> torch.device:
+    """``--device TEXT`` as a torch device of a type mstar runs on, whether or not it is usable
+    here (``mstar backends`` and ``mstar check`` judge a device this machine may lack)."""
     try:
         dev = torch.device(text)
     except (RuntimeError, ValueError, TypeError):
@@ -40,6 +38,15 @@ def check_device(text: str, command: str, option: str = "--device") -> torch.dev
     if dev.type not in DEVICE_TYPES:
         raise InputError(f"{command}: {option} {text!r}: mstar runs on cpu or cuda (cuda:N; ROCm GPUs are cuda too), "
                          f"not on {dev.type}")
+    return dev
+
+
+def check_device(text: str, command: str, option: str = "--device") -> torch.device:
+    """``--device TEXT`` as a torch device this process can run on, refused where it enters:
+    not a device name, a type mstar does not run on (:func:`parse_device`), CUDA in a torch
+    built without it, no usable GPU, a GPU index that does not exist. Every message names the
+    option, the value and what would work."""
+    dev = parse_device(text, command, option)
     if dev.type != "cuda":
         return dev
     if torch.version.cuda is None and getattr(torch.version, "hip", None) is None:

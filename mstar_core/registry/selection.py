@@ -198,6 +198,8 @@ def select_backend(
 def unregistered_reason(registry: Registry, name: str, known: Sequence[str]) -> str:
     """Why no backend is called ``name``: no plugin this registry loaded registers it (an
     allowlist may have left it out), and how to install it or the known name it is closest to."""
+    if not name:
+        return "an empty name names no backend; give a backend name or 'auto'"
     allow = registry.allowlist
     why = ("no installed plugin registers it" if allow is None else
            f"no plugin loaded here registers it ({ENV_ALLOWLIST} allows only: {', '.join(sorted(allow)) or 'none'})")

@@ -5,6 +5,7 @@ nothing."""
 
 from __future__ import annotations
 
+import re
 import sys
 import types
 from pathlib import Path
@@ -173,3 +174,31 @@ def test_a_wrapper_constructor_failure_names_its_backend(boom, monkeypatch, caps
     monkeypatch.setattr(BoomMixed, "__init__", broken_init)
     assert main(["demo", "--backend", "boom"]) == 1
     assert "BoomMixed.__init__ (attention backend 'boom')" in capsys.readouterr().err
+
+
+def test_a_config_file_with_a_utf8_bom_is_read(tmp_path, capsys):
+    path = tmp_path / "bom.toml"
+    path.write_bytes(b"\xef\xbb\xbf[attention]\nbackend = \"referenc\"\n")
+    assert load_config(path).backend == "referenc"
+    # read, and the backend it names reaches selection (where the misspelling is caught)
+    assert main(["bench", "--config", str(path)]) == 2
+    assert "'referenc' (from config) is unknown" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("text,message", [
+    ("", None),  # empty: no config
+    ("[attention]\nbackend = 3\n", "attention.backend must be a string, got 3"),
+    ("attention = 3\n", "'attention' must be a table"),
+    ("[attention]\nbackend = \"reference\"\ncolour = 1\n", "unknown key 'colour' in [attention]"),
+    ("[attention\n", "is not valid TOML"),
+])
+def test_config_files_empty_wrong_types_and_unknown_keys(tmp_path, text, message):
+    from mstar_core.errors import ConfigError
+
+    path = tmp_path / "c.toml"
+    path.write_text(text)
+    if message is None:
+        assert load_config(path) == Config()
+    else:
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_config(path)

@@ -178,3 +178,61 @@ def test_each_fake_is_listed_once_the_request_fits_it(fakes, request_kw, also):
         select_backend(requested="wrongdevice", registry=fakes, **kw)
     assert also in _can_list(str(e.value), "Backends that can: ")
     assert "wrongdevice" not in e.value.available
+
+
+# -- pins from the environment -------------------------------------------------------------------
+
+def test_a_name_pinned_to_two_distributions_is_refused_naming_both(monkeypatch):
+    from mstar_core.errors import InputError
+    from mstar_core.registry.discovery import pins_from_env
+
+    monkeypatch.setenv("MSTAR_BACKEND_PINS", "fast=a, other=c ,fast=b")
+    with pytest.raises(InputError, match=r"backend 'fast' is pinned twice, to 'a' and to 'b'; pin each name once"):
+        pins_from_env()
+    monkeypatch.setenv("MSTAR_BACKEND_PINS", "fast=a,fast=a")  # the same pin twice says one thing
+    assert pins_from_env() == {"fast": "a"}
+
+
+# -- unknown names: the install line of a first-party plugin, the closest known name ---------------
+
+@pytest.mark.parametrize("name,line", [
+    ("flashinfer", "install it with `pip install ./plugins/flashinfer` in a clone of mstar"),
+    ("fa3", "install it with `pip install \"./plugins/fa3[tokenspeed]\"` in a clone of mstar"),
+    ("rocm", "install it with `pip install ./plugins/rocm` in a clone of mstar"),
+])
+def test_an_uninstalled_first_party_backend_names_its_install_line(reg, name, line):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(PAGED, name, CPU, registry=reg, honor_env=False)
+    assert f"'{name}' (from argument) is unknown: no installed plugin registers it; it is the mstar-" in str(e.value)
+    assert line in str(e.value)
+
+
+def test_a_backend_left_out_by_the_allowlist_says_so(monkeypatch):
+    monkeypatch.setenv("MSTAR_PLUGINS", "")
+    r = Registry(discover=False)
+    r.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(PAGED, "flashinfer", CPU, registry=r, honor_env=False)
+    msg = str(e.value)
+    assert "no plugin loaded here registers it (MSTAR_PLUGINS allows only: none)" in msg
+    assert "installed already: add mstar-flashinfer to MSTAR_PLUGINS" in msg
+
+
+@pytest.mark.parametrize("name,close", [("referenc", "reference"), ("flashinfr", "flashinfer"), ("Reference",
+                                                                                                  "reference")])
+def test_a_misspelled_backend_gets_the_closest_known_name(reg, name, close):
+    with pytest.raises(BackendUnavailable, match=rf"no installed plugin registers it \(did you mean '{close}'\?\)"):
+        select_backend(PAGED, name, CPU, registry=reg, honor_env=False)
+
+
+def test_a_name_close_to_nothing_gets_no_guess(reg):
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(PAGED, "zzzz", CPU, registry=reg, honor_env=False)
+    assert "did you mean" not in str(e.value) and "install it" not in str(e.value)
+
+
+def test_the_registry_lookup_of_a_misspelled_name_guesses_too(reg):
+    from mstar_core.errors import UnknownName
+
+    with pytest.raises(UnknownName, match=r"known: reference \(did you mean 'reference'\?\)"):
+        reg.probe("refrence")

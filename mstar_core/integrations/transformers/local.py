@@ -23,6 +23,11 @@ JSON_FILES = ("config.json", "generation_config.json", "model.safetensors.index.
               "tokenizer_config.json", "special_tokens_map.json", "added_tokens.json")
 
 
+def _said(e: BaseException) -> str:
+    """``Type: message`` of a library's exception, on one line."""
+    return f"{type(e).__name__}: {' '.join(str(e).split())}"
+
+
 def _where(d: Path) -> str:
     return f"model directory {str(d)!r}"
 
@@ -82,6 +87,8 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
     naming what is missing."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    if not os.fspath(directory).strip():
+        raise InputError("model directory is empty: give the path of a local directory with config.json")
     d = Path(directory)
     if not d.is_dir():
         raise InputError(f"model directory {str(d)!r} does not exist (mstar generate reads a local directory with "
@@ -102,7 +109,7 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
         config = AutoConfig.from_pretrained(d, local_files_only=True)
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise InputError(f"{_where(d)}: config.json does not describe a model transformers can build "
-                         f"({type(e).__name__}: {e})") from e
+                         f"({_said(e)})") from e
     try:
         if weights:
             model = AutoModelForCausalLM.from_pretrained(d, config=config, local_files_only=True, dtype=dtype)
@@ -112,7 +119,7 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
             log.info("%s has no safetensors weights: random weights from seed %d", d, seed)
     except (OSError, ValueError, KeyError, TypeError) as e:
         what = ", ".join(p.name for p in shards) if weights else "config.json"
-        raise InputError(f"{_where(d)}: no causal LM could be built from {what} ({type(e).__name__}: {e})") from e
+        raise InputError(f"{_where(d)}: no causal LM could be built from {what} ({_said(e)})") from e
     tokenizer = None
     present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
     if present:
@@ -120,6 +127,6 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
             tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
         except Exception as e:  # the tokenizers library raises its own exception types
             raise InputError(f"{_where(d)}: the tokenizer ({', '.join(present)}) cannot be loaded "
-                             f"({type(e).__name__}: {e})") from e
+                             f"({_said(e)})") from e
     # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind self.
     return model.to(device).eval(), tokenizer, weights  # type: ignore[arg-type]
