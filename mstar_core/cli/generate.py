@@ -12,7 +12,6 @@ from typing import Any
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.options import add_config, check_device, config_from
 from mstar_core.errors import InputError, StateError
-from mstar_core.memory import check_fits
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -68,24 +67,6 @@ class _Progress:
             print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
-def cache_bytes(model: Any, tokens: int, dtype: Any) -> int | None:
-    """The least a paged KV cache holding ``tokens`` tokens of ``model`` takes (K and V of every
-    layer); None where the model's config does not say its layers and heads."""
-    cfg = model.config
-    cfg = cfg.get_text_config() if hasattr(cfg, "get_text_config") else cfg
-    layers, heads = getattr(cfg, "num_hidden_layers", None), getattr(cfg, "num_attention_heads", None)
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
-    head_dim = getattr(cfg, "head_dim", None) or (cfg.hidden_size // heads if heads and hasattr(cfg, "hidden_size")
-                                                  else None)
-    dims = (layers, kv_heads, head_dim)
-    if not all(isinstance(x, int) and x > 0 for x in dims):
-        return None
-    n = 2 * dtype.itemsize * tokens  # K and V
-    for x in dims:
-        n *= int(x)  # type: ignore[arg-type]  # ints, checked above
-    return n
-
-
 def run(args: argparse.Namespace) -> int:
     check_seed(args.seed, "generate")
     device = check_device(args.device, "generate")
@@ -101,11 +82,6 @@ def run(args: argparse.Namespace) -> int:
     dtype = resolve_dtype(args.dtype, device)
     model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
     prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
-    tokens = sum(len(p) for p in prompts) + len(prompts) * args.max_new_tokens
-    need = cache_bytes(model, tokens, dtype)
-    if need is not None:  # refused before the engine sizes its cache for it
-        check_fits(need, device, f"generate: the KV cache for {len(prompts)} prompt(s) of --max-new-tokens "
-                   f"{args.max_new_tokens} each ({tokens} tokens)")
     options: dict[str, Any] = {"on_step": _Progress(), "config": config}
     if args.graphs is not None:
         options["graphs"] = args.graphs
@@ -125,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     source = "weights" if weights else f"random weights, seed {args.seed}"
     print(f"model: {type(model).__name__} from {args.model} ({source}"
           f", {str(dtype).replace('torch.', '')} on {device})")
-    for line in rep.lines(device):
+    for line in rep.lines():
         print(line)
     for i, ids in enumerate(rep.ids):
         print(f"[{i}] {' '.join(map(str, ids))}")

@@ -155,7 +155,7 @@ class _Loop:
                     self.ingested.discard(rid)
         seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
-                          tuple(r.first_token_s or 0.0 for r in self.reqs))
+                          tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device))
 
     def _arrive(self, step_no: int) -> None:
         while self.pending and self.pending[0].arrives <= step_no:

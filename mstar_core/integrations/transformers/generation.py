@@ -28,6 +28,7 @@ class Generation:
     waits: int  # admissions deferred (pages or the step's prompt budget)
     seconds: float
     first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
+    device: str = "cuda"  # where it ran: says how graph steps ran
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -51,13 +52,13 @@ class Generation:
         return [(b.read_s - a.read_s) * 1e3 for a, b in itertools.pairwise(s)
                 if a.kind == b.kind == "decode" and a.rows == b.rows]
 
-    def lines(self, device: str | torch.device | None = None) -> list[str]:
-        """The report; ``device`` (None: a CUDA device) says how graph steps ran: replayed from
-        CUDA graphs, or, off CUDA, through the graph path with each replay re-running the forward."""
+    def lines(self) -> list[str]:
+        """The report; graph steps are said to be replayed from CUDA graphs on CUDA, and off CUDA
+        to run through the graph path, each replay re-running the forward."""
         kinds = ", ".join(f"{k} {v}" for k, v in self.kinds.items())
         graph = sum(1 for x in self.steps if x.graph)
-        dev = None if device is None else torch.device(device)
-        how = ("replayed from CUDA graphs" if dev is None or dev.type == "cuda" else
+        dev = torch.device(self.device)
+        how = ("replayed from CUDA graphs" if dev.type == "cuda" else
                f"through the graph path on {dev.type} (no CUDA graphs: each replay re-runs the forward)")
         ttft = sorted(self.first_token_s)
         dec = sorted(self.decode_step_ms())

@@ -30,7 +30,7 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
         ids = [int(t) for t in p]  # a numpy integer becomes a plain int
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside the vocabulary 0..{vocab}")
+            raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside {_vocab(vocab)}")
         out.append(ids)
     return out
 
@@ -66,7 +66,7 @@ def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
         raise InputTypeError(f"generate: eos_token_id must be None, an int or a list of ints, got {eos_token_id!r:.60}")
     bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
     if bad:
-        raise InputError(f"generate: eos_token_id {bad[:5]} outside the vocabulary 0..{vocab}")
+        raise InputError(f"generate: eos_token_id {bad[:5]} outside {_vocab(vocab)}")
     return {int(t) for t in ids}
 
 
@@ -84,3 +84,7 @@ def _listed(value: Any) -> Any:
     if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "tolist"):
         return value.tolist()
     return value
+
+
+def _vocab(vocab: int | None) -> str:
+    return "the token ids (>= 0)" if vocab is None else f"the vocabulary (ids 0..{vocab - 1})"
