@@ -149,7 +149,9 @@ class GraphRunner:
                 self._graphs.clear()
                 raise
             self.enabled = True
-            log.info("captured %d graphs: buckets %s x %d slots", len(self._graphs), self.buckets, self.slots)
+            what = ("CUDA graphs" if self.device.type == "cuda" else
+                    f"graph-path steps (on {self.device.type} a replay re-runs the forward; no CUDA graphs)")
+            log.info("captured %d %s: buckets %s x %d slots", len(self._graphs), what, self.buckets, self.slots)
         self.node.post_warmup_validate()
 
     def _capture_one(self, bucket: int, slot: int) -> _Graph:

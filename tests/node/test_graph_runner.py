@@ -221,3 +221,11 @@ def test_a_failure_on_the_way_into_commit_rolls_the_step_back(monkeypatch):
         raise AssertionError("the interrupt did not propagate")
     # the stream the admit created is dropped with it
     assert kv.num_free_pages == free0 and kv.streams == {} and runner._open == []
+
+
+def test_off_cuda_the_log_says_what_a_replay_is(caplog):
+    _, _, _, runner = build()
+    with caplog.at_level("INFO", logger="mstar_core.graphs"):
+        runner.warmup()
+    assert "on cpu a replay re-runs the forward; no CUDA graphs" in caplog.text
+    assert "CUDA graphs:" not in caplog.text
