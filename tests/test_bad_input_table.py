@@ -152,6 +152,15 @@ def rolled_back_x(w: World) -> Any:
     return plan
 
 
+def committed_x_then_admitted(w: World) -> Any:
+    """Setup: a bounded step for ``x`` that ran and committed, then ``x``'s next step admitted
+    (same request, same epoch); returns the committed step's dead plan."""
+    s = bstep(StreamPosition("x", 1))
+    plan = w.bnode.step(s, lambda ctx: w.bounded.attend(0, ONE, ONE, ONE)).ctx.plan_results[w.bounded.name]
+    assert w.bounded.admit(bstep(StreamPosition("x", 1)), StepContext())
+    return plan
+
+
 def admitted_x(w: World) -> StepContext:
     ctx = StepContext()
     assert w.bounded.admit(bstep(StreamPosition("x", 1)), ctx)
@@ -290,6 +299,10 @@ CASES: list[tuple] = [
      r"no step is planned.*\['x'\]", rolled_back_x),
     ("bounded-attend-current-after-rollback", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE), RuntimeError,
      r"no step is planned.*\['x'\]", rolled_back_x),
+    ("bounded-attend-landed-plan-after-next-admit", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE, plan=st),
+     RuntimeError, r"no step is planned.*\['x'\]", committed_x_then_admitted),
+    ("bounded-attend-current-after-next-admit", lambda w, st: w.bounded.attend(0, ONE, ONE, ONE), RuntimeError,
+     r"no step is planned.*\['x'\]", committed_x_then_admitted),
     ("bounded-commit-admitted-never-planned",
      lambda w, st: w.bounded.commit(bstep(StreamPosition("x", 1)), st), RuntimeError, r"\['x'\].*never planned",
      admitted_x),

@@ -86,6 +86,7 @@ class _Admitted:
     fresh: list[str] = field(default_factory=list)
     epochs: dict[str, int] = field(default_factory=dict)
     planned: set[str] = field(default_factory=set)  # the admitted requests a plan covered
+    admits: dict[str, int] = field(default_factory=dict)  # each request's admit number
 
 
 class BoundedKVManager(Resource):
@@ -118,6 +119,11 @@ class BoundedKVManager(Resource):
         # rid -> a manager-wide unique number, new whenever the request takes a slot or is reset:
         # a step admitted before that is recognised as stale at its commit / rollback.
         self._epoch: dict[str, int] = {}
+        # (request, admit number) of every admit not yet landed (parked ones too): a plan is live
+        # only while its own admit is (an epoch lasts across a request's steps: it cannot tell
+        # a landed step from the next one).
+        self._live_admits: set[tuple[str, int]] = set()
+        self._admit_serials = itertools.count(1)
         self._epochs = itertools.count(1)
         # rid -> the epoch of its step in flight (admitted, neither committed nor rolled back).
         self._in_flight: dict[str, int] = {}
@@ -282,19 +288,23 @@ class BoundedKVManager(Resource):
             )
         free_slots, slots, lengths, epochs = list(self._free), dict(self._slot), dict(self._length), dict(self._epoch)
         marks, in_flight = dict(self._uncommitted_writes), dict(self._in_flight)
-        rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs), set(old.planned))
+        rec = _Admitted() if old is None else _Admitted(list(old.fresh), dict(old.epochs), set(old.planned),
+                                                         dict(old.admits))
+        serial, live = next(self._admit_serials), set(self._live_admits)
         for rid in fresh:
             slot = free_slots.pop()
             slots[rid], lengths[rid], epochs[rid] = slot, 0, next(self._epochs)
             marks.pop(slot, None)  # a fresh slot starts clean, whatever happened to it before
         for rid in rids:
             in_flight[rid] = rec.epochs[rid] = epochs[rid]
+            rec.admits[rid] = serial
+            live.add((rid, serial))
         # One context may gather several admits (the per-request cycle) of different
         # requests: merge (a request already recorded here was refused above).
         rec.fresh = [r for r in rec.fresh if r not in fresh] + fresh
         ctx.admitted[self.name] = rec  # the one write that may fail (ctx is the caller's): first
         self._free, self._slot, self._length, self._epoch = free_slots, slots, lengths, epochs
-        self._uncommitted_writes, self._in_flight = marks, in_flight
+        self._uncommitted_writes, self._in_flight, self._live_admits = marks, in_flight, live
         return AdmitOutcome.ok()
 
     def _record(self, ctx: StepContext) -> _Admitted | None:
@@ -330,6 +340,7 @@ class BoundedKVManager(Resource):
         rec.planned -= rids
         for r in rids:
             rec.epochs.pop(r, None)
+            self._live_admits.discard((r, rec.admits.pop(r, -1)))
         if not rec.fresh and not rec.epochs:
             del ctx.admitted[self.name]
 
@@ -393,6 +404,7 @@ class BoundedKVManager(Resource):
             reads_source=any(src >= 0 for _, _, src in frozen),
             reads_row_source=any(src == tb.ROW_SOURCE for _, _, src in frozen),
             owners=() if rec is None else tuple((r, rec.epochs[r]) for r in part.request_ids),
+            admits=() if rec is None else tuple(rec.admits[r] for r in part.request_ids),
         )
         if rec is not None:
             rec.planned.update(part.request_ids)
@@ -403,7 +415,7 @@ class BoundedKVManager(Resource):
         """Whether ``plan``'s step is still in flight for every request it covers (admitted, neither
         committed nor rolled back; a request reset since keeps its parked slot until then): what
         ``attend`` may read and write through."""
-        return all(self._in_flight.get(rid) == epoch or (rid, epoch) in self._parked for rid, epoch in plan.owners)
+        return all((rid, n) in self._live_admits for (rid, _), n in zip(plan.owners, plan.admits, strict=True))
 
     def _stage(self, host: torch.Tensor, ctx: StepContext) -> torch.Tensor:
         """The table on the device. An eager step (``ctx.bucket`` None) gets a fresh tensor,
@@ -653,6 +665,7 @@ class BoundedKVManager(Resource):
         self._seen_live = None
         self._epoch.clear()
         self._in_flight.clear()
+        self._live_admits.clear()
         self._parked.clear()
         self.storage = self.storage.new_empty(0)
         self._current = None

@@ -22,7 +22,9 @@ class BoundedPlan(NamedTuple):
     ``row_source``. ``owners`` is ``(request_id, epoch)`` per row, as the step's admit recorded
     them: ``attend`` marks a row's slot as written-but-uncommitted only while that request still
     holds the slot in that epoch (not reset or removed since), so a mark never outlives the
-    request. Rows past ``owners`` (padding) are never marked."""
+    request. Rows past ``owners`` (padding) are never marked. ``admits`` numbers each owner's
+    admit: a plan lives only while its own admit is in flight, not a later step's of the same
+    request."""
 
     table: torch.Tensor
     rows: tuple[tuple[int, RowLayout, int], ...]
@@ -31,6 +33,7 @@ class BoundedPlan(NamedTuple):
     reads_source: bool
     reads_row_source: bool
     owners: tuple[tuple[str, int], ...] = ()
+    admits: tuple[int, ...] = ()
 
     def retained(self) -> torch.Tensor:
         """Each row's retained keys before its step, ``[rows]`` int32 on the device."""
