@@ -19,8 +19,10 @@ same static buffers — a functional check of the in-place discipline, not a spe
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -71,17 +73,26 @@ def capture_graph(fn: Callable[[], None], device: torch.device) -> Callable[[], 
     return g.replay
 
 
+def check_buckets(buckets: Any, who: str) -> tuple[int, ...]:
+    """Graph batch sizes: a sequence or set of ints >= 1 (a numpy array or tensor by its
+    elements); a mapping, a string or a single int is refused, naming it."""
+    if isinstance(buckets, torch.Tensor) or type(buckets).__module__ == "numpy" and hasattr(buckets, "tolist"):
+        buckets = buckets.tolist()
+    if isinstance(buckets, (Mapping, str, bytes)) or not isinstance(buckets, (Sequence, AbstractSet)):
+        raise InputTypeError(f"{who}: buckets must be a sequence of batch sizes (ints >= 1), got "
+                             f"{type(buckets).__name__} {buckets!r}")
+    if not buckets or any(not is_int(b) or b < 1 for b in buckets):
+        raise InputError(f"{who}: buckets must be batch sizes, ints >= 1, got {list(buckets)}")
+    return tuple(int(b) for b in buckets)
+
+
 class GraphRunner:
     """Decode steps of one label through captured graphs, others eagerly."""
 
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
                  attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
-        if not isinstance(buckets, (Sequence, set, frozenset)) or isinstance(buckets, str):
-            raise InputTypeError(f"GraphRunner: buckets must be a sequence of batch sizes (ints >= 1), got "
-                                 f"{type(buckets).__name__} {buckets!r}")
-        if not buckets or any(not is_int(b) or b < 1 for b in buckets):
-            raise InputError(f"GraphRunner: buckets must be batch sizes, ints >= 1, got {list(buckets)}")
+        buckets = check_buckets(buckets, "GraphRunner")
         if not is_int(query_tokens) or not 1 <= query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
                              f"per decode row), got {query_tokens!r}")

@@ -15,7 +15,6 @@ plain PyTorch).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
@@ -27,7 +26,7 @@ from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry.device import as_device, describe
 from mstar_core.registry.spec import dtype_name, load_ref
-from mstar_core.step import is_int
+from mstar_core.step import SCALE_RANGE, is_int, is_positive_finite
 
 WARMABLE = tuple(c for g in GROUPS for c in g)  # every capability but bounded
 
@@ -68,9 +67,8 @@ class WarmupConfig:
                              f"got {self.windows!r}")
         object.__setattr__(self, "windows", tuple(sorted(set(windows))))
         cap = self.soft_cap
-        if cap is not None and (isinstance(cap, bool) or not isinstance(cap, (int, float)) or not math.isfinite(cap)
-                                or cap <= 0):
-            raise InputError(f"WarmupConfig.soft_cap must be a positive finite number or None, got {cap!r}")
+        if cap is not None and not is_positive_finite(cap):  # the rule every scale and soft-cap follows
+            raise InputError(f"WarmupConfig.soft_cap must be {SCALE_RANGE}, or None; got {cap!r}")
 
     @property
     def features(self) -> AttentionFeatures:

@@ -38,8 +38,9 @@ def fresh(monkeypatch):
     (dict(num_qo_heads=6, num_kv_heads=4), "not a multiple"),
     (dict(windows=()), "windows must hold"),
     (dict(windows=(-2,)), "windows must hold"),
-    (dict(soft_cap=0.0), "soft_cap must be a positive finite"),
-    (dict(soft_cap=float("inf")), "soft_cap must be a positive finite"),
+    (dict(soft_cap=0.0), r"soft_cap must be a finite float > 0, within float32's normal range .* got 0\.0"),
+    (dict(soft_cap=float("inf")), r"soft_cap must be a finite float > 0.* got inf"),
+    (dict(soft_cap=1e-40), r"soft_cap must be a finite float > 0.* got 1e-40"),
     (dict(page_size=True), "page_size must be a positive integer"),
 ])
 def test_config_refuses_bad_values_by_name(kw, match):

@@ -16,6 +16,7 @@ that build once and generate several times (benchmarks).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
 from dataclasses import fields
 from typing import Any
@@ -34,6 +35,8 @@ from mstar_core.integrations.transformers.prompts import (
     check_prompts,
 )
 from mstar_core.kv.paged import pages_for
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "NAME", "Engine", "EngineOptions", "Generation", "LayerAttention", "ModelAttention", "StepRecord",
@@ -74,13 +77,25 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     run_kw = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
     if "eos_token_id" not in run_kw:
         gen = getattr(model, "generation_config", None)
-        run_kw["eos_token_id"] = getattr(gen, "eos_token_id", None)
+        run_kw["eos_token_id"] = _model_eos(getattr(gen, "eos_token_id", None), vocab)
     check_eos(run_kw["eos_token_id"], vocab)
     check_arrivals(run_kw.get("arrivals"), len(prompts))
     check_on_step(run_kw.get("on_step"))
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
         return run_checked(engine, prompts, max_new_tokens, **run_kw)
+
+
+def _model_eos(eos: Any, vocab: int | None) -> Any:
+    """The model's own end-of-sequence ids, less any its vocabulary cannot produce (a config may
+    list one; it would never match): those are dropped with a warning, not refused."""
+    ids = sorted(check_eos(eos, None))
+    keep = [t for t in ids if vocab is None or t < vocab]
+    if len(keep) < len(ids):
+        log.warning("the model's generation config lists end-of-sequence ids %s outside its vocabulary of %d: "
+                    "they can never be produced and are ignored", [t for t in ids if t not in keep], vocab)
+        return keep
+    return eos
 
 
 def _sized(prompts: list[list[int]], max_new_tokens: int, options: dict[str, Any]) -> EngineOptions:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any, Self
 
@@ -22,7 +21,7 @@ import torch
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
 from mstar_core.errors import InputError, InputTypeError, StateError
-from mstar_core.graphs import GraphRunner
+from mstar_core.graphs import GraphRunner, check_buckets
 from mstar_core.integrations.transformers.attention import NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
@@ -67,16 +66,15 @@ class EngineOptions:
         if self.graphs is not None and not isinstance(self.graphs, bool):
             raise InputTypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
-            if isinstance(self.buckets, (str, bytes)) or not isinstance(self.buckets, Iterable):
-                raise InputTypeError(f"mstar generate: buckets must be a list of batch sizes (or None), "
-                                     f"got {self.buckets!r}")
-            object.__setattr__(self, "buckets", tuple(self.buckets))
-            if not self.buckets or any(not is_int(b) or b < 1 for b in self.buckets):
-                raise InputError(f"mstar generate: buckets must be batch sizes >= 1, got {list(self.buckets)}")
+            object.__setattr__(self, "buckets", check_buckets(self.buckets, "mstar generate"))
+            wide = [b for b in self.buckets if b > self.max_batch_size]
+            if wide:
+                raise InputError(f"mstar generate: buckets {wide} are wider than max_batch_size {self.max_batch_size}, "
+                                 "so no step would replay them; drop them or raise max_batch_size")
 
     def graph_buckets(self) -> list[int]:
         if self.buckets is not None:
-            return sorted({min(b, self.max_batch_size) for b in self.buckets})
+            return sorted(set(self.buckets))
         out, b = [], 1
         while b < self.max_batch_size:
             out.append(b)

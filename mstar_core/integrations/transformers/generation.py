@@ -28,7 +28,7 @@ class Generation:
     waits: int  # admissions deferred (pages or the step's prompt budget)
     seconds: float
     first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
-    device: str = "cuda"  # where it ran: says how graph steps ran
+    device: str  # where it ran: says how graph steps ran
 
     @property
     def kinds(self) -> dict[str, int]:

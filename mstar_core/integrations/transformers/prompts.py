@@ -5,6 +5,7 @@ are refused, never rounded or parsed."""
 from __future__ import annotations
 
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from typing import Any
 
 import torch
@@ -44,6 +45,7 @@ def check_arrivals(arrivals: Sequence[int] | None, count: int) -> list[int]:
     """One arrival step >= 0 per prompt (None: all at step 0)."""
     if arrivals is None:
         return [0] * count
+    arrivals = _listed(arrivals)
     if isinstance(arrivals, (str, bytes)) or not isinstance(arrivals, Sequence) or len(arrivals) != count \
             or any(not is_int(a) or a < 0 for a in arrivals):
         raise InputError(f"generate: arrivals must give one step (an int >= 0) per prompt ({count}), "
@@ -52,8 +54,8 @@ def check_arrivals(arrivals: Sequence[int] | None, count: int) -> list[int]:
 
 
 def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
-    """The end-of-sequence ids: None (never stop early), an int, a sequence of ints, or an integer
-    tensor (a 0-d one too)."""
+    """The end-of-sequence ids: None (never stop early), an int, a sequence or set of ints, or an
+    integer tensor or numpy array (a 0-d one too)."""
     if eos_token_id is None:
         return set()
     value = eos_token_id
@@ -61,6 +63,9 @@ def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise InputTypeError(f"generate: eos_token_id must hold integer ids, got a {value.dtype} tensor")
         value = value.reshape(-1).tolist()
+    value = _listed(value)  # a numpy array (a numpy integer stays one: is_int takes it)
+    if isinstance(value, AbstractSet):
+        value = sorted(value, key=repr)
     ids = [value] if is_int(value) else value
     if isinstance(ids, (str, bytes)) or not isinstance(ids, Sequence) or any(not is_int(t) for t in ids):
         raise InputTypeError(f"generate: eos_token_id must be None, an int or a list of ints, got {eos_token_id!r:.60}")
@@ -80,8 +85,9 @@ def check_on_step(on_step: object) -> None:
 
 
 def _listed(value: Any) -> Any:
-    """A tensor's or numpy array's elements as a list (anything else as it is)."""
-    if isinstance(value, torch.Tensor) or type(value).__module__ == "numpy" and hasattr(value, "tolist"):
+    """A tensor's or numpy array's elements as a list (anything else, a numpy scalar too, as it
+    is)."""
+    if isinstance(value, torch.Tensor) or type(value).__name__ == "ndarray" and hasattr(value, "tolist"):
         return value.tolist()
     return value
 

@@ -42,7 +42,10 @@ CASES = [
     ("on-step-not-callable", dict(on_step=5), TypeError, r"on_step must be a callable .* got 5"),
     ("prompt-float-array", dict(prompts=[np.array([1.5])]), TypeError, r"1\.5 \(float\)"),
     ("prompts-a-str", dict(prompts="hello"), ValueError, r"got 'hello'"),
-    ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a list of batch sizes .* got 4"),
+    ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a sequence .* got int 4"),
+    ("buckets-a-mapping", dict(buckets={4: "x"}, graphs=True), TypeError, r"buckets must be a sequence .* got dict"),
+    ("buckets-past-the-batch", dict(buckets=[2, 1000], max_batch_size=4), ValueError,
+     r"buckets \[1000\] are wider than max_batch_size 4"),
     ("graphs-without-room", dict(max_pages=3, graphs=True, max_batch_size=4), ValueError,
      r"up to 4 rows .* max_pages is 3"),
 ]
@@ -73,7 +76,8 @@ def test_run_refuses_naming_the_value_and_holds_nothing(kw, error, match):
 
 
 EOS_FORMS = {"numpy-int": np.int64, "0-d-tensor": torch.tensor, "1-d-tensor": lambda t: torch.tensor([t]),
-             "list-of-numpy": lambda t: [np.int32(t)], "tuple": lambda t: (t,)}
+             "list-of-numpy": lambda t: [np.int32(t)], "tuple": lambda t: (t,), "set": lambda t: {t},
+             "numpy-array": lambda t: np.array([t])}
 
 
 @pytest.mark.parametrize("form", list(EOS_FORMS))
@@ -151,3 +155,23 @@ def test_a_cache_larger_than_memory_is_refused_before_it_is_allocated(monkeypatc
     with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
         assert run(engine, prompts[:1], 2).ids
     untouched(model)
+
+
+def test_arrivals_and_buckets_as_numpy_arrays():
+    model, prompts, want = model_and_reference()
+    got = generate(model, prompts[:2], 4, backend="reference", arrivals=np.array([0, 2]),
+                   buckets=np.array([1, 2]), graphs=True)
+    assert got == [w[:4] for w in want[:2]]
+
+
+def test_a_model_eos_outside_its_vocabulary_is_ignored_with_a_warning(caplog):
+    """A config may list an id the model cannot produce: it never matches, so it is dropped with
+    a warning; a caller's own such id is refused (the table above)."""
+    model, prompts, want = model_and_reference()
+    model.generation_config.eos_token_id = [500]
+    try:
+        with caplog.at_level("WARNING"):
+            assert generate(model, prompts[:1], 4, backend="reference") == [want[0][:4]]
+    finally:
+        model.generation_config.eos_token_id = None
+    assert "end-of-sequence ids [500] outside its vocabulary of 128" in caplog.text
