@@ -67,14 +67,12 @@ class EngineOptions:
             raise InputTypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", check_buckets(self.buckets, "mstar generate"))
-            wide = [b for b in self.buckets if b > self.max_batch_size]
-            if wide:
-                raise InputError(f"mstar generate: buckets {wide} are wider than max_batch_size {self.max_batch_size}, "
-                                 "so no step would replay them; drop them or raise max_batch_size")
 
     def graph_buckets(self) -> list[int]:
         if self.buckets is not None:
-            return sorted(set(self.buckets))
+            # A bucket wider than the batch is never filled: the widest becomes the batch itself
+            # (generate sizes max_batch_size for its prompts, the buckets may be a generic list).
+            return sorted({min(b, self.max_batch_size) for b in self.buckets})
         out, b = [], 1
         while b < self.max_batch_size:
             out.append(b)

@@ -44,8 +44,6 @@ CASES = [
     ("prompts-a-str", dict(prompts="hello"), ValueError, r"got 'hello'"),
     ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a sequence .* got int 4"),
     ("buckets-a-mapping", dict(buckets={4: "x"}, graphs=True), TypeError, r"buckets must be a sequence .* got dict"),
-    ("buckets-past-the-batch", dict(buckets=[2, 1000], max_batch_size=4), ValueError,
-     r"buckets \[1000\] are wider than max_batch_size 4"),
     ("graphs-without-room", dict(max_pages=3, graphs=True, max_batch_size=4), ValueError,
      r"up to 4 rows .* max_pages is 3"),
 ]
@@ -175,3 +173,7 @@ def test_a_model_eos_outside_its_vocabulary_is_ignored_with_a_warning(caplog):
     finally:
         model.generation_config.eos_token_id = None
     assert "end-of-sequence ids [500] outside its vocabulary of 128" in caplog.text
+
+
+def test_buckets_wider_than_the_batch_are_the_batch():
+    assert EngineOptions(max_pages=8, max_batch_size=7, buckets=(1, 2, 4, 8)).graph_buckets() == [1, 2, 4, 7]
