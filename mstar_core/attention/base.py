@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError
+from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.resource import Resource
 
 
@@ -25,6 +25,8 @@ class AttentionManager(Resource):
     # The backend the wrappers come from (the selection's name, given by ``build`` or the
     # caller): named, with the wrapper, in a note on any exception a wrapper raises.
     backend_name: str | None = None
+    kv: Any  # the KV manager whose plans this one's plans carry (``plan.kv_plan``)
+    _current: Any = None  # the latest plan
 
     @property
     def requires_kv_write(self) -> bool:
@@ -33,6 +35,18 @@ class AttentionManager(Resource):
 
     def depends_on(self) -> tuple[str, ...]:
         return ("kv",)
+
+    @property
+    def current(self) -> Any:
+        """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
+        latest plan; refused once that plan's step (its ``kv_plan``) committed or rolled back."""
+        plan = self.bound_plan()
+        if plan is None:
+            plan = getattr(self, "_current", None)
+        if plan is None or not self.kv.is_live(plan.kv_plan):
+            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
+                             "rolled back): admit and plan a step before run")
+        return plan
 
     def run(
         self,

@@ -327,18 +327,6 @@ class DenseAttentionManager(AttentionManager):
                   write)
         return _LabelRun(label, plan, tuple(starts), write, rows, self._serial, tuple(plans))
 
-    @property
-    def current(self) -> DensePlan:
-        """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
-        latest plan."""
-        plan = self.bound_plan()
-        if plan is None:
-            plan = self._current
-        if plan is None or not self.kv.is_live(plan.kv_plan):
-            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
-                             "rolled back): admit and plan a step before run")
-        return plan
-
     def run(
         self,
         q: torch.Tensor,

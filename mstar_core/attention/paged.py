@@ -374,18 +374,6 @@ class PagedAttentionManager(AttentionManager):
             blame(e, self.backend_name, wrapper, "run")
             raise
 
-    @property
-    def current(self) -> PagedAttnPlan:
-        """The plan of the step whose forward a runner is running (:meth:`Node.bound`), else the
-        latest plan."""
-        plan = self.bound_plan()
-        if plan is None:
-            plan = self._current
-        if plan is None or not self.kv.is_live(plan.kv_plan):
-            raise StateError(f"{type(self).__name__}: no step is planned (none yet, or its step was committed or "
-                             "rolled back): admit and plan a step before run")
-        return plan
-
     def fingerprint(self) -> bytes:
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written
         # under another kernel or dtype are not interchangeable (the dense manager says the same).
