@@ -137,7 +137,7 @@ def kv_pages(o: BenchOptions) -> int:
 def estimate_bytes(o: BenchOptions, dtype: torch.dtype) -> tuple[int, int]:
     """``(KV cache, weights)`` in bytes that :func:`build_decode_setup` allocates on one rank."""
     size = dtype.itemsize
-    kv = o.layers * kv_pages(o) * 2 * o.page_size * (o.kv_heads // o.tp) * o.head_dim * size
+    kv = KVConfig(o.layers, o.kv_heads // o.tp, o.head_dim, o.page_size, kv_pages(o)).storage_bytes(size)
     h, qd, kd, mlp, vocab = o.hidden, o.qo_heads * o.head_dim, o.kv_heads * o.head_dim, 2 * o.hidden, 256
     per_layer = 2 * h + (h * qd + 2 * h * kd + qd * h + 3 * h * mlp) // o.tp
     return kv, (2 * vocab * h + h + o.layers * per_layer) * size

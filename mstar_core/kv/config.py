@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from mstar_core.errors import InputError
@@ -39,3 +40,8 @@ class KVConfig:
     def shape(self) -> tuple[int, int, int, int, int, int]:
         """``[num_layers, max_pages, 2, page_size, num_kv_heads, head_dim]``."""
         return (self.num_layers, self.max_pages, 2, self.page_size, self.num_kv_heads, self.head_dim)
+
+    def storage_bytes(self, itemsize: int) -> int:
+        """Bytes of the storage :attr:`shape` holds at ``itemsize`` bytes an element: what a
+        memory check weighs before the cache is allocated."""
+        return math.prod(self.shape) * itemsize

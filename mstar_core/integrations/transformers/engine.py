@@ -191,9 +191,7 @@ class Engine:
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             # Refused before anything is allocated: a cache that does not fit would otherwise run
             # until the allocator fails, naming no option.
-            kv_bytes = 2 * len(a.layers) * o.max_pages * o.page_size * a.kv_heads * a.head_dim \
-                * features.kv_torch_dtype(self.dtype).itemsize
-            check_fits(kv_bytes, self.device,
+            check_fits(kvc.storage_bytes(features.kv_torch_dtype(self.dtype).itemsize), self.device,
                        f"Engine: the KV cache of max_pages {o.max_pages} x page_size {o.page_size} tokens "
                        f"({len(a.layers)} layers, {a.kv_heads} KV heads of {a.head_dim}; generate sizes max_pages "
                        "for its prompts and max_new_tokens)")
