@@ -29,7 +29,7 @@ import torch
 from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from mstar_core.node import Node
-from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, is_int
+from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Step, StepContext, elements, is_int
 
 log = logging.getLogger(__name__)
 
@@ -76,8 +76,7 @@ def capture_graph(fn: Callable[[], None], device: torch.device) -> Callable[[], 
 def check_buckets(buckets: Any, who: str) -> tuple[int, ...]:
     """Graph batch sizes: a sequence or set of ints >= 1 (a numpy array or tensor by its
     elements); a mapping, a string or a single int is refused, naming it."""
-    if isinstance(buckets, torch.Tensor) or type(buckets).__module__ == "numpy" and hasattr(buckets, "tolist"):
-        buckets = buckets.tolist()
+    buckets = elements(buckets)
     if isinstance(buckets, (Mapping, str, bytes)) or not isinstance(buckets, (Sequence, AbstractSet)):
         raise InputTypeError(f"{who}: buckets must be a sequence of batch sizes (ints >= 1), got "
                              f"{type(buckets).__name__} {buckets!r}")

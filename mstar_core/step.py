@@ -22,6 +22,14 @@ def is_int(value: Any) -> TypeGuard[int]:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def elements(value: Any) -> Any:
+    """A tensor's or numpy array's elements as a (nested) list, for the checks that take a list
+    of ints; anything else (a numpy scalar too) as it is."""
+    if isinstance(value, torch.Tensor) or type(value).__name__ == "ndarray" and hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
 def as_count(value: Any, what: str) -> int:
     """``value`` as a plain ``int >= 0``, or an error naming it: a bool, a float, a string or a
     tensor is refused (a 0-d tensor would make lengths tensors; ``2.0`` would reach the page

@@ -78,12 +78,13 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     if "eos_token_id" not in run_kw:
         gen = getattr(model, "generation_config", None)
         run_kw["eos_token_id"] = _model_eos(getattr(gen, "eos_token_id", None), vocab)
-    check_eos(run_kw["eos_token_id"], vocab)
-    check_arrivals(run_kw.get("arrivals"), len(prompts))
-    check_on_step(run_kw.get("on_step"))
+    eos = check_eos(run_kw["eos_token_id"], vocab)
+    arrivals = check_arrivals(run_kw.get("arrivals"), len(prompts))
+    on_step = run_kw.get("on_step")
+    check_on_step(on_step)
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
-        return run_checked(engine, prompts, max_new_tokens, **run_kw)
+        return run_checked(engine, prompts, max_new_tokens, arrivals, eos, on_step)
 
 
 def _model_eos(eos: Any, vocab: int | None) -> Any:

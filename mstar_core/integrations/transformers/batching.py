@@ -80,20 +80,21 @@ def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     comes first). ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
     ``on_step(done, total)`` is called after each step with the tokens produced so far.
     Whatever happens, every request is removed from the engine's resources on return."""
-    check_max_new(max_new_tokens)
-    prompts = check_prompts(prompts, getattr(engine.model.config, "vocab_size", None))
-    return run_checked(engine, prompts, max_new_tokens, arrivals, eos_token_id, on_step)
-
-
-def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int,
-                arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
-                on_step: Callable[[int, int], None] | None = None) -> Generation:
-    """:func:`run` for prompts and ``max_new_tokens`` already checked (``check_prompts``,
-    ``check_max_new``): ``generate`` checks them before it builds the engine."""
     engine.check_open()
+    vocab = getattr(engine.model.config, "vocab_size", None)
+    check_max_new(max_new_tokens)
+    prompts = check_prompts(prompts, vocab)
     check_on_step(on_step)
-    arrivals = check_arrivals(arrivals, len(prompts))
-    eos = check_eos(eos_token_id, getattr(engine.model.config, "vocab_size", None))
+    return run_checked(engine, prompts, max_new_tokens, check_arrivals(arrivals, len(prompts)),
+                       check_eos(eos_token_id, vocab), on_step)
+
+
+def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, arrivals: list[int], eos: set[int],
+                on_step: Callable[[int, int], None] | None) -> Generation:
+    """:func:`run` for inputs already checked where they entered (``check_prompts``,
+    ``check_max_new``, ``check_arrivals``, ``check_eos``, ``check_on_step``): ``generate``
+    checks them before it builds the engine."""
+    engine.check_open()
     o, ps = engine.options, engine.options.page_size
     reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
             for i, (p, a) in enumerate(zip(prompts, arrivals, strict=True))]

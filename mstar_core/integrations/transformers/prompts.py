@@ -6,23 +6,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from collections.abc import Set as AbstractSet
-from typing import Any
 
 import torch
 
 from mstar_core.errors import InputError, InputTypeError
-from mstar_core.step import is_int
+from mstar_core.step import elements, is_int
 
 
 def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
     """Plain lists of ints; a tensor or numpy array (a 2-D one for every prompt, or one per
     prompt) is read with ``tolist``, so its dtype decides whether the ids are ints."""
-    prompts = _listed(prompts)
+    prompts = elements(prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InputError(f"generate: prompts must be a non-empty list of token-id lists, got {prompts!r:.60}")
     out = []
     for i, p in enumerate(prompts):
-        p = _listed(p)
+        p = elements(p)
         if isinstance(p, (str, bytes)) or not isinstance(p, Sequence) or not p:
             raise InputError(f"generate: prompts[{i}] must be a non-empty list of token ids, got {p!r:.60}")
         notint = [t for t in p if not is_int(t)]
@@ -45,7 +44,7 @@ def check_arrivals(arrivals: Sequence[int] | None, count: int) -> list[int]:
     """One arrival step >= 0 per prompt (None: all at step 0)."""
     if arrivals is None:
         return [0] * count
-    arrivals = _listed(arrivals)
+    arrivals = elements(arrivals)
     if isinstance(arrivals, (str, bytes)) or not isinstance(arrivals, Sequence) or len(arrivals) != count \
             or any(not is_int(a) or a < 0 for a in arrivals):
         raise InputError(f"generate: arrivals must give one step (an int >= 0) per prompt ({count}), "
@@ -63,7 +62,7 @@ def check_eos(eos_token_id: object, vocab: int | None) -> set[int]:
         if value.dtype.is_floating_point or value.dtype.is_complex or value.dtype == torch.bool:
             raise InputTypeError(f"generate: eos_token_id must hold integer ids, got a {value.dtype} tensor")
         value = value.reshape(-1).tolist()
-    value = _listed(value)  # a numpy array (a numpy integer stays one: is_int takes it)
+    value = elements(value)  # a numpy array (a numpy integer stays one: is_int takes it)
     if isinstance(value, AbstractSet):
         value = sorted(value, key=repr)
     ids = [value] if is_int(value) else value
@@ -84,12 +83,6 @@ def check_on_step(on_step: object) -> None:
         raise InputTypeError(f"generate: on_step must be a callable on_step(done, total) or None, got {on_step!r:.60}")
 
 
-def _listed(value: Any) -> Any:
-    """A tensor's or numpy array's elements as a list (anything else, a numpy scalar too, as it
-    is)."""
-    if isinstance(value, torch.Tensor) or type(value).__name__ == "ndarray" and hasattr(value, "tolist"):
-        return value.tolist()
-    return value
 
 
 def _vocab(vocab: int | None) -> str:
