@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.compiling import CompiledForward, StepCompiler
 from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.features import MAX_DECODE_QUERY_TOKENS, AttentionFeatures
 from mstar_core.node import Node
@@ -90,8 +91,12 @@ class GraphRunner:
 
     def __init__(self, node: Node, forward: Forward, buckets: Sequence[int], device: torch.device | str,
                  label: str = "text", slots: int = 2, max_seq_len: int = 1 << 16,
-                 attn: AttentionStep = AttentionStep(), query_tokens: int = 1) -> None:
+                 attn: AttentionStep = AttentionStep(), query_tokens: int = 1,
+                 compiled: CompiledForward | None = None) -> None:
         buckets = check_buckets(buckets, "GraphRunner")
+        if compiled is not None and not isinstance(compiled, CompiledForward):
+            raise InputTypeError(f"GraphRunner: compiled must be a CompiledForward or None, got "
+                                 f"{type(compiled).__name__}")
         if not is_int(query_tokens) or not 1 <= query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"GraphRunner: query_tokens must be an int in 1..{MAX_DECODE_QUERY_TOKENS} (query tokens "
                              f"per decode row), got {query_tokens!r}")
@@ -133,6 +138,8 @@ class GraphRunner:
         # what discard_all gives back when a caller's loop is cut short.
         self._open: list[Prepared] = []
         self.enabled = False
+        # Graph steps run this compiled body (compiled per bucket at warm-up); None: ``forward``.
+        self.compiler = None if compiled is None else StepCompiler(compiled)
 
     @property
     def supports_preplan(self) -> bool:
@@ -161,7 +168,8 @@ class GraphRunner:
             self.enabled = True
             what = ("CUDA graphs" if self.device.type == "cuda" else
                     f"graph-path steps (on {self.device.type} a replay re-runs the forward; no CUDA graphs)")
-            log.info("captured %d %s: buckets %s x %d slots", len(self._graphs), what, self.buckets, self.slots)
+            log.info("captured %d %s: buckets %s x %d slots%s", len(self._graphs), what, self.buckets, self.slots,
+                     "" if self.compiler is None else f"; {self.compiler.describe()}")
         self.node.post_warmup_validate()
 
     def _capture_one(self, bucket: int, slot: int) -> _Graph:
@@ -176,14 +184,17 @@ class GraphRunner:
                 raise StateError(f"graph warm-up for bucket {bucket}: {outcome.reason()}")
             self.node.plan(step, ctx)
             g = _Graph(ctx, torch.zeros(bucket * self.query_tokens, dtype=torch.long, device=self.device))
+            forward = self.forward if self.compiler is None else self.compiler
 
             def fn() -> None:
-                out = self.forward(g.ctx, g.tokens)
+                out = forward(g.ctx, g.tokens)
                 if g.out is None:
                     g.out = torch.empty_like(out)
                 g.out.copy_(out)
 
             with self.node.bound(ctx):  # not inside fn: a replay binds the step it launches
+                if self.compiler is not None and slot == 0:
+                    self.compiler.compile(bucket, fn)  # once per bucket: every slot's graph runs it
                 g.replay = capture_graph(fn, self.device)
         finally:
             # The dummies never commit: whatever happened, they leave nothing behind (the step

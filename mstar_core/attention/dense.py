@@ -35,6 +35,7 @@ from typing import Any
 
 import torch
 
+from mstar_core import ops
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
 from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats
 from mstar_core.attention.protocols import PrefixedPrefillWrapper
@@ -172,6 +173,7 @@ class DenseAttentionManager(AttentionManager):
         self._planned: dict[tuple[str, int, int], int] = {}  # wrapper key -> serial of its plan
         self._serial = 0
         self._current: DensePlan | None = None
+        self.op_handle = ops.register(self)  # what a compiled graph names this manager by
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> DenseAttentionManager:
@@ -340,7 +342,19 @@ class DenseAttentionManager(AttentionManager):
         """One layer's dense attention. ``k``/``v`` are this step's freshly projected K/V
         ``[tokens, H_kv, D]``, packed in the plan's segment order; ``commit=False`` tokens are
         never written to the pages. ``layer_idx`` keys the gathered prefix (and picks the layer's
-        window) and is required; ``sinks [Hq]``: the layer's sink logits."""
+        window) and is required; ``sinks [Hq]``: the layer's sink logits. Under ``torch.compile``
+        this is the op ``mstar::dense_run`` (:mod:`mstar_core.ops`), which finds the bound step's
+        plan when it runs."""
+        if torch.compiler.is_compiling() and layer_idx is not None and k is not None and v is not None:
+            # The op writes and reads the whole cache (what it mutates): layer_idx picks the layer.
+            return ops.dense_run(q, k, v, self.kv.storage, self.op_handle, layer_idx, label or "", sinks)
+        return self.run_eager(q, label, None, k, v, layer_idx, sinks, kv_cache_layer)
+
+    def run_eager(self, q: torch.Tensor, label: str | None, storage: torch.Tensor | None, k: torch.Tensor | None,
+                  v: torch.Tensor | None, layer_idx: int | None, sinks: torch.Tensor | None,
+                  kv_cache_layer: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`run` outside a compiled graph, over ``storage``: the cache (None), or the copy of
+        it a compiled graph passed; ``kv_cache_layer``, where the caller gave one, must be its layer."""
         who = type(self).__name__
         if layer_idx is None:
             raise InputError(f"{who}.run needs layer_idx: the gathered prefix is cached per (stream, layer)")
@@ -362,14 +376,14 @@ class DenseAttentionManager(AttentionManager):
                 raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} "
                                      "(the cache's dtype)")
         self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
-        if kv_cache_layer is None:
-            kv_cache_layer = self.kv.layer_view(layer_idx)
-        else:
+        if kv_cache_layer is not None:
             # layer_idx keys the gathered prefix and picks the FP8 scales: they must be the view's layer's
             self.kv.check_layer_view(kv_cache_layer, self.kv.check_layer(layer_idx), f"{who}.run")
+        storage = self.kv.storage if storage is None else storage
+        ops.note_copy(self.op_handle, storage, self.kv.storage, who)
         assert k is not None and v is not None
-        self._write_committed(lr, k, v, layer_idx)
-        keys, values = self._assemble(lr, k, v, kv_cache_layer, layer_idx)
+        self._write_committed(lr, k, v, layer_idx, storage)
+        keys, values = self._assemble(lr, k, v, storage[self.kv.check_layer(layer_idx)], layer_idx)
         try:
             return wrapper.run(q, keys, values, **plan_kwargs(sinks=sinks))
         except Exception as e:
@@ -395,17 +409,18 @@ class DenseAttentionManager(AttentionManager):
             )
         return lr, wrapper
 
-    def _write_committed(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer_idx: int) -> None:
-        """Write the K/V of ``commit=True`` spans to the pages: a later step reads them as its
-        prefix, whichever backend it runs under."""
+    def _write_committed(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                         storage: torch.Tensor) -> None:
+        """Write the K/V of ``commit=True`` spans to the pages of ``storage``: a later step reads
+        them as its prefix, whichever backend it runs under."""
         if lr.write == "none":
             return
         if lr.write == "all":
-            self.kv.write_kv(k, v, layer_idx=layer_idx, label=lr.label)
+            self.kv.write_kv_into(storage, k, v, layer_idx, lr.label)
             return
         lay = self.kv.current.layout(lr.label)
         rows = lr.write_rows
-        self.kv.store(layer_idx, lay.write_pages[rows], lay.write_offsets[rows], k[rows], v[rows])
+        self.kv.store(layer_idx, lay.write_pages[rows], lay.write_offsets[rows], k[rows], v[rows], storage)
 
     def _gather(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The segment's prefix K/V out of its pages: one indexed read for K and V together; an

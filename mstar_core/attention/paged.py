@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from mstar_core import ops
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
 from mstar_core.capabilities import PAGED, paged_step_capability
 from mstar_core.errors import InputError, StateError, UnknownName
@@ -170,6 +171,7 @@ class PagedAttentionManager(AttentionManager):
         self._planned: dict[WrapperKey, int] = {}  # wrapper key -> serial of its plan
         self._serial = 0
         self._current: PagedAttnPlan | None = None
+        self.op_handle = ops.register(self)  # what a compiled graph names this manager by
 
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
@@ -330,7 +332,20 @@ class PagedAttentionManager(AttentionManager):
         sinks: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """One layer: ``layer_idx`` picks the layer's window (per-layer windows) and FP8 scales;
-        ``sinks [Hq]`` are this layer's sink logits (features ``sink_logits``)."""
+        ``sinks [Hq]`` are this layer's sink logits (features ``sink_logits``). Under
+        ``torch.compile`` this is the op ``mstar::paged_run`` (:mod:`mstar_core.ops`), which finds
+        the bound step's plan when it runs."""
+        if torch.compiler.is_compiling():
+            if layer_idx is None:
+                raise InputError(f"{type(self).__name__}.run under torch.compile needs layer_idx")
+            layer = self.kv.storage[layer_idx] if kv_cache_layer is None else kv_cache_layer
+            return ops.paged_run(q, layer, self.op_handle, layer_idx, label or "", sinks)
+        return self.run_eager(q, label, kv_cache_layer, layer_idx, sinks)
+
+    def run_eager(self, q: torch.Tensor, label: str | None, kv_cache_layer: torch.Tensor | None,
+                  layer_idx: int | None, sinks: torch.Tensor | None, check_view: bool = True) -> torch.Tensor:
+        """:meth:`run` outside a compiled graph. ``check_view`` False: ``kv_cache_layer`` is what a
+        compiled graph passed for ``layer_idx`` (the layer, or the compiler's copy of it)."""
         who = type(self).__name__
         e = self.current.entry(label)
         i = 0
@@ -357,7 +372,8 @@ class PagedAttentionManager(AttentionManager):
         elif layer_idx is not None:
             # layer_idx picks the window and FP8 scales: they must be the view's layer's
             li = self.kv.check_layer(layer_idx) if li is None else li
-            self.kv.check_layer_view(kv_cache_layer, li, f"{who}.run")
+            if check_view:
+                self.kv.check_layer_view(kv_cache_layer, li, f"{who}.run")
         if q.device != kv_cache_layer.device:
             raise InputError(f"{who}.run: q is on {q.device}, the KV cache on {kv_cache_layer.device}")
         kw: dict[str, Any] = {}

@@ -6,7 +6,7 @@ import argparse
 import json
 from dataclasses import asdict, replace
 
-from mstar_core.cli.options import add_config, check_device, config_from
+from mstar_core.cli.options import add_compile, add_config, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.demo.decode_bench import BenchOptions, run_decode_bench
 from mstar_core.errors import InputError
@@ -51,6 +51,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--query-tokens", type=int, default=d.query_tokens,
                    help="query tokens per request per step: 1, or 2..8 for multi-token decode rows (speculative "
                    "verification), captured like one-token decode (default 1)")
+    add_compile(p, "the decode step's model (the graph steps; needs --graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_tp(p, "bench")
     add_config(p)

@@ -6,6 +6,7 @@ import argparse
 
 import torch
 
+from mstar_core.compiling import BACKENDS
 from mstar_core.config import Config, load_config
 from mstar_core.errors import InputError
 from mstar_core.features import KV_DTYPES
@@ -17,6 +18,15 @@ def add_config(p: argparse.ArgumentParser, pins_only: bool = False) -> None:
                    help=f"a TOML config whose {pins} is used" if pins_only else
                    f"a TOML config: [attention] backend = NAME, and {pins} (--backend and $MSTAR_ATTENTION_BACKEND "
                    "win over its backend)")
+
+
+def add_compile(p: argparse.ArgumentParser, what: str) -> None:
+    p.add_argument("--compile", action=argparse.BooleanOptionalAction, default=False,
+                   help=f"compile {what} with torch.compile, once per graph bucket at warm-up (default off; the "
+                   "first compile in a process takes seconds to a minute, torch's caches make later ones faster)")
+    p.add_argument("--compile-backend", default="inductor", metavar="NAME",
+                   help=f"torch.compile backend (default inductor, which needs a C++ compiler on a CPU; "
+                   f"{', '.join(BACKENDS[1:])} need none)")
 
 
 def config_from(args: argparse.Namespace) -> Config | None:

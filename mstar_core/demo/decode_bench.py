@@ -17,6 +17,7 @@ import torch
 
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
+from mstar_core.compiling import CompiledForward, CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
 from mstar_core.errors import InputError, StateError
@@ -26,7 +27,7 @@ from mstar_core.kv import KVConfig, KVManager
 from mstar_core.memory import check_fits, format_bytes
 from mstar_core.node import Node
 from mstar_core.resource import resolve_dtype
-from mstar_core.step import KVSpan, KVStep, Step
+from mstar_core.step import KVSpan, KVStep, Step, StepContext
 from mstar_core.testing.timing import event, kernel_ms, sync
 
 LABEL = "text"
@@ -54,8 +55,13 @@ class BenchOptions:
     config: Any = None  # a Config, a mapping or a TOML file: the backend's name and pins (mstar_core.config)
     tp: int = 1  # tensor-parallel ranks, the heads and the MLP sharded over them
     tp_timeout: float = DEFAULT_TIMEOUT_S  # seconds a rank waits for the others before it fails
+    compile: bool = False  # graph steps run the model compiled by torch.compile (needs graphs)
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
+        if self.compile and not self.graphs:
+            raise InputError("bench: compile compiles the graph steps (one compiled graph per bucket): use it with "
+                             "graphs (--graphs; on a CPU the graph path runs without CUDA graphs)")
         if not 1 <= self.query_tokens <= MAX_DECODE_QUERY_TOKENS:
             raise InputError(f"bench: query_tokens must be in 1..{MAX_DECODE_QUERY_TOKENS}, got {self.query_tokens}")
         for name in ("layers", "qo_heads", "kv_heads", "head_dim", "hidden", "batch", "page_size", "steps", "warmup",
@@ -87,6 +93,7 @@ class BenchResult:
     # runs them (one graph with --graphs), in ms per step, and their share of the median step.
     allreduce_ms: float | None = None
     allreduce_share: float | None = None
+    compile_s: float | None = None  # seconds torch.compile took at warm-up (None: not compiled)
 
     def lines(self) -> list[str]:
         cuda = self.device.startswith("cuda")
@@ -107,6 +114,7 @@ class BenchResult:
             f"median host time per step: {self.median_host_ms:.3f} ms",
             f"GPU time per step: {gpu}",
             *tp,
+            *([] if self.compile_s is None else [f"compiled at warm-up in {self.compile_s:.1f} s (torch.compile)"]),
         ]
 
 
@@ -179,10 +187,18 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
                                  max_batch_size=max(o.batch, 1), backend_name=sel.name)
     node = Node([kv, attn])
 
-    def forward(ctx, tokens):
-        return model.forward_step(tokens, ctx.plan_results["kv"].layout(LABEL).positions, kv, attn, LABEL)
+    def inputs(ctx: StepContext, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return tokens, ctx.plan_results["kv"].layout(LABEL).positions
 
-    runner = GraphRunner(node, forward, [o.batch], dev, LABEL, query_tokens=t)
+    def body(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return model.forward_step(tokens, positions, kv, attn, LABEL)
+
+    def forward(ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
+        return body(*inputs(ctx, tokens))
+
+    compiled = (CompiledForward(inputs, body, CompileOptions(o.compile_backend), "the tiny decoder") if o.compile
+                else None)
+    runner = GraphRunner(node, forward, [o.batch], dev, LABEL, query_tokens=t, compiled=compiled)
     if o.graphs:
         runner.warmup()  # validates every resource after capture
     else:
@@ -271,6 +287,7 @@ def _timed_loop(o: BenchOptions, s: DecodeSetup, pet: Callable[[], None]) -> Ben
         s.backend, str(dev), str(s.dtype).replace("torch.", ""), runner.enabled, preplan, step_ms,
         o.batch * o.query_tokens / (step_ms / 1e3), host_ms, gpu_ms, asdict(o), o.tp, ar_ms,
         ar_ms / step_ms if ar_ms is not None else None,
+        None if runner.compiler is None else runner.compiler.total_seconds,
     )
 
 

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from mstar_core import ops
 from mstar_core.distributed import TensorParallel
 from mstar_core.errors import InputError, InputIndexError, InputTypeError, StateError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
@@ -121,6 +122,7 @@ class KVManager(Resource):
         # config is this rank's shard (num_kv_heads / world heads).
         self.tp = tp
         self.storage = torch.zeros(config.shape, dtype=self.kv_dtype, device=self.device)
+        self.op_handle = ops.register(self)  # what a compiled graph names this cache by
         self.pool = PagePool(config.max_pages)
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
@@ -605,7 +607,17 @@ class KVManager(Resource):
     def write_kv(self, k: torch.Tensor, v: torch.Tensor, layer_idx: int, label: str | None = None) -> None:
         """Write this step's ``k``/``v`` (``[tokens, H_kv, D]``, packed in plan order) for
         ``label`` at the locations the current plan computed; an FP8 cache stores
-        ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`)."""
+        ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`). Under ``torch.compile`` this is the
+        op ``mstar::write_kv`` (:mod:`mstar_core.ops`)."""
+        if torch.compiler.is_compiling():
+            ops.write_kv(k, v, self.storage, self.op_handle, layer_idx, label or "")
+            return
+        self.write_kv_into(self.storage, k, v, layer_idx, label)
+
+    def write_kv_into(self, storage: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
+                      label: str | None) -> None:
+        """:meth:`write_kv` into ``storage``: the cache, or the copy of it a compiled graph passed."""
+        ops.note_copy(self.op_handle, storage, self.storage, self.name)
         lay = self.current.layout(label)
         # rows = the step's tokens, or the graph bucket they were padded to
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)
@@ -614,15 +626,16 @@ class KVManager(Resource):
                 raise InputError(f"write_kv: {name} has shape {tuple(t.shape)}, expected {want} [tokens, H_kv, D]")
             if t.device != self.storage.device:
                 raise InputError(f"write_kv: {name} is on {t.device}, the cache on {self.storage.device}")
-        self.store(layer_idx, lay.write_pages, lay.write_offsets, k, v)
+        self.store(layer_idx, lay.write_pages, lay.write_offsets, k, v, storage)
 
     def store(self, layer_idx: int, pages: torch.Tensor, offsets: torch.Tensor, k: torch.Tensor,
-              v: torch.Tensor) -> None:
+              v: torch.Tensor, storage: torch.Tensor | None = None) -> None:
         """``k``/``v`` ``[tokens, H_kv, D]`` into ``layer_idx``'s slots ``(pages, offsets)``, in
         the cache's dtype: an FP8 cache stores ``k / k_scale`` (:func:`~mstar_core.kv.fp8.quantize`).
-        ``write_kv`` writes a plan's locations through it."""
+        ``write_kv`` writes a plan's locations through it; ``storage``: the cache (default) or the
+        copy of it a compiled graph passed."""
         i = self.check_layer(layer_idx)
-        layer = self.storage[i]
+        layer = (self.storage if storage is None else storage)[i]
         if self._scales is not None:
             k_scale, v_scale = self._scales[i]
             k, v = quantize(k, k_scale, self.kv_dtype), quantize(v, v_scale, self.kv_dtype)

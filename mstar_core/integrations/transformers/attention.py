@@ -21,6 +21,7 @@ import torch
 from mstar_core.errors import InputError, StateError
 
 NAME = "mstar"
+BINDING_KWARG = "mstar_binding"  # the keyword a compiled forward passes its binding by
 
 
 class Binding(Protocol):
@@ -47,8 +48,14 @@ def bound(binding: Binding) -> Iterator[None]:
 
 def mstar_attention(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                     attention_mask: Any, **kwargs: Any) -> tuple[torch.Tensor, None]:
-    """transformers' attention-function signature; returns ``([1, T, Hq, D], None)`` (no weights)."""
-    b = _BOUND.get()
+    """transformers' attention-function signature; returns ``([1, T, Hq, D], None)`` (no weights).
+    A compiled forward passes its binding as the keyword ``mstar_binding`` (transformers hands a
+    model's keywords down to its attention calls): a context variable cannot be traced."""
+    b = kwargs.pop(BINDING_KWARG, None)
+    if b is None and torch.compiler.is_compiling():
+        raise StateError(f"mstar attention under torch.compile: pass the binding as the model call's keyword "
+                         f"{BINDING_KWARG}= (the Engine does), since a context variable cannot be traced")
+    b = b if b is not None else _BOUND.get()
     if b is None:
         raise StateError(
             f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}) runs with attn_implementation "

@@ -20,9 +20,10 @@ import torch
 
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
+from mstar_core.compiling import CompiledForward, compile_options
 from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner, check_buckets
-from mstar_core.integrations.transformers.attention import NAME, bound, register
+from mstar_core.integrations.transformers.attention import BINDING_KWARG, NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
     UnsupportedModel,
@@ -54,6 +55,10 @@ class EngineOptions:
     kv_dtype: str = "auto"
     # The backend's name and pins from a config (a mapping or TOML file; mstar_core.config).
     config: Any = None
+    # Graph steps run the model under torch.compile, compiled per bucket at warm-up: True (or fail),
+    # None (where the model allows, else a warning), False. It turns the graph path on.
+    compile: bool | None = False
+    compile_backend: str = "inductor"
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
@@ -67,6 +72,10 @@ class EngineOptions:
             raise InputTypeError(f"mstar generate: graphs must be a bool or None (on for CUDA), got {self.graphs!r}")
         if self.buckets is not None:
             object.__setattr__(self, "buckets", check_buckets(self.buckets, "mstar generate"))
+        compile_options(self.compile, self.compile_backend, "mstar generate")  # refused here, not at warm-up
+        if self.compile is not False and self.graphs is False:
+            raise InputError("mstar generate: compile compiles the graph steps (one graph per bucket), but graphs is "
+                             "False; leave graphs at None (compile turns the graph path on) or True")
 
     def graph_buckets(self) -> list[int]:
         if self.buckets is not None:
@@ -196,18 +205,20 @@ class Engine:
                        f"({len(a.layers)} layers, {a.kv_heads} KV heads of {a.head_dim}; generate sizes max_pages "
                        "for its prompts and max_new_tokens)")
             self.kv = KVManager(kvc, self.device, self.dtype, features=features)
-            graphs = graphs_default(self.device) if o.graphs is None else o.graphs
+            compiling = compile_options(o.compile, o.compile_backend, "mstar generate")
+            graphs = (graphs_default(self.device) or compiling is not None) if o.graphs is None else o.graphs
             widest = max(o.graph_buckets())
             if graphs and widest + 1 > o.max_pages:
                 # The warm-up captures the widest bucket with one page per dummy row, besides the
                 # page the KV manager keeps for padding rows' writes.
                 why = (f"graphs capture batches of up to {widest} rows (max_batch_size {o.max_batch_size}, buckets "
                        f"{o.graph_buckets()}): {widest} pages and one for padding rows, but max_pages is {o.max_pages}")
-                if o.graphs:
+                if o.graphs or o.compile:
                     raise InputError(f"Engine: {why}; raise max_pages, lower max_batch_size or buckets, or set "
-                                     "graphs=False")
-                log.warning("graphs off: %s; every step runs eagerly", why)
-                graphs = False
+                                     "graphs=False (and compile=False)")
+                log.warning("graphs off: %s; every step runs eagerly%s", why, "" if compiling is None else
+                            ", uncompiled")
+                graphs, compiling = False, None
             capturable = decode_capturable(sel.capturable, features)
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
@@ -217,14 +228,16 @@ class Engine:
             self._nodes.append(self.node)
             # One sm_scale for every layer (the probe refuses a model whose layers differ).
             self.step_attn = AttentionStep(sm_scale=a.sm_scale)
+            compiled = None if compiling is None else CompiledForward(
+                self._graph_inputs, self._body, compiling, type(model).__name__)
             self.runner = GraphRunner(self.node, self._forward, o.graph_buckets(), self.device, LABEL,
-                                      max_seq_len=o.max_pages * o.page_size, attn=self.step_attn)
+                                      max_seq_len=o.max_pages * o.page_size, attn=self.step_attn, compiled=compiled)
             # What each layer passed when probed: a later call with other values would be served
             # with the wrong plan, so it is refused instead.
             self._expect = tuple(x.args for x in a.layers)
             with torch.no_grad():
                 if graphs:
-                    self._warmup(explicit=o.graphs is True)
+                    self._warmup(explicit=o.graphs is True or o.compile is True)
                 else:
                     self.node.post_warmup_validate()
         except BaseException:
@@ -266,10 +279,7 @@ class Engine:
     def _forward(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
         """Logits of the step's last token per row, ``[rows, vocab]`` (a graph step: every row is
         one token, padded to the bucket)."""
-        impl = getattr(self.model.config, "_attn_implementation", None)
-        if impl != NAME:
-            raise StateError(f"the model was switched to attn_implementation {impl!r} while an Engine is open on it "
-                             f"(it would run without mstar's KV cache); switch it back once every engine is closed")
+        self._check_switched()
         lay = ctx.plan_results[self.kv.name].layout(LABEL)
         keep: int | torch.Tensor = 0  # every token (one per row)
         if ctx.bucket is None and lay.num_tokens != len(lay.spans):
@@ -280,6 +290,24 @@ class Engine:
         with bound(self):
             out = self.model(input_ids=tokens[None], position_ids=lay.positions[None].long(), use_cache=False,
                              logits_to_keep=keep)
+        return out.logits[0]
+
+    def _check_switched(self) -> None:
+        impl = getattr(self.model.config, "_attn_implementation", None)
+        if impl != NAME:
+            raise StateError(f"the model was switched to attn_implementation {impl!r} while an Engine is open on it "
+                             f"(it would run without mstar's KV cache); switch it back once every engine is closed")
+
+    def _graph_inputs(self, ctx: StepContext, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """What the compiled body of a graph step takes: its tokens and their positions."""
+        self._check_switched()
+        return tokens, ctx.plan_results[self.kv.name].layout(LABEL).positions
+
+    def _body(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """A graph step's logits ``[rows, vocab]`` from tensors alone (what ``torch.compile`` traces):
+        the binding goes down as a keyword, and every row's one token reaches the LM head."""
+        out = self.model(input_ids=tokens[None], position_ids=positions[None].long(), use_cache=False,
+                         logits_to_keep=0, **{BINDING_KWARG: self})
         return out.logits[0]
 
     def check_open(self) -> None:

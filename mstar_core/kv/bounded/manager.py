@@ -63,6 +63,7 @@ from typing import Any
 
 import torch
 
+from mstar_core import ops
 from mstar_core.errors import InputError, InputIndexError, InputTypeError, StateError, UnknownName
 from mstar_core.kernels.bounded_attention import Impl, bounded_attention, bounded_write, pick_impl
 from mstar_core.kernels.bounded_attention import table as tb
@@ -103,6 +104,7 @@ class BoundedKVManager(Resource):
         self.sm_scale: float | None = None  # None: 1/sqrt(head_dim)
         # Zeroed once so a never-written entry is finite; reset_request never zeroes again.
         self.storage = torch.zeros((config.num_layers, *config.layer_shape), dtype=self.kv_dtype, device=self.device)
+        self.op_handle = ops.register(self)  # what a compiled graph names this manager by
         self._free: list[int] = list(range(config.max_slots - 1, -1, -1))  # pop() gives the lowest
         self._slot: dict[str, int] = {}
         self._length: dict[str, int] = {}
@@ -529,8 +531,22 @@ class BoundedKVManager(Resource):
         is a per-distance score term (``kernels.bounded_attention``); with a query window it is
         ``[B * rows, H, T, window + 1]``. Rows whose source is -1 read theirs from
         ``row_source = (storage [slots, rows, H, L, 2D], slots [>= B])``. ``q`` may have a
-        multiple of the cache's heads (GQA)."""
+        multiple of the cache's heads (GQA). Under ``torch.compile`` (with ``plan`` None: the bound
+        step's) this is the op ``mstar::bounded_attend`` (:mod:`mstar_core.ops`)."""
+        if torch.compiler.is_compiling() and plan is None:
+            rs, slots = (None, None) if row_source is None else row_source
+            return ops.bounded_attend(q, k, v, self.storage, self.op_handle, layer_idx, source, rel_bias, ieee, rs,
+                                      slots)
+        return self.attend_eager(self.storage, layer_idx, q, k, v, source, plan, rel_bias, ieee, row_source)
+
+    def attend_eager(self, storage: torch.Tensor, layer_idx: int, q: torch.Tensor, k: torch.Tensor,
+                     v: torch.Tensor, source: torch.Tensor | None, plan: BoundedPlan | None,
+                     rel_bias: torch.Tensor | None, ieee: bool,
+                     row_source: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        """:meth:`attend` outside a compiled graph, over ``storage``: the slots, or the copy of
+        them a compiled graph passed."""
         layer_idx = self._layer_index(layer_idx, "attend")
+        ops.note_copy(self.op_handle, storage, self.storage, self.name)
         if plan is not None and not isinstance(plan, BoundedPlan):
             raise InputTypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
         if row_source is not None and (not isinstance(row_source, tuple) or len(row_source) != 2):
@@ -557,7 +573,7 @@ class BoundedKVManager(Resource):
             raise InputError(f"{self.name}.attend: k must be [B * rows, {cfg.num_heads}, T, {cfg.head_dim}], "
                              f"got {tuple(k.shape)}")
         self._check_sources(plan, source, row_source)
-        layer = self.layer(layer_idx)
+        layer = storage[layer_idx]
         geo = dict(sink=cfg.sink, window=cfg.window)
         out = bounded_attention(
             q, k, v, layer, plan.table, **geo, query_window=cfg.query_window,
