@@ -108,6 +108,9 @@ class StepCompiler:
         """Compile for ``bucket`` by running its step once (``run``: the forward of a planned
         dummy step). A failure is a :class:`CompileError` where compiling was required; else the
         bucket runs uncompiled, with a warning naming the reason."""
+        if self.failed:  # the model could not be compiled for an earlier bucket: not tried again
+            self.failed[bucket] = next(iter(self.failed.values()))
+            return
         StepCompiler._graphs += 1
         make_room(StepCompiler._graphs + 8)
         o = self.forward.options

@@ -32,10 +32,15 @@
 #   bounded             nothing beyond the tree: bounded KV GPU tests and bench (Triton is on the machine)
 #   transformers        .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz: the transformers check and decode bench
 #   tp                  as transformers, on kind nvidia-h200-x2: tensor parallelism over two GPUs
+#   smollm2             one call per part of the SmolLM2-135M-Instruct GGUF file (98 MB; split under .gpu/smollm2/
+#                       a, b, c; c with gguf-0.19.0-py3-none-any.whl and the file's sha256), on one machine kept
+#                       warm: the call that brings the last part joins and checks it into /tmp/smollm2
+#   compiled            as transformers (on that machine for SmolLM2): compiled steps' GPU tests and
+#                       bench/compiled_decode.py (MODELS=smollm2,llama1b by default; SmolLM2 where /tmp/smollm2 holds it)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -172,6 +177,23 @@ tp)
   T 120 tp_failure_graphs python3 bench/tp_failure.py --graphs --timeout 20 --out "$R"
   T 120 tp_failure_eager python3 bench/tp_failure.py --timeout 20 --out "$R"
   gpu_tests 300 tests tests/distributed tests/node/test_gpu_runner.py tests/node/test_multi_token_decode.py
+  flashinfer_modules_out "$FI" ;;
+smollm2)
+  store=/tmp/smollm2-parts; mkdir -p "$store" /tmp/smollm2
+  cp .gpu/smollm2/*/* "$store"/ 2>/dev/null
+  ls -la "$store" | tee "$R/smollm2.txt"
+  if [ -f "$store/gguf.part-a" ] && [ -f "$store/gguf.part-b" ] && [ -f "$store/gguf.part-c" ]; then
+    cat "$store"/gguf.part-a "$store"/gguf.part-b "$store"/gguf.part-c > /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+    (cd /tmp/smollm2 && sha256sum -c "$store/sha256") >> "$R/smollm2.txt" 2>&1 || { echo "the joined file's sha256 differs"; exit 1; }
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site-gguf \
+      "$store"/gguf-*.whl && echo "gguf in /tmp/site-gguf" | tee -a "$R/smollm2.txt"
+  fi ;;
+compiled)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-gguf
+  gpu_tests 200 tests tests/compiling tests/integrations/transformers/test_compiled.py
+  smol=(); [ -f /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && smol=(--smol /tmp/smollm2)
+  T 540 compiled_decode python3 bench/compiled_decode.py --out "$R" --models "${MODELS:-smollm2,llama1b}" "${smol[@]}"
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac

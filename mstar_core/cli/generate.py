@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from mstar_core.cli.demo import check_seed
-from mstar_core.cli.options import add_config, check_device, config_from
+from mstar_core.cli.options import add_compile, add_config, check_device, config_from
 from mstar_core.errors import InputError, StateError
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
@@ -40,6 +40,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                    help="replay decode steps from CUDA graphs (default: on for CUDA); on a CPU the graph path "
                    "runs without CUDA graphs, each replay re-running the forward")
+    add_compile(p, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
     p.set_defaults(func=run)
@@ -85,6 +86,8 @@ def run(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {"on_step": _Progress(), "config": config}
     if args.graphs is not None:
         options["graphs"] = args.graphs
+    if args.compile:
+        options.update(compile=True, compile_backend=args.compile_backend)
     rep = generate_report(model, prompts, args.max_new_tokens, args.backend, **options)
     texts = [tokenizer.decode(ids) for ids in rep.ids] if tokenizer is not None else None
     if args.json:
@@ -92,7 +95,7 @@ def run(args: argparse.Namespace) -> int:
             "model": args.model, "architecture": type(model).__name__, "weights": "loaded" if weights else "random",
             "backend": rep.backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
             "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
-            "tokens_per_s": rep.tokens_per_s, "ids": rep.ids,
+            "tokens_per_s": rep.tokens_per_s, "compiled": rep.compiled, "ids": rep.ids,
         }
         if texts is not None:
             out["texts"] = texts

@@ -156,7 +156,8 @@ class _Loop:
                     self.ingested.discard(rid)
         seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
-                          tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device))
+                          tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device),
+                          None if e.runner.compiler is None else e.runner.compiler.describe())
 
     def _arrive(self, step_no: int) -> None:
         while self.pending and self.pending[0].arrives <= step_no:

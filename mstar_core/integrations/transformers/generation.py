@@ -29,6 +29,7 @@ class Generation:
     seconds: float
     first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
     device: str  # where it ran: says how graph steps ran
+    compiled: str | None = None  # what torch.compile compiled at warm-up, and how long it took (None: nothing)
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -70,4 +71,6 @@ class Generation:
         ]
         if dec:
             lines.append(f"decode step: median {dec[len(dec) // 2]:.3f} ms over {len(dec)} steady steps")
+        if self.compiled:
+            lines.append(f"graph steps {self.compiled} (at warm-up)")
         return lines
