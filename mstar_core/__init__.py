@@ -25,11 +25,13 @@ from mstar_core.attention.protocols import (
     PagedPrefillWrapper,
     PrefixedPrefillWrapper,
 )
+from mstar_core.compiling import CompiledForward, CompileOptions
 from mstar_core.config import Config, load_config
 from mstar_core.distributed import TensorParallel
 from mstar_core.errors import (
     BackendUnavailable,
     CommitError,
+    CompileError,
     ConfigError,
     InputError,
     InputIndexError,
@@ -125,6 +127,9 @@ __all__ = [
     "BuildInfo",
     "CacheStream",
     "CommitError",
+    "CompileError",
+    "CompileOptions",
+    "CompiledForward",
     "Config",
     "ConfigError",
     "DenseAttentionManager",

@@ -18,17 +18,13 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError, MstarError
+from mstar_core.errors import CompileError, InputError, InputTypeError
 from mstar_core.first_use import first_use
 from mstar_core.step import StepContext
 
 log = logging.getLogger(__name__)
 
 BACKENDS = ("inductor", "aot_eager", "eager")  # what CI and the docs exercise; torch knows more
-
-
-class CompileError(MstarError, RuntimeError):
-    """``torch.compile`` of a model's step failed where compiling was asked for explicitly."""
 
 
 @dataclass(frozen=True)

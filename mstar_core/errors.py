@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 __all__ = [
     "BackendUnavailable",
     "CommitError",
+    "CompileError",
     "ConfigError",
     "InputError",
     "InputIndexError",
@@ -94,6 +95,10 @@ class CommitError(MstarError, RuntimeError):
 
 class TensorParallelError(MstarError, RuntimeError):
     """A collective failed or timed out: another rank failed or stalled."""
+
+
+class CompileError(MstarError, RuntimeError):
+    """``torch.compile`` of a model's step failed where compiling was asked for explicitly."""
 
 
 class UnsupportedModel(MstarError, ValueError):
