@@ -212,6 +212,7 @@ def measure(name: str, model, a, res: dict, prompts: list[list[int]], buckets: t
 
     with engine_for(model, a.backend, True, buckets, pages, a.compile_backend) as e:
         part("compile_s", lambda: dict(e.runner.compiler.seconds, failed=e.runner.compiler.failed))
+        part("compile_caches", cache_counters)
         part("compiled", lambda: decode_run(e, prompts, a.new))
         part("attention_alone_ms", lambda: attention_alone_ms(e, a.batch, a.context + a.new // 2))
         if name == "smollm2":
@@ -261,6 +262,14 @@ def answers(model32, tok, a, res: dict) -> None:
     r["fp32_texts"] = [tok.decode(c) for c in conts]
 
 
+def cache_counters() -> dict:
+    """What torch's compile caches did in this process (hits, misses, bypasses and why)."""
+    from torch._dynamo.utils import counters
+
+    return {group: {k: v for k, v in counters[group].items() if "cache" in k or "bypass" in k}
+            for group in ("inductor", "aot_autograd")}
+
+
 def second_process_compile(a) -> dict:
     """This script again in a new process, with this one's compile cache: the compile only."""
     cmd = [sys.executable, os.path.abspath(__file__), "--compile-only", "--backend", a.backend, "--compile-backend",
@@ -305,7 +314,8 @@ def main(argv: list[str] | None = None) -> int:
                  llama_1b(512 if a.smoke else 128256, 128 if a.smoke else 2048, 2 if a.smoke else 16, dtype, a.device))
         t0 = time.perf_counter()
         with engine_for(model, a.backend, True, big, 2048, a.compile_backend) as e:
-            print(json.dumps({"compile_s": e.runner.compiler.seconds, "engine_s": time.perf_counter() - t0}))
+            print(json.dumps({"compile_s": e.runner.compiler.seconds, "engine_s": time.perf_counter() - t0,
+                              "caches": cache_counters()}))
         return 0
     res: dict = {"env": report.environment("transformers"), "compile_cache": a.cache_dir,
                  "workload": {k: getattr(a, k) for k in ("batch", "context", "new", "answer_tokens", "backend",
