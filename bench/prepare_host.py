@@ -143,7 +143,8 @@ def measure(backend: str, rows: int, reps: int) -> dict:
 def page(res: dict) -> list[str]:
     return ["# Host cost of preparing a graph decode step (CPU)", "", report.environment_line(res["env"]), "",
             f"{HQ}/{HKV} heads, head dim {D}, page size {PS}, bf16, contexts {CONTEXT[0]}..{CONTEXT[1]}; medians "
-            f"of {res['reps']} steps. FlashInfer: the plugin over the stand-in library.", "",
+            f"of {res['reps']} steps, {res['threads']} intra-op thread(s). FlashInfer: the plugin over the stand-in "
+            "library.", "",
             *report.table(("backend", "rows", "prepare us", "inner plan us", "mstar us",
                            "admit / kv plan / attn plan us"),
                           ((r["backend"], r["rows"], r["prepare_us"], r["inner_plan_us"], r["mstar_us"],
@@ -158,8 +159,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--reps", type=int, default=301)
     ap.add_argument("--rows", default="64,256")
     ap.add_argument("--backends", default="reference,flashinfer")
+    # One intra-op thread: the ops here take microseconds, and on a small shared machine an op
+    # that wakes a second thread (repeat_interleave over the page indices) can wait milliseconds for it.
+    ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args(argv)
-    res: dict = {"env": report.environment(), "reps": a.reps, "results": [], "errors": {}, "targets": {}}
+    torch.set_num_threads(a.threads)
+    res: dict = {"env": report.environment(), "reps": a.reps, "threads": a.threads, "results": [], "errors": {},
+                 "targets": {}}
     for backend in a.backends.split(","):
         for rows in (int(r) for r in a.rows.split(",")):
             try:
