@@ -146,6 +146,11 @@ class KVStep:
                           else (None,))
         return same[0]
 
+    @property
+    def all_commit(self) -> bool:
+        """Whether every span keeps its tokens (``commit=True``)."""
+        return self._memo("_all_commit", lambda: (all(s.commit for s in self.spans),))[0]
+
     def label_rows(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
         """``(label, indices of its spans)`` per label, labels in first-appearance order."""
         def make() -> tuple[tuple[str, tuple[int, ...]], ...]:

@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -22,71 +21,50 @@ from mstar_core.errors import InputError, InputIndexError, InputTypeError, State
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.fp8 import quantize
+from mstar_core.kv.layout import build_layout, row_state
 from mstar_core.kv.page_table import PageTable
-from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
+from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, token_arrays
 from mstar_core.kv.pool import PagePool
-from mstar_core.kv.streams import CacheStream
+from mstar_core.kv.streams import CacheStream, StreamMap
 from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
 from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class _Admitted:
     """What one step's admit did (kept in ``ctx.admitted``): the pages it took per stream, the
-    streams it created, and the stream objects it admitted (a reset replaces the object, so a
-    stale commit or rollback is recognised by identity)."""
+    streams it created, and the stream objects it admitted, in the step's span order (a reset
+    replaces the object, so a stale commit or rollback is recognised by identity)."""
 
-    taken: dict[tuple[str, str], list[int]]
-    created: list[tuple[str, str]]
-    streams: dict[tuple[str, str], CacheStream]
-    # The plans made for this step: live (``write_kv`` may write through them) until the step
-    # commits or is rolled back; a commit without one is refused.
-    plans: list[KVPlan] = field(default_factory=list)
+    __slots__ = ("_streams", "created", "keys", "order", "plans", "taken", "version")
+
+    def __init__(self, taken: dict[tuple[str, str], list[int]], created: list[tuple[str, str]],
+                 keys: tuple[tuple[str, str], ...], order: list[CacheStream], version: int) -> None:
+        self.taken = taken
+        self.created = created
+        self.keys = keys  # the streams admitted, and their objects (same order)
+        self.order = order
+        # ``StreamMap.version`` once the admit was done: while it is unchanged, every key still
+        # maps to the object admitted for it.
+        self.version = version
+        # The plans made for this step: live (``write_kv`` may write through them) until the
+        # step commits or is rolled back; a commit without one is refused.
+        self.plans: list[KVPlan] = []
+        self._streams: dict[tuple[str, str], CacheStream] | None = None
+
+    @property
+    def streams(self) -> dict[tuple[str, str], CacheStream]:
+        """The admitted stream objects by key (built on first use: the decode path reads
+        ``order``)."""
+        if self._streams is None:
+            self._streams = dict(zip(self.keys, self.order, strict=True))
+        return self._streams
 
 
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold ``tokens`` tokens."""
     return -(-tokens // page_size)
-
-
-class _LabelRows:
-    """One label's rows as a plan collects them: plain lists, one pass over the spans."""
-
-    __slots__ = ("decode", "kvp", "last", "lens", "pos_base", "qo", "spans", "table_row", "write_page")
-
-    def __init__(self) -> None:
-        self.spans: list[SpanLayout] = []
-        self.qo, self.kvp = [0], [0]
-        self.last: list[int] = []
-        self.lens: list[int] = []
-        self.table_row: list[int] = []
-        self.pos_base: list[int] = []  # prefix_len - qo_indptr: token t sits at pos_base[row] + t
-        self.write_page: list[int] = []  # one-token rows: the page their token goes to
-        self.decode = True  # every row so far one token
-
-    def add(self, s: KVSpan, stream: CacheStream, ps: int) -> None:
-        n = s.num_tokens
-        length = stream.length + n
-        npages = pages_for(length, ps)
-        pages = stream.pages
-        if npages > len(pages):
-            raise StateError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
-                               f"holds {len(pages)}")
-        q0 = self.qo[-1]
-        self.spans.append(SpanLayout(s.request_id, s.label, length, n, s.commit, q0, stream.generation, npages,
-                                     pages))
-        self.qo.append(q0 + n)
-        self.kvp.append(self.kvp[-1] + npages)
-        self.lens.append(length)
-        self.last.append(length - (npages - 1) * ps if npages else 0)
-        self.table_row.append(stream.table_row)
-        self.pos_base.append(length - n - q0)
-        if n == 1 and self.decode:
-            self.write_page.append(pages[(length - 1) // ps])
-        else:
-            self.decode = False
 
 
 class KVManager(Resource):
@@ -124,9 +102,11 @@ class KVManager(Resource):
         self.pool = PagePool(config.max_pages)
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
-        self.streams: dict[tuple[str, str], CacheStream] = {}
+        self.streams = StreamMap()
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
+        # The last steps' streams looked up (keys, StreamMap.version, objects): see _resolve.
+        self._resolved: tuple[tuple[tuple[str, str], ...], int, list[CacheStream | None]] | None = None
         # Plans whose step is admitted and neither committed nor rolled back, by id (the dict
         # holds them, so an id is not reused while it is here): ``current`` serves no other.
         self._live_plans: dict[int, KVPlan] = {}
@@ -134,6 +114,8 @@ class KVManager(Resource):
         # per-token arrays, and a sink page that padding rows write to.
         self._graph_bufs: torch.Tensor | None = None  # [slots, 3, max_bs] int32
         self._pad_cols: torch.Tensor | None = None
+        # views of those buffers a graph step writes and reads, per (slot, tokens, padded tokens)
+        self._graph_views: dict[tuple[int, int, int], tuple[Any, ...]] = {}
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
         # Streams reset or removed while a step was in flight on them, by id: their pages go back
@@ -269,68 +251,86 @@ class KVManager(Resource):
                 "(commit or roll it back, and admit the next step into a new StepContext)"
             )
         ps = self.config.page_size
-        streams, requests = self.streams, self._requests
-        need: dict[tuple[str, str], int] = {}
-        busy = []
-        total = 0
-        for s in step.kv.spans:  # one pass: checks and the pages each stream needs
-            if s.request_id not in requests:
-                self._check_spans(step)  # raises, naming the request
-            key = (s.request_id, s.label)
-            stream = streams.get(key)
-            if stream is None:
-                n = pages_for(s.num_tokens, ps)
-            else:
-                if stream.in_flight:
-                    busy.append(key)
-                n = max(0, pages_for(stream.length + s.num_tokens, ps) - len(stream.pages))
-            need[key] = n
-            total += n
+        streams = self.streams
+        kvs = step.kv
+        keys = kvs.keys()
+        got = self._resolve(keys)
+        n = kvs.uniform_tokens
+        if n is not None:
+            # the rows whose stream is new or short of pages for this step: the ones with work to do
+            short = [i for i, st in enumerate(got) if st is None or st.length + n > len(st.pages) * ps]
+        else:
+            short = [i for i, (st, k) in enumerate(zip(got, kvs.token_counts(), strict=True))
+                     if st is None or st.length + k > len(st.pages) * ps]
+        if any(got[i] is None and keys[i][0] not in self._requests for i in short):
+            self._check_spans(step)  # raises, naming the first request never ingested
+        busy = [k for k, st in zip(keys, got, strict=True) if st is not None and st.in_flight]
         if busy:
             raise StateError(
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
+        counts = kvs.token_counts()
+        need: dict[tuple[str, str], int] = {}
+        for i in short:
+            st, k = got[i], counts[i]
+            need[keys[i]] = pages_for(k, ps) if st is None else max(0, pages_for(st.length + k, ps) - len(st.pages))
+        total = sum(need.values())
         free = self.pool.num_free
         if total > free:
             # The step waits as a whole (all or nothing); name the requests that do not fit once
             # the ones before them in the step that do fit have taken their pages.
-            short, taken_before = [], 0
-            for (rid, _), n in need.items():
-                if taken_before + n > free:
-                    short.append(Shortage(self.name, "pages", n, free - taken_before, rid))
+            short_of, taken_before = [], 0
+            for (rid, _), k in need.items():
+                if taken_before + k > free:
+                    short_of.append(Shortage(self.name, "pages", k, free - taken_before, rid))
                 else:
-                    taken_before += n
-            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short)
+                    taken_before += k
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short_of)
         taken: dict[tuple[str, str], list[int]] = {}
         created: list[tuple[str, str]] = []
-        rec = _Admitted(taken, created, {})
         pages: list[int] = []
         try:
             pages = self.pool.take(total) if total else []  # one take, handed out in span order
             at = 0
-            for key, n in need.items():
-                stream = streams.get(key)
-                if stream is None:
-                    stream = streams[key] = CacheStream(*key, generation=next(self._generations))
+            for i in short:
+                key, st = keys[i], got[i]
+                if st is None:
+                    st = got[i] = streams[key] = CacheStream(*key, generation=next(self._generations))
                     created.append(key)
-                rec.streams[key] = stream
-                if n:
-                    taken[key] = pages[at: at + n]
-                    at += n
-                    self._append(stream, taken[key])
-                stream.in_flight = True
+                k = need[key]
+                if k:
+                    taken[key] = pages[at: at + k]
+                    at += k
+                    self._append(st, taken[key])
+            admitted: list[CacheStream] = got  # type: ignore[assignment]  # every row has its stream now
+            for st in admitted:
+                st.in_flight = True
         except BaseException:
             # All or nothing, whatever interrupted the admit (KeyboardInterrupt included): undo
             # gives back what the record holds, and the rest of the one take goes back here.
-            self._undo(rec)
-            recorded = {p for k in rec.streams for p in taken.get(k, ())}
+            held = [(k, st) for k, st in zip(keys, got, strict=True) if st is not None]
+            # (the busy check passed: none of them was in flight before this admit)
+            self._undo(_Admitted(taken, created, tuple(k for k, _ in held), [st for _, st in held], -1))
+            recorded = {p for k in taken for p in taken[k]}
             rest = [p for p in pages if p not in recorded]
             if rest:
                 self.pool.give_back(rest)
             raise
-        ctx.admitted[self.name] = rec
+        ctx.admitted[self.name] = _Admitted(taken, created, keys, admitted, streams.version)
         return AdmitOutcome.ok()
+
+    def _resolve(self, keys: tuple[tuple[str, str], ...]) -> list[CacheStream | None]:
+        """Each key's current stream object (None: none yet). A step over the same streams as the
+        previous resolve, with no stream set or removed since, reuses that answer: a decode loop
+        looks its rows up once, not once per step."""
+        last = self._resolved
+        if last is not None and last[1] == self.streams.version and (last[0] is keys or last[0] == keys):
+            return list(last[2])
+        got = list(map(self.streams.get, keys))
+        if all(st is not None for st in got):
+            self._resolved = (keys, self.streams.version, got)
+        return got
 
     def _land(self, rec: _Admitted) -> None:
         """``rec``'s step committed or was rolled back: its plans are dead (a later ``write_kv``
@@ -375,8 +375,11 @@ class KVManager(Resource):
         """This context's admit record, covering every stream of ``step``; an error naming the
         streams otherwise (never admitted, committed already, or rolled back)."""
         rec: _Admitted | None = ctx.admitted.get(self.name)
+        keys = step.kv.keys()
+        if rec is not None and (rec.keys is keys or rec.keys == keys):
+            return rec
         held = rec.streams if rec is not None else {}
-        missing = [k for k in step.kv.keys() if k not in held]
+        missing = [k for k in keys if k not in held]
         if rec is None or missing:
             raise StateError(
                 f"{self.name}: {what} of streams {missing} that this StepContext has no live admit for "
@@ -384,11 +387,18 @@ class KVManager(Resource):
             )
         return rec
 
-    def _live(self, rec: _Admitted, key: tuple[str, str]) -> CacheStream | None:
-        """The stream ``key`` if it is still the one the step admitted (not reset, removed or
-        re-created since); None otherwise."""
-        stream = rec.streams.get(key)
-        return stream if stream is not None and self.streams.get(key) is stream else None
+    def _admitted_streams(self, rec: _Admitted, step: Step) -> tuple[list[CacheStream | None], bool]:
+        """The stream objects ``rec`` admitted for ``step``'s spans, in span order, each None
+        where it is no longer the current one (reset or removed since, or re-created); and
+        whether none is None."""
+        keys = step.kv.keys()
+        same = rec.keys is keys or rec.keys == keys
+        order: list[CacheStream | None] = list(rec.order) if same else [rec.streams[k] for k in keys]
+        if rec.version == self.streams.version:
+            return order, True  # no stream set or removed since the admit: all current
+        now = map(self.streams.get, keys)
+        order = [st if cur is st else None for st, cur in zip(order, now, strict=True)]
+        return order, None not in order
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Return exactly the pages this step's admit took, and drop streams it created. A
@@ -401,23 +411,35 @@ class KVManager(Resource):
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
         rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
-        labels: dict[str, _LabelRows] = {}
-        for s in step.kv.spans:
-            stream = self._live(rec, (s.request_id, s.label))
-            if stream is None:
-                raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
-                                   "after this step's admit; roll the step back and admit it again")
-            rows = labels.get(s.label)
-            if rows is None:
-                rows = labels[s.label] = _LabelRows()
-            rows.add(s, stream, ps)
+        kvs = step.kv
+        order, current = self._admitted_streams(rec, step)
+        if not current:
+            s = kvs.spans[[st is None for st in order].index(True)]
+            raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
+                             "after this step's admit; roll the step back and admit it again")
+        streams: list[CacheStream] = order  # type: ignore[assignment]  # none is None
         graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
         if graph_tokens is not None:
-            if len(labels) != 1:
-                raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
-            self._check_graph_step(graph_tokens, sum(r.qo[-1] for r in labels.values()))
-        cols = self.table.prepare()
-        plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
+            if len(kvs.labels) != 1:
+                raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(kvs.labels)}")
+            self._check_graph_step(graph_tokens, sum(kvs.token_counts()))
+        self.table.prepare()
+        n = kvs.uniform_tokens
+        groups = kvs.label_rows()
+        layouts = []
+        spans: Sequence[KVSpan]
+        for label, idx in groups:
+            if len(groups) == 1:
+                spans, sts, counts = kvs.spans, streams, kvs.token_counts()
+            else:
+                spans = [kvs.spans[i] for i in idx]
+                sts = [streams[i] for i in idx]
+                counts = tuple(kvs.token_counts()[i] for i in idx)
+            lay = build_layout(self.table, spans, row_state(sts), counts if n is None else n, ps, self.device)
+            if graph_tokens is not None:
+                self._stage_graph(lay, ctx.slot, graph_tokens)
+            layouts.append((label, lay))
+        plan = KVPlan(tuple(layouts), ps)
         rec.plans.append(plan)
         self._live_plans[id(plan)] = plan
         self._current = plan
@@ -428,44 +450,6 @@ class KVManager(Resource):
         neither committed nor rolled back): what may be written and read through."""
         return id(plan) in self._live_plans
 
-    def _layout(self, rows: _LabelRows, ctx: StepContext, cols: int) -> LabelLayout:
-        """The label's row arrays (and a decode step's per-token arrays, known on the host) in one
-        copy to the device, then ``kv_indices`` gathered there: O(rows) host work, a few kernels."""
-        ps = self.config.page_size
-        decode = rows.decode  # every row one token
-        pack = RowPack(len(rows.spans), decode)
-        host = rows.qo + rows.kvp + rows.last + rows.lens
-        # page_base; kvp is the indptr (rows + 1 entries): row r pairs with its start, kvp[r].
-        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp, strict=False)]
-        host += rows.pos_base
-        host += [t * cols for t in rows.table_row]  # table_base
-        if decode:  # one token per row: its page, slot and position are known here, O(1) each
-            pos = [length - 1 for length in rows.lens]
-            host += rows.write_page + [p % ps for p in pos] + pos
-        host_t, dev = self.table.upload(host)
-        kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
-        per_token: dict[str, torch.Tensor] = {}
-        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
-        if graph_tokens is not None:
-            block = (pack.token_block(dev) if decode
-                     else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps)))
-            per_token = self._stage_graph(block, ctx.slot, graph_tokens)
-        elif decode:
-            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))
-        return LabelLayout(
-            spans=tuple(rows.spans),
-            qo_indptr=pack.qo(host_t),
-            kv_indptr=pack.kv_indptr(host_t),
-            kv_indices=kv_indices,
-            kv_last_page_len=pack.last(host_t),
-            kv_lens=pack.kv_lens(host_t),
-            page_size=ps,
-            device=self.device,
-            per_token=per_token,
-            table=self.table,
-            rows_device=dev,
-        )
-
     def _check_graph_step(self, padded: int, tokens: int) -> None:
         """``tokens`` of a graph step, padded to ``padded`` (bucket x query tokens per row)."""
         if self._graph_bufs is None or self._sink_page is None:
@@ -474,18 +458,32 @@ class KVManager(Resource):
         if tokens > padded or padded > size:
             raise InputError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
 
-    def _stage_graph(self, block: torch.Tensor, slot: int, padded: int) -> dict[str, torch.Tensor]:
-        """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
-        into ``slot``'s static buffers, which the captured graph reads, padded to ``padded``
-        tokens (bucket x query tokens per row; padding writes go to the sink page, at position
-        0). Two device copies at most, in stream order after the replay that last read the slot."""
+    def _stage_graph(self, lay: LabelLayout, slot: int, padded: int) -> None:
+        """Graph step: the per-token arrays (pages / slots / positions) into ``slot``'s static
+        buffers, which the captured graph reads, padded to ``padded`` tokens (bucket x query
+        tokens per row; padding writes go to the sink page, at position 0); ``lay.per_token``
+        becomes their views. A decode step takes two device operations (its pages gathered
+        from ``kv_indices`` straight into the buffer, its slots and positions copied), and one
+        more for padding, all in stream order after the replay that last read the slot."""
         assert self._graph_bufs is not None and self._pad_cols is not None
-        buf = self._graph_bufs[slot]  # [3, max_bs]
-        n = block.shape[1]
-        buf[:, :n].copy_(block)
+        n = lay.num_tokens
+        views = self._graph_views.get((slot, n, padded))
+        if views is None:  # a few views per (slot, tokens, padding), made once
+            buf = self._graph_bufs[slot]  # [3, max_bs]
+            views = self._graph_views[(slot, n, padded)] = (
+                buf[:, :n], buf[0, :n], buf[1:, :n], buf[:, n:padded], self._pad_cols[:, : padded - n],
+                dict(zip(TOKEN_ARRAYS, buf[:, :padded].unbind(0), strict=True)))
+        block, pages, rest, pad, pad_src, per_token = views
+        pack, dev = lay.pack, lay.rows_device
+        assert pack is not None and dev is not None
+        if pack.decode:
+            torch.index_select(lay.kv_indices, 0, pack.last_index(dev), out=pages)
+            rest.copy_(pack.slots_and_positions(dev))
+        else:
+            block.copy_(torch.stack(token_arrays(self.table, pack, dev, n, self.config.page_size)))
         if n < padded:
-            buf[:, n:padded].copy_(self._pad_cols[:, : padded - n])
-        return {name: buf[i, :padded] for i, name in enumerate(TOKEN_ARRAYS)}
+            pad.copy_(pad_src)
+        lay.per_token.update(per_token)
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Static per-slot buffers for the tokens of a graph step of ``max_bs`` rows (times the
@@ -506,6 +504,7 @@ class KVManager(Resource):
         # what padding tokens hold: the sink page, offset 0, position 0
         self._pad_cols = torch.zeros((3, max_bs), dtype=torch.int32, device=self.device)
         self._pad_cols[0] = self._sink_page
+        self._graph_views.clear()  # views of the buffers just replaced
 
     def can_capture(self) -> bool:
         """Yes: graph steps plan into the static per-slot buffers that
@@ -546,24 +545,38 @@ class KVManager(Resource):
                              "plan the step (and run its forward) before commit, or roll it back")
         del ctx.admitted[self.name]  # consumed: a second commit or a rollback finds nothing
         self._land(rec)
-        for s in step.kv.spans:
-            stream = self._live(rec, (s.request_id, s.label))
-            if stream is None:
-                log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
-                         s.request_id, s.label)
-                self._unpark(rec.streams[(s.request_id, s.label)])
-                continue
-            stream.in_flight = False
-            if s.commit:
-                stream.length += s.num_tokens
-            keep = pages_for(stream.length, ps)
-            if len(stream.pages) > keep:
-                # Pages held only for commit=False tokens: nothing will read them again.
-                self.pool.give_back(stream.pages[keep:])
-                # A new list, not the old one cut: plans made before hold the old one (SpanLayout
-                # .source) and stay readable. A C-level copy of the kept entries, and only on
-                # this path (tokens held without commit).
-                stream.pages = stream.pages[:keep]
+        kvs = step.kv
+        order, current = self._admitted_streams(rec, step)
+        n = kvs.uniform_tokens
+        trim: list[CacheStream] = []
+        if n is not None and current and kvs.all_commit:
+            # every span commits its n tokens to the stream it admitted: one plain pass
+            live: list[CacheStream] = order  # type: ignore[assignment]  # none is None
+            for st in live:
+                st.in_flight = False
+                st.length += n
+            # pages held beyond the new length (len(pages) > pages_for(length))
+            trim = [st for st in live if len(st.pages) * ps >= st.length + ps]
+        else:
+            for s, cur in zip(kvs.spans, order, strict=True):
+                if cur is None:
+                    log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
+                             s.request_id, s.label)
+                    self._unpark(rec.streams[(s.request_id, s.label)])
+                    continue
+                cur.in_flight = False
+                if s.commit:
+                    cur.length += s.num_tokens
+                if len(cur.pages) > pages_for(cur.length, ps):
+                    trim.append(cur)
+        for st in trim:
+            # Pages held only for commit=False tokens: nothing will read them again.
+            keep = pages_for(st.length, ps)
+            self.pool.give_back(st.pages[keep:])
+            # A new list, not the old one cut: plans made before hold the old one (SpanLayout
+            # .source) and stay readable. A C-level copy of the kept entries, and only on this
+            # path (tokens held without commit).
+            st.pages = st.pages[:keep]
 
     # -- data --------------------------------------------------------------------------------
     def check_layer(self, layer_idx: int) -> int:
@@ -663,5 +676,7 @@ class KVManager(Resource):
         self._current = None
         self._live_plans.clear()
         self._graph_bufs = self._pad_cols = None
+        self._graph_views.clear()
+        self._resolved = None
         self._sink_page = None
         self.table = PageTable(self.device, self.config.max_pages)
