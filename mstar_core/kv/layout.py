@@ -107,3 +107,25 @@ def build_layout(table: PageTable, spans: Sequence[KVSpan], state: RowState, cou
         rows_device=dev,
         pack=pack,
     )
+
+
+class RowBatch:
+    """A single-label step's rows kept across steps, as vLLM keeps its persistent batch: the
+    streams, and their :class:`RowState` as arrays the manager updates in place (the pages a
+    row gains at admit, the tokens it commits), so a decode loop over the same streams reads no
+    stream attribute per row. Valid while the manager's ``epoch`` is the batch's: every other
+    change to any stream moves the epoch on, and the next plan reads the streams again."""
+
+    __slots__ = ("committed", "epoch", "generations", "held", "in_flight", "keys", "sources", "streams",
+                 "table_row")
+
+    def __init__(self, keys: tuple[tuple[str, str], ...], streams: list[CacheStream], state: RowState,
+                 epoch: int) -> None:
+        self.keys, self.streams, self.epoch = keys, streams, epoch
+        self.committed, self.held, self.table_row = state.committed, state.held, state.table_row
+        # Shared with the plans made from them: replaced, never changed in place.
+        self.generations, self.sources = state.generations, state.sources
+        self.in_flight = True  # made by the plan of an admitted step
+
+    def state(self) -> RowState:
+        return RowState(self.committed, self.held, self.table_row, self.generations, self.sources)

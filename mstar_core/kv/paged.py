@@ -14,6 +14,7 @@ import logging
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar_core.distributed import TensorParallel
@@ -21,7 +22,7 @@ from mstar_core.errors import InputError, InputIndexError, InputTypeError, State
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.fp8 import quantize
-from mstar_core.kv.layout import build_layout, row_state
+from mstar_core.kv.layout import RowBatch, build_layout, row_state
 from mstar_core.kv.page_table import PageTable
 from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, token_arrays
 from mstar_core.kv.pool import PagePool
@@ -37,7 +38,7 @@ class _Admitted:
     streams it created, and the stream objects it admitted, in the step's span order (a reset
     replaces the object, so a stale commit or rollback is recognised by identity)."""
 
-    __slots__ = ("_streams", "created", "keys", "order", "plans", "taken", "version")
+    __slots__ = ("_streams", "batch", "created", "keys", "order", "plans", "taken", "version")
 
     def __init__(self, taken: dict[tuple[str, str], list[int]], created: list[tuple[str, str]],
                  keys: tuple[tuple[str, str], ...], order: list[CacheStream], version: int) -> None:
@@ -52,6 +53,7 @@ class _Admitted:
         # step commits or is rolled back; a commit without one is refused.
         self.plans: list[KVPlan] = []
         self._streams: dict[tuple[str, str], CacheStream] | None = None
+        self.batch: RowBatch | None = None  # the kept rows this step's plan read (see RowBatch)
 
     @property
     def streams(self) -> dict[tuple[str, str], CacheStream]:
@@ -105,6 +107,10 @@ class KVManager(Resource):
         self.streams = StreamMap()
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
+        # Moves on with every change to any stream but those the kept rows make themselves
+        # (RowBatch): the rows are valid while their epoch is this one.
+        self._epoch = 0
+        self._batch: RowBatch | None = None
         # The last steps' streams looked up (keys, StreamMap.version, objects): see _resolve.
         self._resolved: tuple[tuple[tuple[str, str], ...], int, list[CacheStream | None]] | None = None
         # Plans whose step is admitted and neither committed nor rolled back, by id (the dict
@@ -169,6 +175,7 @@ class KVManager(Resource):
         ``generation``. ``free=True`` also forgets the request (it must be ingested again). The
         pages of a stream with a step in flight are parked until that step commits (its span is
         dropped) or is rolled back: its forward may still write them, and nobody else may."""
+        self._epoch += 1
         self._free_streams(rid)
         if free:
             self._forget(rid)
@@ -176,6 +183,7 @@ class KVManager(Resource):
     def remove_request(self, rid: str) -> None:
         """Free the request's pages and forget it. An unknown ``rid`` is a no-op (removal is
         idempotent, like ingest)."""
+        self._epoch += 1
         if rid not in self._requests:
             log.debug("remove_request(%r): unknown request, nothing to do", rid)
             return
@@ -206,6 +214,7 @@ class KVManager(Resource):
         device for every layer. Both streams get a new ``generation``: whatever was derived from
         the source's pages is invalidated. Short of pages, nothing changes and the
         refusal is returned."""
+        self._epoch += 1
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:
             raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; "
@@ -229,6 +238,7 @@ class KVManager(Resource):
         """Declare that what ``(rid, label)``'s pages hold changed outside a step (a page-table
         move, an external write): gives the stream a new ``generation``, so caches derived from
         its pages are rebuilt. Returns the new generation."""
+        self._epoch += 1
         s = self.stream(rid, label)
         s.generation = next(self._generations)
         return s.generation
@@ -250,10 +260,16 @@ class KVManager(Resource):
                 f"{self.name}: this StepContext already holds an admitted step; one step per context "
                 "(commit or roll it back, and admit the next step into a new StepContext)"
             )
-        ps = self.config.page_size
-        streams = self.streams
         kvs = step.kv
         keys = kvs.keys()
+        b = self._batch
+        kept = b is not None and b.epoch == self._epoch and (b.keys is keys or b.keys == keys)
+        self._epoch += 1
+        if kept and kvs.uniform_tokens is not None:
+            assert b is not None
+            return self._admit_kept(b, step, ctx)
+        ps = self.config.page_size
+        streams = self.streams
         got = self._resolve(keys)
         n = kvs.uniform_tokens
         if n is not None:
@@ -319,6 +335,75 @@ class KVManager(Resource):
             raise
         ctx.admitted[self.name] = _Admitted(taken, created, keys, admitted, streams.version)
         return AdmitOutcome.ok()
+
+    def _admit_kept(self, b: RowBatch, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """``admit`` of a step over the kept rows ``b``, no stream changed since they were last
+        read or updated: the pages each row needs from the kept arrays, and page work only for
+        the rows that cross into a new page."""
+        n = step.kv.uniform_tokens
+        assert n is not None
+        keys = b.keys
+        if b.in_flight:
+            raise StateError(
+                f"{self.name}: streams {list(keys)} already have an admitted step that was neither committed "
+                "nor rolled back; commit (or discard) it before admitting the next"
+            )
+        ps = self.config.page_size
+        need = b.committed + (n + ps - 1)
+        need //= ps
+        need -= b.held
+        rows = np.flatnonzero(need > 0).tolist()
+        counts = need[rows].tolist()
+        total = sum(counts)
+        free = self.pool.num_free
+        if total > free:  # as the other path refuses it; nothing changed, the rows stay valid
+            short_of, taken_before = [], 0
+            for i, k in zip(rows, counts, strict=True):
+                if taken_before + k > free:
+                    short_of.append(Shortage(self.name, "pages", k, free - taken_before, keys[i][0]))
+                else:
+                    taken_before += k
+            b.epoch = self._epoch
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short_of)
+        taken: dict[tuple[str, str], list[int]] = {}
+        pages: list[int] = []
+        streams = b.streams
+        try:
+            pages = self.pool.take(total) if total else []
+            at = 0
+            for i, k in zip(rows, counts, strict=True):
+                st = streams[i]
+                taken[keys[i]] = pages[at: at + k]
+                at += k
+                self._append(st, taken[keys[i]])
+                b.table_row[i] = st.table_row
+            for st in streams:
+                st.in_flight = True
+        except BaseException:
+            # as the other path: the kept rows are stale from here (the epoch moved on)
+            self._undo(_Admitted(taken, [], keys, streams, -1))
+            recorded = {p for k in taken for p in taken[k]}
+            rest = [p for p in pages if p not in recorded]
+            if rest:
+                self.pool.give_back(rest)
+            raise
+        if rows:
+            b.held[rows] += counts
+        b.in_flight = True
+        b.epoch = self._epoch
+        rec = _Admitted(taken, [], keys, streams, self.streams.version)
+        rec.batch = b
+        ctx.admitted[self.name] = rec
+        return AdmitOutcome.ok()
+
+    def _kept(self, rec: _Admitted, step: Step) -> RowBatch | None:
+        """The kept rows ``rec`` was admitted over or planned from, if they are still valid (no
+        stream changed since) and ``step`` is over all of them."""
+        b = rec.batch
+        if b is None or b is not self._batch or b.epoch != self._epoch:
+            return None
+        keys = step.kv.keys()
+        return b if b.keys is keys or b.keys == keys else None
 
     def _resolve(self, keys: tuple[tuple[str, str], ...]) -> list[CacheStream | None]:
         """Each key's current stream object (None: none yet). A step over the same streams as the
@@ -404,6 +489,7 @@ class KVManager(Resource):
         """Return exactly the pages this step's admit took, and drop streams it created. A
         stream reset or removed since the admit already gave its pages back: it is skipped.
         Without a live admit record (never admitted, committed, rolled back already): nothing."""
+        self._epoch += 1
         rec: _Admitted | None = ctx.admitted.pop(self.name, None)
         if rec is not None:
             self._undo(rec)
@@ -412,12 +498,16 @@ class KVManager(Resource):
         rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
         kvs = step.kv
-        order, current = self._admitted_streams(rec, step)
-        if not current:
-            s = kvs.spans[[st is None for st in order].index(True)]
-            raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
-                             "after this step's admit; roll the step back and admit it again")
-        streams: list[CacheStream] = order  # type: ignore[assignment]  # none is None
+        b = self._kept(rec, step)
+        if b is not None:
+            streams = b.streams  # no stream set or removed since they were kept
+        else:
+            order, current = self._admitted_streams(rec, step)
+            if not current:
+                s = kvs.spans[[st is None for st in order].index(True)]
+                raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
+                                 "after this step's admit; roll the step back and admit it again")
+            streams = order  # type: ignore[assignment]  # none is None
         graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
         if graph_tokens is not None:
             if len(kvs.labels) != 1:
@@ -435,7 +525,13 @@ class KVManager(Resource):
                 spans = [kvs.spans[i] for i in idx]
                 sts = [streams[i] for i in idx]
                 counts = tuple(kvs.token_counts()[i] for i in idx)
-            lay = build_layout(self.table, spans, row_state(sts), counts if n is None else n, ps, self.device)
+            if b is not None:
+                state = b.state()
+            else:
+                state = row_state(sts)
+                if len(groups) == 1:  # kept for the next steps over these streams
+                    b = rec.batch = self._batch = RowBatch(kvs.keys(), sts, state, self._epoch)
+            lay = build_layout(self.table, spans, state, counts if n is None else n, ps, self.device)
             if graph_tokens is not None:
                 self._stage_graph(lay, ctx.slot, graph_tokens)
             layouts.append((label, lay))
@@ -546,8 +642,13 @@ class KVManager(Resource):
         del ctx.admitted[self.name]  # consumed: a second commit or a rollback finds nothing
         self._land(rec)
         kvs = step.kv
-        order, current = self._admitted_streams(rec, step)
         n = kvs.uniform_tokens
+        b = self._kept(rec, step)
+        self._epoch += 1
+        if b is not None and n is not None and kvs.all_commit:
+            self._commit_kept(b, n)
+            return
+        order, current = self._admitted_streams(rec, step)
         trim: list[CacheStream] = []
         if n is not None and current and kvs.all_commit:
             # every span commits its n tokens to the stream it admitted: one plain pass
@@ -577,6 +678,29 @@ class KVManager(Resource):
             # .source) and stay readable. A C-level copy of the kept entries, and only on this
             # path (tokens held without commit).
             st.pages = st.pages[:keep]
+
+    def _commit_kept(self, b: RowBatch, n: int) -> None:
+        """``commit`` of the kept rows' step, every span keeping its ``n`` tokens: the streams and
+        the kept arrays advance together."""
+        for st in b.streams:
+            st.in_flight = False
+            st.length += n
+        b.committed += n
+        b.in_flight = False
+        ps = self.config.page_size
+        # rows holding pages past their new length (len(pages) > pages_for(length)): none, unless
+        # a stream came into the rows holding extra pages
+        over = np.flatnonzero((b.held - 1) * ps >= b.committed).tolist()
+        if over:
+            b.sources = list(b.sources)  # the plans made so far keep the lists they read
+            for i in over:
+                st = b.streams[i]
+                keep = pages_for(st.length, ps)
+                self.pool.give_back(st.pages[keep:])
+                st.pages = st.pages[:keep]  # a new list, as in commit
+                b.sources[i] = st.pages
+                b.held[i] = keep
+        b.epoch = self._epoch
 
     # -- data --------------------------------------------------------------------------------
     def check_layer(self, layer_idx: int) -> int:
@@ -668,6 +792,7 @@ class KVManager(Resource):
                                            "tokens": sum(s.length for s in self.streams.values())})
 
     def cleanup(self) -> None:
+        self._epoch += 1
         self.streams.clear()
         self._parked.clear()
         self._requests.clear()
@@ -678,5 +803,6 @@ class KVManager(Resource):
         self._graph_bufs = self._pad_cols = None
         self._graph_views.clear()
         self._resolved = None
+        self._batch = None
         self._sink_page = None
         self.table = PageTable(self.device, self.config.max_pages)
