@@ -120,8 +120,9 @@ class KVManager(Resource):
         # per-token arrays, and a sink page that padding rows write to.
         self._graph_bufs: torch.Tensor | None = None  # [slots, 3, max_bs] int32
         self._pad_cols: torch.Tensor | None = None
-        # views of those buffers a graph step writes and reads, per (slot, tokens, padded tokens)
-        self._graph_views: dict[tuple[int, int, int], tuple[Any, ...]] = {}
+        # views of those buffers a graph step writes and reads, per (slot, tokens, padded tokens,
+        # written through numpy)
+        self._graph_views: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
         # Streams reset or removed while a step was in flight on them, by id: their pages go back
@@ -276,7 +277,7 @@ class KVManager(Resource):
             # the rows whose stream is new or short of pages for this step: the ones with work to do
             short = [i for i, st in enumerate(got) if st is None or st.length + n > len(st.pages) * ps]
         else:
-            short = [i for i, (st, k) in enumerate(zip(got, kvs.token_counts(), strict=True))
+            short = [i for i, (st, k) in enumerate(zip(got, kvs.token_counts, strict=True))
                      if st is None or st.length + k > len(st.pages) * ps]
         if any(got[i] is None and keys[i][0] not in self._requests for i in short):
             self._check_spans(step)  # raises, naming the first request never ingested
@@ -286,7 +287,7 @@ class KVManager(Resource):
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
-        counts = kvs.token_counts()
+        counts = kvs.token_counts
         need: dict[tuple[str, str], int] = {}
         for i in short:
             st, k = got[i], counts[i]
@@ -512,19 +513,19 @@ class KVManager(Resource):
         if graph_tokens is not None:
             if len(kvs.labels) != 1:
                 raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(kvs.labels)}")
-            self._check_graph_step(graph_tokens, sum(kvs.token_counts()))
+            self._check_graph_step(graph_tokens, sum(kvs.token_counts))
         self.table.prepare()
         n = kvs.uniform_tokens
-        groups = kvs.label_rows()
+        groups = kvs.label_rows
         layouts = []
         spans: Sequence[KVSpan]
         for label, idx in groups:
             if len(groups) == 1:
-                spans, sts, counts = kvs.spans, streams, kvs.token_counts()
+                spans, sts, counts = kvs.spans, streams, kvs.token_counts
             else:
                 spans = [kvs.spans[i] for i in idx]
                 sts = [streams[i] for i in idx]
-                counts = tuple(kvs.token_counts()[i] for i in idx)
+                counts = tuple(kvs.token_counts[i] for i in idx)
             if b is not None:
                 state = b.state()
             else:
@@ -563,22 +564,33 @@ class KVManager(Resource):
         more for padding, all in stream order after the replay that last read the slot."""
         assert self._graph_bufs is not None and self._pad_cols is not None
         n = lay.num_tokens
-        views = self._graph_views.get((slot, n, padded))
-        if views is None:  # a few views per (slot, tokens, padding), made once
-            buf = self._graph_bufs[slot]  # [3, max_bs]
-            views = self._graph_views[(slot, n, padded)] = (
-                buf[:, :n], buf[0, :n], buf[1:, :n], buf[:, n:padded], self._pad_cols[:, : padded - n],
-                dict(zip(TOKEN_ARRAYS, buf[:, :padded].unbind(0), strict=True)))
-        block, pages, rest, pad, pad_src, per_token = views
         pack, dev = lay.pack, lay.rows_device
         assert pack is not None and dev is not None
-        if pack.decode:
-            torch.index_select(lay.kv_indices, 0, pack.last_index(dev), out=pages)
-            rest.copy_(pack.slots_and_positions(dev))
+        host = self.table.on_host and pack.decode  # a CPU's buffers are host memory: numpy writes them
+        views = self._graph_views.get((slot, n, padded, host))
+        if views is None:  # a few views per (slot, tokens, padding), made once
+            buf: Any = self._graph_bufs[slot]  # [3, max_bs]
+            pad_src: Any = self._pad_cols[:, : padded - n]
+            if host:
+                buf, pad_src = buf.numpy(), pad_src.numpy()
+            views = self._graph_views[(slot, n, padded, host)] = (
+                buf[:, :n], buf[0, :n], buf[1:, :n], buf[:, n:padded], pad_src,
+                dict(zip(TOKEN_ARRAYS, self._graph_bufs[slot, :, :padded].unbind(0), strict=True)))
+        block, pages, rest, pad, pad_src, per_token = views
+        if host:
+            a = dev.numpy()
+            np.take(lay.kv_indices.numpy(), pack.last_index(a), out=pages)
+            np.copyto(rest, pack.slots_and_positions(a))
+            if n < padded:
+                np.copyto(pad, pad_src)
         else:
-            block.copy_(torch.stack(token_arrays(self.table, pack, dev, n, self.config.page_size)))
-        if n < padded:
-            pad.copy_(pad_src)
+            if pack.decode:
+                torch.index_select(lay.kv_indices, 0, pack.last_index(dev), out=pages)
+                rest.copy_(pack.slots_and_positions(dev))
+            else:
+                block.copy_(torch.stack(token_arrays(self.table, pack, dev, n, self.config.page_size)))
+            if n < padded:
+                pad.copy_(pad_src)
         lay.per_token.update(per_token)
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
