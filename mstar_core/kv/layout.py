@@ -20,10 +20,11 @@ from mstar_core.step import KVSpan
 
 class RowState(NamedTuple):
     """What a plan reads of each row's stream: its committed length, its pages held and its
-    table row (int32 arrays), its generation and its page list itself."""
+    table row (int32 arrays), its generation and its page list itself. ``held`` None: the rows
+    are kept ones (:class:`RowBatch`), whose pages the manager's own admit counted."""
 
     committed: np.ndarray
-    held: np.ndarray
+    held: np.ndarray | None
     table_row: np.ndarray
     generations: Sequence[int]
     sources: Sequence[Sequence[int]]
@@ -72,7 +73,7 @@ def build_layout(table: PageTable, spans: Sequence[KVSpan], state: RowState, cou
         np.minimum(last, lens, out=last)
         qo[0] = 0
         np.add.accumulate(np.broadcast_to(n, (rows,)), out=qo[1:])
-    if np.count_nonzero(npages > held):
+    if held is not None and np.count_nonzero(npages > held):
         i = int(np.flatnonzero(npages > held)[0])
         raise StateError(f"plan before admit: stream ({spans[i].request_id!r}, {spans[i].label!r}) needs "
                          f"{int(npages[i])} pages, holds {int(held[i])}")
@@ -88,17 +89,19 @@ def build_layout(table: PageTable, spans: Sequence[KVSpan], state: RowState, cou
     page_base -= kvp[:-1]
     dev = table.send(cpu, at)
     total = int(kvp[-1])
-    if table.on_host:
+    if table.on_host:  # host memory, copied by nobody asynchronously: views straight from numpy
         kv_indices = table.gather_host(npages, page_base, total)
+        host = tuple(map(torch.from_numpy, (qo, kvp, last, lens)))
     else:
         kv_indices = table.gather(pack.kv_ends(dev), pack.page_base(dev), total)
+        host = (pack.qo(cpu), pack.kv_indptr(cpu), pack.last(cpu), pack.kv_lens(cpu))
     return LabelLayout(
         rows=SpanRows(spans, state.generations, state.sources, lens, npages, qo),
-        qo_indptr=pack.qo(cpu),
-        kv_indptr=pack.kv_indptr(cpu),
+        qo_indptr=host[0],
+        kv_indptr=host[1],
         kv_indices=kv_indices,
-        kv_last_page_len=pack.last(cpu),
-        kv_lens=pack.kv_lens(cpu),
+        kv_last_page_len=host[2],
+        kv_lens=host[3],
         page_size=ps,
         device=device,
         num_tokens=int(qo[-1]),
@@ -116,16 +119,20 @@ class RowBatch:
     stream attribute per row. Valid while the manager's ``epoch`` is the batch's: every other
     change to any stream moves the epoch on, and the next plan reads the streams again."""
 
-    __slots__ = ("committed", "epoch", "generations", "held", "in_flight", "keys", "sources", "streams",
+    __slots__ = ("committed", "epoch", "generations", "in_flight", "keys", "slack", "sources", "streams",
                  "table_row")
 
     def __init__(self, keys: tuple[tuple[str, str], ...], streams: list[CacheStream], state: RowState,
-                 epoch: int) -> None:
+                 page_size: int, epoch: int) -> None:
+        assert state.held is not None
         self.keys, self.streams, self.epoch = keys, streams, epoch
-        self.committed, self.held, self.table_row = state.committed, state.held, state.table_row
+        self.committed, self.table_row = state.committed, state.table_row
+        # token slots free in each row's pages past its committed tokens: a row needs a page for
+        # n more tokens where slack < n, and holds a page too many where slack >= page_size
+        self.slack = state.held * page_size - state.committed
         # Shared with the plans made from them: replaced, never changed in place.
         self.generations, self.sources = state.generations, state.sources
         self.in_flight = True  # made by the plan of an admitted step
 
     def state(self) -> RowState:
-        return RowState(self.committed, self.held, self.table_row, self.generations, self.sources)
+        return RowState(self.committed, None, self.table_row, self.generations, self.sources)

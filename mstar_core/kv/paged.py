@@ -350,11 +350,9 @@ class KVManager(Resource):
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
         ps = self.config.page_size
-        need = b.committed + (n + ps - 1)
-        need //= ps
-        need -= b.held
-        rows = np.flatnonzero(need > 0).tolist()
-        counts = need[rows].tolist()
+        rows = np.flatnonzero(b.slack < n).tolist()
+        # pages each of them needs: one, unless a row's n tokens span more than one page
+        counts = [1] * len(rows) if n <= ps else ((n - b.slack[rows] + ps - 1) // ps).tolist()
         total = sum(counts)
         free = self.pool.num_free
         if total > free:  # as the other path refuses it; nothing changed, the rows stay valid
@@ -389,7 +387,7 @@ class KVManager(Resource):
                 self.pool.give_back(rest)
             raise
         if rows:
-            b.held[rows] += counts
+            b.slack[rows] += np.multiply(counts, ps, dtype=np.int32)
         b.in_flight = True
         b.epoch = self._epoch
         rec = _Admitted(taken, [], keys, streams, self.streams.version)
@@ -531,7 +529,7 @@ class KVManager(Resource):
             else:
                 state = row_state(sts)
                 if len(groups) == 1:  # kept for the next steps over these streams
-                    b = rec.batch = self._batch = RowBatch(kvs.keys(), sts, state, self._epoch)
+                    b = rec.batch = self._batch = RowBatch(kvs.keys(), sts, state, ps, self._epoch)
             lay = build_layout(self.table, spans, state, counts if n is None else n, ps, self.device)
             if graph_tokens is not None:
                 self._stage_graph(lay, ctx.slot, graph_tokens)
@@ -698,11 +696,12 @@ class KVManager(Resource):
             st.in_flight = False
             st.length += n
         b.committed += n
+        b.slack -= n
         b.in_flight = False
         ps = self.config.page_size
         # rows holding pages past their new length (len(pages) > pages_for(length)): none, unless
         # a stream came into the rows holding extra pages
-        over = np.flatnonzero((b.held - 1) * ps >= b.committed).tolist()
+        over = np.flatnonzero(b.slack >= ps).tolist()
         if over:
             b.sources = list(b.sources)  # the plans made so far keep the lists they read
             for i in over:
@@ -711,7 +710,7 @@ class KVManager(Resource):
                 self.pool.give_back(st.pages[keep:])
                 st.pages = st.pages[:keep]  # a new list, as in commit
                 b.sources[i] = st.pages
-                b.held[i] = keep
+                b.slack[i] = keep * ps - st.length
         b.epoch = self._epoch
 
     # -- data --------------------------------------------------------------------------------
