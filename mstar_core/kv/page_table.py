@@ -168,8 +168,9 @@ class PageTable:
         entry's row."""
         if total == 0:
             return torch.zeros(0, dtype=torch.int32, device=self.device)
-        row = torch.searchsorted(kv_ends, self.arange(total), right=True, out_int32=True)
-        return self.table.index_select(0, page_base.index_select(0, row) + self.arange(total))
+        entries = self.arange(total)
+        row = torch.searchsorted(kv_ends, entries, right=True, out_int32=True)
+        return self.table.index_select(0, page_base.index_select(0, row) + entries)
 
     def gather_host(self, num_pages: np.ndarray, page_base: np.ndarray, total: int) -> torch.Tensor:
         """:meth:`gather` on a CPU, from the host arrays (``num_pages``: each row's pages), in

@@ -511,7 +511,8 @@ class KVManager(Resource):
         if graph_tokens is not None:
             if len(kvs.labels) != 1:
                 raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(kvs.labels)}")
-            self._check_graph_step(graph_tokens, sum(kvs.token_counts))
+            n = kvs.uniform_tokens
+            self._check_graph_step(graph_tokens, sum(kvs.token_counts) if n is None else n * len(kvs.spans))
         self.table.prepare()
         n = kvs.uniform_tokens
         groups = kvs.label_rows
