@@ -126,3 +126,74 @@ def test_a_kept_step_admitted_twice_is_refused():
     kv.plan(st, ctx)
     kv.commit(st, ctx)
     step(kv, st)
+
+
+def _snapshot(kv):
+    return (kv.num_free_pages, {k: (s.length, list(s.pages), s.generation, s.in_flight)
+                                for k, s in kv.streams.items()})
+
+
+def _layout(plan):
+    lay = plan.layout("t")
+    return ([a.tolist() for a in (lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, lay.kv_lens,
+                                  lay.write_pages, lay.write_offsets, lay.positions)], lay.spans)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_kept_rows_plan_what_reading_the_streams_plans(monkeypatch, seed):
+    """Two managers driven alike, one never keeping rows: every outcome, plan and stream agrees."""
+    import random
+
+    import mstar_core.kv.paged as paged
+
+    rng = random.Random(seed)
+    kept, plain = small_kv(max_pages=60, page_size=4), small_kv(max_pages=60, page_size=4)
+    rids = [f"r{i}" for i in range(5)]
+    for kv in (kept, plain):
+        for r in rids:
+            kv.ingest_request(r)
+    steps = {}  # step objects reused, as a decode loop reuses its step
+
+    def drive(kv, op, arg, keep):
+        with monkeypatch.context() as m:
+            if not keep:
+                m.setattr(paged, "RowBatch", lambda *a, **k: None)
+            if op == "step":
+                st, commit = arg
+                ctx = StepContext()
+                out = kv.admit(st, ctx)
+                if not out:
+                    return out, None
+                got = _layout(kv.plan(st, ctx))
+                (kv.commit if commit else kv.rollback_admit)(st, ctx)
+                return out, got
+            if op == "reset":
+                return kv.reset_request(arg)
+            if op == "fork":
+                kv.ingest_request(arg[1])
+                return kv.fork(arg[0], arg[1], "t")
+            return kv.invalidate_stream(arg, "t")
+
+    last = None
+    for _ in range(400):
+        live = sorted({k[0] for k in plain.streams})
+        x = rng.random()
+        if last is not None and x < 0.6:  # mostly the same step again: a decode loop
+            op, arg = "step", (last, True)
+        elif x < 0.65 and live:
+            op, arg = "reset", rng.choice(live)
+        elif x < 0.68 and live:
+            op, arg = "fork", (rng.choice(live), f"f{len(rids)}")
+            rids.append(arg[1])
+        elif x < 0.7 and live:
+            op, arg = "invalidate", rng.choice(live)
+        else:
+            chosen = tuple(rng.sample(rids, k=min(len(rids), rng.randint(1, 4))))
+            n = rng.choice([1, 1, 1, 1, 2, 5])
+            key = (chosen, n, rng.random() < 0.1)
+            st = steps.setdefault(key, decode(*chosen, n=n, commit=not key[2]))
+            op, arg = "step", (st, rng.random() > 0.1)
+            last = st
+        a, b = drive(kept, op, arg, True), drive(plain, op, arg, False)
+        assert a == b and _snapshot(kept) == _snapshot(plain), (op, arg)
+    kept.post_warmup_validate()
