@@ -213,7 +213,7 @@ class GraphRunner:
     def prepare(self, step: Step) -> Prepared:
         """Admit and plan ``step`` (host work: this is what overlaps step N's replay)."""
         rows = len(step.kv.spans)
-        decode = all(s.num_tokens == self.query_tokens for s in step.kv.spans) and step.kv.labels == (self.label,)
+        decode = step.kv.uniform_tokens == self.query_tokens and step.kv.labels == (self.label,)
         if self.enabled and decode and step.attn != self.attn:
             log.debug("decode step with %s runs eagerly: graphs were captured with %s", step.attn, self.attn)
             decode = False

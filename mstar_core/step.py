@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 import numbers
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, TypeGuard
 
 import torch
@@ -110,7 +111,10 @@ class KVStep:
                 raise InputError(f"KVStep: stream {key} appears in more than one span")
             seen.add(key)
 
-    @property
+    # What admit, plan and commit ask of the spans, computed once per step (the spans never
+    # change) and then read as plain attributes: a decode loop that reuses its step object pays
+    # each per-span pass once, not on every step.
+    @cached_property
     def labels(self) -> tuple[str, ...]:
         """Labels in first-appearance order."""
         return tuple(dict.fromkeys(s.label for s in self.spans))
@@ -119,14 +123,38 @@ class KVStep:
     def request_ids(self) -> tuple[str, ...]:
         return tuple(dict.fromkeys(s.request_id for s in self.spans))
 
+    @cached_property
+    def _keys(self) -> tuple[tuple[str, str], ...]:
+        return tuple((s.request_id, s.label) for s in self.spans)
+
     def keys(self) -> tuple[tuple[str, str], ...]:
-        """The ``(request_id, label)`` streams this step touches, in packing order (computed once
-        per step: admit, plan and commit each ask)."""
-        keys = self.__dict__.get("_keys")
-        if keys is None:
-            keys = tuple((s.request_id, s.label) for s in self.spans)
-            object.__setattr__(self, "_keys", keys)
-        return keys
+        """The ``(request_id, label)`` streams this step touches, in packing order."""
+        return self._keys
+
+    @cached_property
+    def token_counts(self) -> tuple[int, ...]:
+        """Each span's ``num_tokens``, in packing order."""
+        return tuple(s.num_tokens for s in self.spans)
+
+    @cached_property
+    def uniform_tokens(self) -> int | None:
+        """The ``num_tokens`` every span has (1: a decode step), or None where they differ or
+        there are no spans."""
+        counts = self.token_counts
+        return counts[0] if counts and counts.count(counts[0]) == len(counts) else None
+
+    @cached_property
+    def all_commit(self) -> bool:
+        """Whether every span keeps its tokens (``commit=True``)."""
+        return all(s.commit for s in self.spans)
+
+    @cached_property
+    def label_rows(self) -> tuple[tuple[str, tuple[int, ...]], ...]:
+        """``(label, indices of its spans)`` per label, labels in first-appearance order."""
+        rows: dict[str, list[int]] = {}
+        for i, s in enumerate(self.spans):
+            rows.setdefault(s.label, []).append(i)
+        return tuple((label, tuple(idx)) for label, idx in rows.items())
 
 
 @dataclass(frozen=True)
@@ -216,6 +244,9 @@ class AdmitOutcome:
 
     @classmethod
     def ok(cls) -> AdmitOutcome:
+        # one shared value (the outcome is frozen): every resource of every step answers it
+        if cls is AdmitOutcome:
+            return _OK
         return cls(True)
 
     @classmethod
@@ -232,3 +263,6 @@ class AdmitOutcome:
         head = "; ".join(str(s) for s in self.shortages[:most])
         rest = len(self.shortages) - most
         return head + (f"; and {rest} more" if rest > 0 else "")
+
+
+_OK = AdmitOutcome(True)

@@ -9,8 +9,6 @@ wrote. The same wrapper object must be used at capture and at every replay.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -28,6 +26,8 @@ from mstar_flashinfer.staging import Staging
 def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
     """FlashInfer's plan keywords from ours (:func:`mstar_core.features.check_plan_kwargs`
     refuses unknown or bad ones before anything is planned); K/V scales go to ``run``."""
+    if not kwargs:  # the common plan: no scale, cap or FP8 cache given (nothing to check)
+        return {"sm_scale": None, "logits_soft_cap": None, "q_data_type": dtype, "kv_data_type": dtype}
     sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, who)
     return {"sm_scale": sm_scale, "logits_soft_cap": soft_cap, "q_data_type": dtype, "kv_data_type": kv_dtype or dtype}
 
@@ -227,23 +227,13 @@ class PagedWrapperBase:
         self._staging.copy(view, staged)
         return view
 
-    @contextlib.contextmanager
-    def _plan_slot(self, keep: HostPlan, max_page: int) -> Iterator[Staging]:
+    def _plan_slot(self, keep: HostPlan, max_page: int) -> _PlanSlot:
         """One plan's staging slot, around staging the host arrays and FlashInfer's own ``plan``.
         On success the plan's host arrays ``keep`` become this wrapper's state. A plan refused by
         our checks before this leaves the previous plan whole (FlashInfer still holds it); one that
         fails in here may have changed FlashInfer's state, so ours is dropped and ``run`` says
         "before plan". Either way the copies already issued from the slot are fenced."""
-        st = self._staging
-        st.begin()
-        try:
-            yield st
-            self._keep(*keep, max_page=max_page)
-        except BaseException:
-            self._state = None
-            raise
-        finally:
-            st.end()
+        return _PlanSlot(self, keep, max_page)
 
     def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: Indices, last: np.ndarray,
               kv_lens: np.ndarray | None, max_page: int = -1) -> None:
@@ -287,6 +277,34 @@ class PagedWrapperBase:
             raise InputError(f"{type(self).__name__}.run: q has {n} rows, expected {want}")
         check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
                         self.num_kv_heads, self.head_dim)
+
+
+class _PlanSlot:
+    """:meth:`PagedWrapperBase._plan_slot` (a class: a generator-based context manager costs
+    several times more, on every plan)."""
+
+    __slots__ = ("keep", "max_page", "wrapper")
+
+    def __init__(self, wrapper: PagedWrapperBase, keep: HostPlan, max_page: int) -> None:
+        self.wrapper, self.keep, self.max_page = wrapper, keep, max_page
+
+    def __enter__(self) -> Staging:
+        st = self.wrapper._staging
+        st.begin()
+        return st
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: Any) -> None:
+        w = self.wrapper
+        try:
+            if exc_type is None:
+                w._keep(*self.keep, max_page=self.max_page)
+            else:
+                w._state = None
+        except BaseException:
+            w._state = None
+            raise
+        finally:
+            w._staging.end()
 
 
 def check_run_cache(name: str, device: torch.device, q: torch.Tensor, kv_cache_layer: torch.Tensor, max_page: int,

@@ -52,11 +52,12 @@ class Fence:
 
 
 class _Buf:
-    __slots__ = ("array", "tensor")
+    __slots__ = ("array", "tensor", "views")
 
     def __init__(self, n: int, pin: bool, dtype: torch.dtype) -> None:
         self.tensor = torch.empty(n, dtype=dtype, pin_memory=pin)
         self.array = self.tensor.numpy()
+        self.views: dict[tuple[int, ...], tuple[torch.Tensor, ...]] = {}  # put_many's, by sizes
 
 
 class Staging:
@@ -102,15 +103,21 @@ class Staging:
 
     def put_many(self, name: str, arrays: Sequence[np.ndarray], dtype: torch.dtype = torch.int32) -> list[torch.Tensor]:
         """Several 1-D numpy arrays into one buffer ``name`` of this slot, back to back; returns a
-        view of each (one buffer and one slicing call for a plan's arrays, not one per array)."""
-        sizes = [int(a.shape[0]) for a in arrays]
+        view of each (one buffer for a plan's arrays, not one per array). The views of one
+        buffer and sizes are made once: graph plans stage the same sizes step after step."""
+        sizes = tuple(a.shape[0] for a in arrays)
         total = sum(sizes)
         buf = self._buf(name, total, dtype)
         host, at = buf.array, 0
         for a, n in zip(arrays, sizes, strict=True):
             np.copyto(host[at: at + n], a, casting="unsafe")
             at += n
-        return list(buf.tensor[:total].split(sizes))
+        views = buf.views.get(sizes)
+        if views is None:
+            if len(buf.views) >= 64:  # eager plans of ever new sizes: keep the memo small
+                buf.views.clear()
+            views = buf.views[sizes] = buf.tensor[:total].split(sizes)
+        return list(views)
 
     def put(self, name: str, arr: np.ndarray, dtype: torch.dtype = torch.int32) -> torch.Tensor:
         """Copy ``arr`` (a 1-D numpy array) into this slot's buffer ``name``; a view of the copy."""

@@ -17,7 +17,7 @@ import torch
 
 from mstar_core import ops
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.capabilities import PAGED, paged_step_capability
+from mstar_core.capabilities import PAGED, PAGED_DECODE, paged_step_capability
 from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.kv.config import KVConfig
@@ -241,29 +241,36 @@ class PagedAttentionManager(AttentionManager):
             raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         windows = self.features.windows(a.window_left)
-        kw = {**self._feature_plan_kw, **plan_kwargs(sm_scale=a.sm_scale)}
+        kw = self._feature_plan_kw if a.sm_scale is None else {**self._feature_plan_kw, "sm_scale": a.sm_scale}
+        graph_tokens = ctx.graph_tokens
         entries = []
         for label, lay in kv_plan.labels:
-            kind = paged_step_capability(lay.q_lens)
-            if kind == "mixed" and sum(1 for n in lay.q_lens if n > 1) > self.max_prefill_rows:
-                kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
+            kind = PAGED_DECODE if lay.decode else self._kind(lay.q_lens)
             if ctx.bucket is not None:
-                self._check_graph_step(kind, ctx, lay.q_lens)
+                self._check_graph_step(kind, ctx, lay)
             plans = []
             for i, window in enumerate(windows):  # one plan per distinct window; run(layer_idx) picks
                 key = (label, kind, slot, ctx.bucket, i)
-                w = self._wrapper(key, ctx.graph_tokens)
+                w = self._wrapper(key, graph_tokens)
                 self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
                 self._plan_wrapper(w, kind, lay, a.causal, window, kw)
                 self._planned[key] = self._serial
                 plans.append((window, w, key))
-            log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
-                      len(lay.spans), lay.num_tokens, slot, ctx.bucket, windows)
-            entries.append(PagedAttnEntry(label, kind, ctx.graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
+            if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the call when it is off
+                log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
+                          len(lay.q_lens), lay.num_tokens, slot, ctx.bucket, windows)
+            entries.append(PagedAttnEntry(label, kind, graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
         self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
 
-    def _check_graph_step(self, kind: str, ctx: StepContext, q_lens: tuple[int, ...]) -> None:
+    def _kind(self, q_lens: tuple[int, ...]) -> str:
+        """The wrapper a label's rows need (decode ones are known from the layout)."""
+        kind = paged_step_capability(q_lens)
+        if kind == "mixed" and sum(1 for n in q_lens if n > 1) > self.max_prefill_rows:
+            kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
+        return kind
+
+    def _check_graph_step(self, kind: str, ctx: StepContext, lay: LabelLayout) -> None:
         """Graph steps are decode steps: one token per row, or (multi-token decode) every row
         ``ctx.query_tokens`` tokens, at most the features' ``decode_query_tokens``; these run on the
         prefill wrapper, captured like decode."""
@@ -274,6 +281,7 @@ class PagedAttentionManager(AttentionManager):
             if t > self.features.decode_query_tokens:
                 raise InputError(f"a graph step of {t} query tokens per row; the features allow "
                                  f"decode_query_tokens={self.features.decode_query_tokens}")
+            q_lens = lay.q_lens
             if any(n != t for n in q_lens):
                 raise InputError(f"a multi-token decode graph step has {t} query tokens in every row; this one has "
                                  f"rows of {sorted(set(q_lens))}")

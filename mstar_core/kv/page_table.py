@@ -4,7 +4,7 @@ delta, so that a step's page indices are built on the device from O(rows) host d
 The host keeps each stream's page list (``CacheStream.pages``, the truth); the table mirrors it:
 row ``stream.table_row``, column i holds the stream's i-th page. Admit and fork record the pages
 they append (:meth:`PageTable.write`); a plan sends the pending writes and the step's per-row
-arrays to the device in one copy (:meth:`PageTable.upload`), applies the writes with one scatter
+arrays to the device in one copy (:meth:`PageTable.stage`, :meth:`PageTable.send`), applies the writes with one scatter
 and gathers ``kv_indices`` (and, for a step that is not one token per row, the per-token
 arrays) with a few kernels, whatever the context length (vLLM keeps a persistent block table
 the same way). Entries past a stream's page count
@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from mstar_core.errors import StateError
@@ -47,6 +48,11 @@ class PageTable:
         self._writes: dict[tuple[int, int], int] = {}
         self._want_cols = 0
         self._arange = torch.arange(0, dtype=torch.int32, device=device)
+        # On a CPU the table is host memory, written and read through numpy (a torch op costs
+        # more there than its arithmetic); a test may set it False to run the accelerator path.
+        self.on_host = device.type == "cpu"
+        self._np: np.ndarray | None = None
+        self._np_arange = np.arange(0, dtype=np.int32)
 
     # -- host bookkeeping ------------------------------------------------------------------------
     def assign(self) -> int:
@@ -82,6 +88,7 @@ class PageTable:
         if self.rows and self.cols:
             new.view(rows, cols)[: self.rows, : self.cols] = self.table.view(self.rows, self.cols)
         self.table, self.rows, self.cols = new, rows, cols
+        self._np = None
 
     # -- per step ------------------------------------------------------------------------------
     def prepare(self) -> int:
@@ -90,29 +97,52 @@ class PageTable:
         self._grow()
         return self.cols
 
-    def upload(self, host: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """One copy to the device: the pending writes (as flat index, page) followed by ``host``
-        (the caller's per-row arrays); applies the writes with one scatter. Returns ``host`` as an
-        int32 CPU tensor and its device copy. Call :meth:`prepare` first (``host`` is computed
-        with its ``cols``).
+    def stage(self, n: int) -> tuple[torch.Tensor, np.ndarray, int]:
+        """A fresh host int32 buffer with room for ``n`` entries from entry ``at`` (the caller's
+        per-row arrays, written through the numpy view); :meth:`send` puts it on the device.
+        Returns ``(buffer, its numpy view, at)``. Call :meth:`prepare` first (the pending writes'
+        flat indices use its ``cols``).
 
-        The host side is a fresh page-locked tensor from torch's caching host allocator, copied
-        asynchronously: the allocator does not hand that memory out again before the copy has
-        run (it records an event on the stream), so a plan made while earlier steps are still
-        queued needs no slot or fence of ours."""
-        cols = self.cols
+        On an accelerator the pending writes lead the buffer (``m`` flat indices, then their ``m``
+        pages: ``at = 2 * m``) and go in the same copy. The buffer is page-locked, from torch's
+        caching host allocator, and copied asynchronously: the allocator does not hand that memory
+        out again before the copy has run (it records an event on the stream), so a plan made while
+        earlier steps are still queued needs no slot or fence of ours. On a CPU (:attr:`on_host`)
+        the table is host memory: the writes land in it here, through numpy, and ``at = 0``."""
         writes = self._writes
         m = len(writes)
-        values = [r * cols + c for r, c in writes] + list(writes.values()) + host if m else host
-        if self.device.type == "cpu":
-            dev = cpu = torch.tensor(values, dtype=torch.int32)
-        else:
-            cpu = torch.tensor(values, dtype=torch.int32, pin_memory=True)
-            dev = cpu.to(self.device, non_blocking=True)
+        cols = self.cols
+        if self.on_host:
+            if m:
+                self._host_table()[[r * cols + c for r, c in writes]] = list(writes.values())
+                writes.clear()
+            a = np.empty(n, dtype=np.int32)
+            return torch.from_numpy(a), a, 0
+        cpu = torch.empty(2 * m + n, dtype=torch.int32, pin_memory=self.device.type == "cuda")
+        a = cpu.numpy()
         if m:
-            self.table.index_put_((dev[:m],), dev[m: 2 * m])
-            writes.clear()
-        return cpu[2 * m:], dev[2 * m:]
+            a[:m] = [r * cols + c for r, c in writes]
+            a[m: 2 * m] = list(writes.values())
+        return cpu, a, 2 * m
+
+    def send(self, cpu: torch.Tensor, at: int) -> torch.Tensor:
+        """``cpu`` (from :meth:`stage`) on the device, in one copy, and the writes it leads with
+        (``at // 2`` of them) applied to the table with one scatter. Returns the device copy
+        (``cpu`` itself on a CPU)."""
+        if self.on_host:
+            return cpu
+        dev = cpu.to(self.device, non_blocking=True)
+        if at:
+            m = at // 2
+            self.table.index_put_((dev[:m],), dev[m:at])
+            self._writes.clear()
+        return dev
+
+    def _host_table(self) -> np.ndarray:
+        """The table as a numpy view (on a CPU, where it is host memory)."""
+        if self._np is None or self._np.shape[0] != self.table.numel():
+            self._np = self.table.numpy()
+        return self._np
 
     def arange(self, n: int) -> torch.Tensor:
         """``0 .. n - 1`` int32 on the device (a view of a cached, grown buffer: no kernel)."""
@@ -131,11 +161,26 @@ class PageTable:
         row = torch.searchsorted(indptr[1:], self.arange(n), right=True, out_int32=True)
         return [v.index_select(0, row) for v in values]
 
-    def gather(self, kv_indptr: torch.Tensor, page_base: torch.Tensor, total: int) -> torch.Tensor:
+    def gather(self, kv_ends: torch.Tensor, page_base: torch.Tensor, total: int) -> torch.Tensor:
         """``kv_indices`` ``[total]`` int32 on the device: entry j of row r is
-        ``table[page_base[r] + j]``, ``page_base[r] = table_row * cols - kv_indptr[r]``."""
+        ``table[page_base[r] + j]``, ``page_base[r] = table_row * cols - kv_indptr[r]``
+        (``kv_ends``: ``kv_indptr[1:]``, both on the device): one binary search finds each
+        entry's row."""
         if total == 0:
             return torch.zeros(0, dtype=torch.int32, device=self.device)
-        (base,) = self.spread(kv_indptr, total, page_base)
-        # index_select, not [] indexing: the same gather, several times faster on a CPU
-        return self.table.index_select(0, base + self.arange(total))
+        entries = self.arange(total)
+        row = torch.searchsorted(kv_ends, entries, right=True, out_int32=True)
+        return self.table.index_select(0, page_base.index_select(0, row) + entries)
+
+    def gather_host(self, num_pages: np.ndarray, page_base: np.ndarray, total: int) -> torch.Tensor:
+        """:meth:`gather` on a CPU, from the host arrays (``num_pages``: each row's pages), in
+        numpy: each row's base repeated over its pages, then one take from the table."""
+        idx = np.repeat(page_base, num_pages)
+        idx += self.host_arange(total)
+        return torch.from_numpy(self._host_table().take(idx))
+
+    def host_arange(self, n: int) -> np.ndarray:
+        """``0 .. n - 1`` int32 on the host (a view of a cached, grown array)."""
+        if self._np_arange.shape[0] < n:
+            self._np_arange = np.arange(_pow2(n, 1024), dtype=np.int32)
+        return self._np_arange[:n]

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Mapping
-from dataclasses import dataclass, field
+from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
 import torch
 
 from mstar_core import ops
@@ -23,71 +23,51 @@ from mstar_core.errors import InputError, InputIndexError, InputTypeError, State
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.fp8 import quantize
+from mstar_core.kv.layout import RowBatch, build_layout, row_state
 from mstar_core.kv.page_table import PageTable
-from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, RowPack, SpanLayout, token_arrays
+from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, token_arrays
 from mstar_core.kv.pool import PagePool
-from mstar_core.kv.streams import CacheStream
+from mstar_core.kv.streams import CacheStream, StreamMap
 from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
 from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
 
 log = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
 class _Admitted:
     """What one step's admit did (kept in ``ctx.admitted``): the pages it took per stream, the
-    streams it created, and the stream objects it admitted (a reset replaces the object, so a
-    stale commit or rollback is recognised by identity)."""
+    streams it created, and the stream objects it admitted, in the step's span order (a reset
+    replaces the object, so a stale commit or rollback is recognised by identity)."""
 
-    taken: dict[tuple[str, str], list[int]]
-    created: list[tuple[str, str]]
-    streams: dict[tuple[str, str], CacheStream]
-    # The plans made for this step: live (``write_kv`` may write through them) until the step
-    # commits or is rolled back; a commit without one is refused.
-    plans: list[KVPlan] = field(default_factory=list)
+    __slots__ = ("_streams", "batch", "created", "keys", "order", "plans", "taken", "version")
+
+    def __init__(self, taken: dict[tuple[str, str], list[int]], created: list[tuple[str, str]],
+                 keys: tuple[tuple[str, str], ...], order: list[CacheStream], version: int) -> None:
+        self.taken = taken
+        self.created = created
+        self.keys = keys  # the streams admitted, and their objects (same order)
+        self.order = order
+        # ``StreamMap.version`` once the admit was done: while it is unchanged, every key still
+        # maps to the object admitted for it.
+        self.version = version
+        # The plans made for this step: live (``write_kv`` may write through them) until the
+        # step commits or is rolled back; a commit without one is refused.
+        self.plans: list[KVPlan] = []
+        self._streams: dict[tuple[str, str], CacheStream] | None = None
+        self.batch: RowBatch | None = None  # the kept rows this step's plan read (see RowBatch)
+
+    @property
+    def streams(self) -> dict[tuple[str, str], CacheStream]:
+        """The admitted stream objects by key (built on first use: the decode path reads
+        ``order``)."""
+        if self._streams is None:
+            self._streams = dict(zip(self.keys, self.order, strict=True))
+        return self._streams
 
 
 def pages_for(tokens: int, page_size: int) -> int:
     """Pages that hold ``tokens`` tokens."""
     return -(-tokens // page_size)
-
-
-class _LabelRows:
-    """One label's rows as a plan collects them: plain lists, one pass over the spans."""
-
-    __slots__ = ("decode", "kvp", "last", "lens", "pos_base", "qo", "spans", "table_row", "write_page")
-
-    def __init__(self) -> None:
-        self.spans: list[SpanLayout] = []
-        self.qo, self.kvp = [0], [0]
-        self.last: list[int] = []
-        self.lens: list[int] = []
-        self.table_row: list[int] = []
-        self.pos_base: list[int] = []  # prefix_len - qo_indptr: token t sits at pos_base[row] + t
-        self.write_page: list[int] = []  # one-token rows: the page their token goes to
-        self.decode = True  # every row so far one token
-
-    def add(self, s: KVSpan, stream: CacheStream, ps: int) -> None:
-        n = s.num_tokens
-        length = stream.length + n
-        npages = pages_for(length, ps)
-        pages = stream.pages
-        if npages > len(pages):
-            raise StateError(f"plan before admit: stream ({s.request_id!r}, {s.label!r}) needs {npages} pages, "
-                               f"holds {len(pages)}")
-        q0 = self.qo[-1]
-        self.spans.append(SpanLayout(s.request_id, s.label, length, n, s.commit, q0, stream.generation, npages,
-                                     pages))
-        self.qo.append(q0 + n)
-        self.kvp.append(self.kvp[-1] + npages)
-        self.lens.append(length)
-        self.last.append(length - (npages - 1) * ps if npages else 0)
-        self.table_row.append(stream.table_row)
-        self.pos_base.append(length - n - q0)
-        if n == 1 and self.decode:
-            self.write_page.append(pages[(length - 1) // ps])
-        else:
-            self.decode = False
 
 
 class KVManager(Resource):
@@ -126,9 +106,15 @@ class KVManager(Resource):
         self.pool = PagePool(config.max_pages)
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
-        self.streams: dict[tuple[str, str], CacheStream] = {}
+        self.streams = StreamMap()
         self._requests: dict[str, dict[str, Any]] = {}
         self._current: KVPlan | None = None
+        # Moves on with every change to any stream but those the kept rows make themselves
+        # (RowBatch): the rows are valid while their epoch is this one.
+        self._epoch = 0
+        self._batch: RowBatch | None = None
+        # The last steps' streams looked up (keys, StreamMap.version, objects): see _resolve.
+        self._resolved: tuple[tuple[tuple[str, str], ...], int, list[CacheStream | None]] | None = None
         # Plans whose step is admitted and neither committed nor rolled back, by id (the dict
         # holds them, so an id is not reused while it is here): ``current`` serves no other.
         self._live_plans: dict[int, KVPlan] = {}
@@ -136,6 +122,9 @@ class KVManager(Resource):
         # per-token arrays, and a sink page that padding rows write to.
         self._graph_bufs: torch.Tensor | None = None  # [slots, 3, max_bs] int32
         self._pad_cols: torch.Tensor | None = None
+        # views of those buffers a graph step writes and reads, per (slot, tokens, padded tokens,
+        # written through numpy)
+        self._graph_views: dict[tuple[int, int, int, bool], tuple[Any, ...]] = {}
         self._sink_page: int | None = None
         self._generations = itertools.count(1)
         # Streams reset or removed while a step was in flight on them, by id: their pages go back
@@ -189,6 +178,7 @@ class KVManager(Resource):
         ``generation``. ``free=True`` also forgets the request (it must be ingested again). The
         pages of a stream with a step in flight are parked until that step commits (its span is
         dropped) or is rolled back: its forward may still write them, and nobody else may."""
+        self._epoch += 1
         self._free_streams(rid)
         if free:
             self._forget(rid)
@@ -196,6 +186,7 @@ class KVManager(Resource):
     def remove_request(self, rid: str) -> None:
         """Free the request's pages and forget it. An unknown ``rid`` is a no-op (removal is
         idempotent, like ingest)."""
+        self._epoch += 1
         if rid not in self._requests:
             log.debug("remove_request(%r): unknown request, nothing to do", rid)
             return
@@ -226,6 +217,7 @@ class KVManager(Resource):
         device for every layer. Both streams get a new ``generation``: whatever was derived from
         the source's pages is invalidated. Short of pages, nothing changes and the
         refusal is returned."""
+        self._epoch += 1
         src = self.stream(src_rid, label)
         if dst_rid not in self._requests:
             raise UnknownName(f"fork into request {dst_rid!r}, which was never ingested; "
@@ -249,6 +241,7 @@ class KVManager(Resource):
         """Declare that what ``(rid, label)``'s pages hold changed outside a step (a page-table
         move, an external write): gives the stream a new ``generation``, so caches derived from
         its pages are rebuilt. Returns the new generation."""
+        self._epoch += 1
         s = self.stream(rid, label)
         s.generation = next(self._generations)
         return s.generation
@@ -270,69 +263,160 @@ class KVManager(Resource):
                 f"{self.name}: this StepContext already holds an admitted step; one step per context "
                 "(commit or roll it back, and admit the next step into a new StepContext)"
             )
+        kvs = step.kv
+        keys = kvs.keys()
+        b = self._batch
+        kept = b is not None and b.epoch == self._epoch and (b.keys is keys or b.keys == keys)
+        self._epoch += 1
+        if kept and kvs.uniform_tokens is not None:
+            assert b is not None
+            return self._admit_kept(b, step, ctx)
         ps = self.config.page_size
-        streams, requests = self.streams, self._requests
-        need: dict[tuple[str, str], int] = {}
-        busy = []
-        total = 0
-        for s in step.kv.spans:  # one pass: checks and the pages each stream needs
-            if s.request_id not in requests:
-                self._check_spans(step)  # raises, naming the request
-            key = (s.request_id, s.label)
-            stream = streams.get(key)
-            if stream is None:
-                n = pages_for(s.num_tokens, ps)
-            else:
-                if stream.in_flight:
-                    busy.append(key)
-                n = max(0, pages_for(stream.length + s.num_tokens, ps) - len(stream.pages))
-            need[key] = n
-            total += n
+        streams = self.streams
+        got = self._resolve(keys)
+        n = kvs.uniform_tokens
+        if n is not None:
+            # the rows whose stream is new or short of pages for this step: the ones with work to do
+            short = [i for i, st in enumerate(got) if st is None or st.length + n > len(st.pages) * ps]
+        else:
+            short = [i for i, (st, k) in enumerate(zip(got, kvs.token_counts, strict=True))
+                     if st is None or st.length + k > len(st.pages) * ps]
+        if any(got[i] is None and keys[i][0] not in self._requests for i in short):
+            self._check_spans(step)  # raises, naming the first request never ingested
+        busy = [k for k, st in zip(keys, got, strict=True) if st is not None and st.in_flight]
         if busy:
             raise StateError(
                 f"{self.name}: streams {busy} already have an admitted step that was neither committed "
                 "nor rolled back; commit (or discard) it before admitting the next"
             )
+        counts = kvs.token_counts
+        need: dict[tuple[str, str], int] = {}
+        for i in short:
+            st, k = got[i], counts[i]
+            need[keys[i]] = pages_for(k, ps) if st is None else max(0, pages_for(st.length + k, ps) - len(st.pages))
+        total = sum(need.values())
         free = self.pool.num_free
         if total > free:
             # The step waits as a whole (all or nothing); name the requests that do not fit once
             # the ones before them in the step that do fit have taken their pages.
-            short, taken_before = [], 0
-            for (rid, _), n in need.items():
-                if taken_before + n > free:
-                    short.append(Shortage(self.name, "pages", n, free - taken_before, rid))
+            short_of, taken_before = [], 0
+            for (rid, _), k in need.items():
+                if taken_before + k > free:
+                    short_of.append(Shortage(self.name, "pages", k, free - taken_before, rid))
                 else:
-                    taken_before += n
-            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short)
+                    taken_before += k
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short_of)
         taken: dict[tuple[str, str], list[int]] = {}
         created: list[tuple[str, str]] = []
-        rec = _Admitted(taken, created, {})
         pages: list[int] = []
         try:
             pages = self.pool.take(total) if total else []  # one take, handed out in span order
             at = 0
-            for key, n in need.items():
-                stream = streams.get(key)
-                if stream is None:
-                    stream = streams[key] = CacheStream(*key, generation=next(self._generations))
+            for i in short:
+                key, st = keys[i], got[i]
+                if st is None:
+                    st = got[i] = streams[key] = CacheStream(*key, generation=next(self._generations))
                     created.append(key)
-                rec.streams[key] = stream
-                if n:
-                    taken[key] = pages[at: at + n]
-                    at += n
-                    self._append(stream, taken[key])
-                stream.in_flight = True
+                k = need[key]
+                if k:
+                    taken[key] = pages[at: at + k]
+                    at += k
+                    self._append(st, taken[key])
+            admitted: list[CacheStream] = got  # type: ignore[assignment]  # every row has its stream now
+            for st in admitted:
+                st.in_flight = True
         except BaseException:
             # All or nothing, whatever interrupted the admit (KeyboardInterrupt included): undo
             # gives back what the record holds, and the rest of the one take goes back here.
-            self._undo(rec)
-            recorded = {p for k in rec.streams for p in taken.get(k, ())}
+            held = [(k, st) for k, st in zip(keys, got, strict=True) if st is not None]
+            # (the busy check passed: none of them was in flight before this admit)
+            self._undo(_Admitted(taken, created, tuple(k for k, _ in held), [st for _, st in held], -1))
+            recorded = {p for k in taken for p in taken[k]}
             rest = [p for p in pages if p not in recorded]
             if rest:
                 self.pool.give_back(rest)
             raise
+        ctx.admitted[self.name] = _Admitted(taken, created, keys, admitted, streams.version)
+        return AdmitOutcome.ok()
+
+    def _admit_kept(self, b: RowBatch, step: Step, ctx: StepContext) -> AdmitOutcome:
+        """``admit`` of a step over the kept rows ``b``, no stream changed since they were last
+        read or updated: the pages each row needs from the kept arrays, and page work only for
+        the rows that cross into a new page."""
+        n = step.kv.uniform_tokens
+        assert n is not None
+        keys = b.keys
+        if b.in_flight:
+            raise StateError(
+                f"{self.name}: streams {list(keys)} already have an admitted step that was neither committed "
+                "nor rolled back; commit (or discard) it before admitting the next"
+            )
+        ps = self.config.page_size
+        rows = np.flatnonzero(b.slack < n).tolist()
+        # pages each of them needs: one, unless a row's n tokens span more than one page
+        counts = [1] * len(rows) if n <= ps else ((n - b.slack[rows] + ps - 1) // ps).tolist()
+        total = sum(counts)
+        free = self.pool.num_free
+        if total > free:  # as the other path refuses it; nothing changed, the rows stay valid
+            short_of, taken_before = [], 0
+            for i, k in zip(rows, counts, strict=True):
+                if taken_before + k > free:
+                    short_of.append(Shortage(self.name, "pages", k, free - taken_before, keys[i][0]))
+                else:
+                    taken_before += k
+            b.epoch = self._epoch
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", total, free), *short_of)
+        taken: dict[tuple[str, str], list[int]] = {}
+        pages: list[int] = []
+        streams = b.streams
+        try:
+            pages = self.pool.take(total) if total else []
+            at = 0
+            for i, k in zip(rows, counts, strict=True):
+                st = streams[i]
+                taken[keys[i]] = pages[at: at + k]
+                at += k
+                self._append(st, taken[keys[i]])
+                b.table_row[i] = st.table_row
+            for st in streams:
+                st.in_flight = True
+        except BaseException:
+            # as the other path: the kept rows are stale from here (the epoch moved on)
+            self._undo(_Admitted(taken, [], keys, streams, -1))
+            recorded = {p for k in taken for p in taken[k]}
+            rest = [p for p in pages if p not in recorded]
+            if rest:
+                self.pool.give_back(rest)
+            raise
+        if rows:
+            b.slack[rows] += np.multiply(counts, ps, dtype=np.int32)
+        b.in_flight = True
+        b.epoch = self._epoch
+        rec = _Admitted(taken, [], keys, streams, self.streams.version)
+        rec.batch = b
         ctx.admitted[self.name] = rec
         return AdmitOutcome.ok()
+
+    def _kept(self, rec: _Admitted, step: Step) -> RowBatch | None:
+        """The kept rows ``rec`` was admitted over or planned from, if they are still valid (no
+        stream changed since) and ``step`` is over all of them."""
+        b = rec.batch
+        if b is None or b is not self._batch or b.epoch != self._epoch:
+            return None
+        keys = step.kv.keys()
+        return b if b.keys is keys or b.keys == keys else None
+
+    def _resolve(self, keys: tuple[tuple[str, str], ...]) -> list[CacheStream | None]:
+        """Each key's current stream object (None: none yet). A step over the same streams as the
+        previous resolve, with no stream set or removed since, reuses that answer: a decode loop
+        looks its rows up once, not once per step."""
+        last = self._resolved
+        if last is not None and last[1] == self.streams.version and (last[0] is keys or last[0] == keys):
+            return list(last[2])
+        got = list(map(self.streams.get, keys))
+        if all(st is not None for st in got):
+            self._resolved = (keys, self.streams.version, got)
+        return got
 
     def _land(self, rec: _Admitted) -> None:
         """``rec``'s step committed or was rolled back: its plans are dead (a later ``write_kv``
@@ -377,8 +461,11 @@ class KVManager(Resource):
         """This context's admit record, covering every stream of ``step``; an error naming the
         streams otherwise (never admitted, committed already, or rolled back)."""
         rec: _Admitted | None = ctx.admitted.get(self.name)
+        keys = step.kv.keys()
+        if rec is not None and (rec.keys is keys or rec.keys == keys):
+            return rec
         held = rec.streams if rec is not None else {}
-        missing = [k for k in step.kv.keys() if k not in held]
+        missing = [k for k in keys if k not in held]
         if rec is None or missing:
             raise StateError(
                 f"{self.name}: {what} of streams {missing} that this StepContext has no live admit for "
@@ -386,16 +473,24 @@ class KVManager(Resource):
             )
         return rec
 
-    def _live(self, rec: _Admitted, key: tuple[str, str]) -> CacheStream | None:
-        """The stream ``key`` if it is still the one the step admitted (not reset, removed or
-        re-created since); None otherwise."""
-        stream = rec.streams.get(key)
-        return stream if stream is not None and self.streams.get(key) is stream else None
+    def _admitted_streams(self, rec: _Admitted, step: Step) -> tuple[list[CacheStream | None], bool]:
+        """The stream objects ``rec`` admitted for ``step``'s spans, in span order, each None
+        where it is no longer the current one (reset or removed since, or re-created); and
+        whether none is None."""
+        keys = step.kv.keys()
+        same = rec.keys is keys or rec.keys == keys
+        order: list[CacheStream | None] = list(rec.order) if same else [rec.streams[k] for k in keys]
+        if rec.version == self.streams.version:
+            return order, True  # no stream set or removed since the admit: all current
+        now = map(self.streams.get, keys)
+        order = [st if cur is st else None for st, cur in zip(order, now, strict=True)]
+        return order, None not in order
 
     def rollback_admit(self, step: Step, ctx: StepContext) -> None:
         """Return exactly the pages this step's admit took, and drop streams it created. A
         stream reset or removed since the admit already gave its pages back: it is skipped.
         Without a live admit record (never admitted, committed, rolled back already): nothing."""
+        self._epoch += 1
         rec: _Admitted | None = ctx.admitted.pop(self.name, None)
         if rec is not None:
             self._undo(rec)
@@ -403,23 +498,46 @@ class KVManager(Resource):
     def plan(self, step: Step, ctx: StepContext) -> KVPlan:
         rec = self._record(ctx, step, "plan")
         ps = self.config.page_size
-        labels: dict[str, _LabelRows] = {}
-        for s in step.kv.spans:
-            stream = self._live(rec, (s.request_id, s.label))
-            if stream is None:
+        kvs = step.kv
+        b = self._kept(rec, step)
+        if b is not None:
+            streams = b.streams  # no stream set or removed since they were kept
+        else:
+            order, current = self._admitted_streams(rec, step)
+            if not current:
+                s = kvs.spans[[st is None for st in order].index(True)]
                 raise StateError(f"{self.name}: plan: stream ({s.request_id!r}, {s.label!r}) was reset or removed "
-                                   "after this step's admit; roll the step back and admit it again")
-            rows = labels.get(s.label)
-            if rows is None:
-                rows = labels[s.label] = _LabelRows()
-            rows.add(s, stream, ps)
+                                 "after this step's admit; roll the step back and admit it again")
+            streams = order  # type: ignore[assignment]  # none is None
         graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
         if graph_tokens is not None:
-            if len(labels) != 1:
-                raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(labels)}")
-            self._check_graph_step(graph_tokens, sum(r.qo[-1] for r in labels.values()))
-        cols = self.table.prepare()
-        plan = KVPlan(tuple((lab, self._layout(rows, ctx, cols)) for lab, rows in labels.items()), ps)
+            if len(kvs.labels) != 1:
+                raise InputError(f"a graph step (bucket {ctx.bucket}) has one label; this one has {list(kvs.labels)}")
+            n = kvs.uniform_tokens
+            self._check_graph_step(graph_tokens, sum(kvs.token_counts) if n is None else n * len(kvs.spans))
+        self.table.prepare()
+        n = kvs.uniform_tokens
+        groups = kvs.label_rows
+        layouts = []
+        spans: Sequence[KVSpan]
+        for label, idx in groups:
+            if len(groups) == 1:
+                spans, sts, counts = kvs.spans, streams, kvs.token_counts
+            else:
+                spans = [kvs.spans[i] for i in idx]
+                sts = [streams[i] for i in idx]
+                counts = tuple(kvs.token_counts[i] for i in idx)
+            if b is not None:
+                state = b.state()
+            else:
+                state = row_state(sts)
+                if len(groups) == 1:  # kept for the next steps over these streams
+                    b = rec.batch = self._batch = RowBatch(kvs.keys(), sts, state, ps, self._epoch)
+            lay = build_layout(self.table, spans, state, counts if n is None else n, ps, self.device)
+            if graph_tokens is not None:
+                self._stage_graph(lay, ctx.slot, graph_tokens)
+            layouts.append((label, lay))
+        plan = KVPlan(tuple(layouts), ps)
         rec.plans.append(plan)
         self._live_plans[id(plan)] = plan
         self._current = plan
@@ -430,44 +548,6 @@ class KVManager(Resource):
         neither committed nor rolled back): what may be written and read through."""
         return id(plan) in self._live_plans
 
-    def _layout(self, rows: _LabelRows, ctx: StepContext, cols: int) -> LabelLayout:
-        """The label's row arrays (and a decode step's per-token arrays, known on the host) in one
-        copy to the device, then ``kv_indices`` gathered there: O(rows) host work, a few kernels."""
-        ps = self.config.page_size
-        decode = rows.decode  # every row one token
-        pack = RowPack(len(rows.spans), decode)
-        host = rows.qo + rows.kvp + rows.last + rows.lens
-        # page_base; kvp is the indptr (rows + 1 entries): row r pairs with its start, kvp[r].
-        host += [t * cols - k for t, k in zip(rows.table_row, rows.kvp, strict=False)]
-        host += rows.pos_base
-        host += [t * cols for t in rows.table_row]  # table_base
-        if decode:  # one token per row: its page, slot and position are known here, O(1) each
-            pos = [length - 1 for length in rows.lens]
-            host += rows.write_page + [p % ps for p in pos] + pos
-        host_t, dev = self.table.upload(host)
-        kv_indices = self.table.gather(pack.kv_indptr(dev), pack.page_base(dev), rows.kvp[-1])
-        per_token: dict[str, torch.Tensor] = {}
-        graph_tokens = ctx.graph_tokens  # None iff ctx.bucket is None (an eager step)
-        if graph_tokens is not None:
-            block = (pack.token_block(dev) if decode
-                     else torch.stack(token_arrays(self.table, pack, dev, rows.qo[-1], ps)))
-            per_token = self._stage_graph(block, ctx.slot, graph_tokens)
-        elif decode:
-            per_token = dict(zip(TOKEN_ARRAYS, pack.token_block(dev), strict=True))
-        return LabelLayout(
-            spans=tuple(rows.spans),
-            qo_indptr=pack.qo(host_t),
-            kv_indptr=pack.kv_indptr(host_t),
-            kv_indices=kv_indices,
-            kv_last_page_len=pack.last(host_t),
-            kv_lens=pack.kv_lens(host_t),
-            page_size=ps,
-            device=self.device,
-            per_token=per_token,
-            table=self.table,
-            rows_device=dev,
-        )
-
     def _check_graph_step(self, padded: int, tokens: int) -> None:
         """``tokens`` of a graph step, padded to ``padded`` (bucket x query tokens per row)."""
         if self._graph_bufs is None or self._sink_page is None:
@@ -476,18 +556,43 @@ class KVManager(Resource):
         if tokens > padded or padded > size:
             raise InputError(f"graph step: {tokens} tokens padded to {padded}; static buffers hold {size}")
 
-    def _stage_graph(self, block: torch.Tensor, slot: int, padded: int) -> dict[str, torch.Tensor]:
-        """Graph step: the per-token arrays (``block``: ``[3, tokens]``, pages / slots / positions)
-        into ``slot``'s static buffers, which the captured graph reads, padded to ``padded``
-        tokens (bucket x query tokens per row; padding writes go to the sink page, at position
-        0). Two device copies at most, in stream order after the replay that last read the slot."""
+    def _stage_graph(self, lay: LabelLayout, slot: int, padded: int) -> None:
+        """Graph step: the per-token arrays (pages / slots / positions) into ``slot``'s static
+        buffers, which the captured graph reads, padded to ``padded`` tokens (bucket x query
+        tokens per row; padding writes go to the sink page, at position 0); ``lay.per_token``
+        becomes their views. A decode step takes two device operations (its pages gathered
+        from ``kv_indices`` straight into the buffer, its slots and positions copied), and one
+        more for padding, all in stream order after the replay that last read the slot."""
         assert self._graph_bufs is not None and self._pad_cols is not None
-        buf = self._graph_bufs[slot]  # [3, max_bs]
-        n = block.shape[1]
-        buf[:, :n].copy_(block)
-        if n < padded:
-            buf[:, n:padded].copy_(self._pad_cols[:, : padded - n])
-        return {name: buf[i, :padded] for i, name in enumerate(TOKEN_ARRAYS)}
+        n = lay.num_tokens
+        pack, dev = lay.pack, lay.rows_device
+        assert pack is not None and dev is not None
+        host = self.table.on_host and pack.decode  # a CPU's buffers are host memory: numpy writes them
+        views = self._graph_views.get((slot, n, padded, host))
+        if views is None:  # a few views per (slot, tokens, padding), made once
+            buf: Any = self._graph_bufs[slot]  # [3, max_bs]
+            pad_src: Any = self._pad_cols[:, : padded - n]
+            if host:
+                buf, pad_src = buf.numpy(), pad_src.numpy()
+            views = self._graph_views[(slot, n, padded, host)] = (
+                buf[:, :n], buf[0, :n], buf[1:, :n], buf[:, n:padded], pad_src,
+                dict(zip(TOKEN_ARRAYS, self._graph_bufs[slot, :, :padded].unbind(0), strict=True)))
+        block, pages, rest, pad, pad_src, per_token = views
+        if host:
+            a = dev.numpy()
+            np.take(lay.kv_indices.numpy(), pack.last_index(a), out=pages)
+            np.copyto(rest, pack.slots_and_positions(a))
+            if n < padded:
+                np.copyto(pad, pad_src)
+        else:
+            if pack.decode:
+                torch.index_select(lay.kv_indices, 0, pack.last_index(dev), out=pages)
+                rest.copy_(pack.slots_and_positions(dev))
+            else:
+                block.copy_(torch.stack(token_arrays(self.table, pack, dev, n, self.config.page_size)))
+            if n < padded:
+                pad.copy_(pad_src)
+        lay.per_token.update(per_token)
 
     def build_accelerator_graph_buffers(self, slots: int, max_bs: int, max_seq_len: int) -> None:
         """Static per-slot buffers for the tokens of a graph step of ``max_bs`` rows (times the
@@ -508,6 +613,7 @@ class KVManager(Resource):
         # what padding tokens hold: the sink page, offset 0, position 0
         self._pad_cols = torch.zeros((3, max_bs), dtype=torch.int32, device=self.device)
         self._pad_cols[0] = self._sink_page
+        self._graph_views.clear()  # views of the buffers just replaced
 
     def can_capture(self) -> bool:
         """Yes: graph steps plan into the static per-slot buffers that
@@ -548,24 +654,67 @@ class KVManager(Resource):
                              "plan the step (and run its forward) before commit, or roll it back")
         del ctx.admitted[self.name]  # consumed: a second commit or a rollback finds nothing
         self._land(rec)
-        for s in step.kv.spans:
-            stream = self._live(rec, (s.request_id, s.label))
-            if stream is None:
-                log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
-                         s.request_id, s.label)
-                self._unpark(rec.streams[(s.request_id, s.label)])
-                continue
-            stream.in_flight = False
-            if s.commit:
-                stream.length += s.num_tokens
-            keep = pages_for(stream.length, ps)
-            if len(stream.pages) > keep:
-                # Pages held only for commit=False tokens: nothing will read them again.
-                self.pool.give_back(stream.pages[keep:])
-                # A new list, not the old one cut: plans made before hold the old one (SpanLayout
-                # .source) and stay readable. A C-level copy of the kept entries, and only on
-                # this path (tokens held without commit).
-                stream.pages = stream.pages[:keep]
+        kvs = step.kv
+        n = kvs.uniform_tokens
+        b = self._kept(rec, step)
+        self._epoch += 1
+        if b is not None and n is not None and kvs.all_commit:
+            self._commit_kept(b, n)
+            return
+        order, current = self._admitted_streams(rec, step)
+        trim: list[CacheStream] = []
+        if n is not None and current and kvs.all_commit:
+            # every span commits its n tokens to the stream it admitted: one plain pass
+            live: list[CacheStream] = order  # type: ignore[assignment]  # none is None
+            for st in live:
+                st.in_flight = False
+                st.length += n
+            # pages held beyond the new length (len(pages) > pages_for(length))
+            trim = [st for st in live if len(st.pages) * ps >= st.length + ps]
+        else:
+            for s, cur in zip(kvs.spans, order, strict=True):
+                if cur is None:
+                    log.info("commit: stream (%r, %r) was reset or removed after admit; its span is dropped",
+                             s.request_id, s.label)
+                    self._unpark(rec.streams[(s.request_id, s.label)])
+                    continue
+                cur.in_flight = False
+                if s.commit:
+                    cur.length += s.num_tokens
+                if len(cur.pages) > pages_for(cur.length, ps):
+                    trim.append(cur)
+        for st in trim:
+            # Pages held only for commit=False tokens: nothing will read them again.
+            keep = pages_for(st.length, ps)
+            self.pool.give_back(st.pages[keep:])
+            # A new list, not the old one cut: plans made before hold the old one (SpanLayout
+            # .source) and stay readable. A C-level copy of the kept entries, and only on this
+            # path (tokens held without commit).
+            st.pages = st.pages[:keep]
+
+    def _commit_kept(self, b: RowBatch, n: int) -> None:
+        """``commit`` of the kept rows' step, every span keeping its ``n`` tokens: the streams and
+        the kept arrays advance together."""
+        for st in b.streams:
+            st.in_flight = False
+            st.length += n
+        b.committed += n
+        b.slack -= n
+        b.in_flight = False
+        ps = self.config.page_size
+        # rows holding pages past their new length (len(pages) > pages_for(length)): none, unless
+        # a stream came into the rows holding extra pages
+        over = np.flatnonzero(b.slack >= ps).tolist()
+        if over:
+            b.sources = list(b.sources)  # the plans made so far keep the lists they read
+            for i in over:
+                st = b.streams[i]
+                keep = pages_for(st.length, ps)
+                self.pool.give_back(st.pages[keep:])
+                st.pages = st.pages[:keep]  # a new list, as in commit
+                b.sources[i] = st.pages
+                b.slack[i] = keep * ps - st.length
+        b.epoch = self._epoch
 
     # -- data --------------------------------------------------------------------------------
     def check_layer(self, layer_idx: int) -> int:
@@ -668,6 +817,7 @@ class KVManager(Resource):
                                            "tokens": sum(s.length for s in self.streams.values())})
 
     def cleanup(self) -> None:
+        self._epoch += 1
         self.streams.clear()
         self._parked.clear()
         self._requests.clear()
@@ -676,5 +826,8 @@ class KVManager(Resource):
         self._current = None
         self._live_plans.clear()
         self._graph_bufs = self._pad_cols = None
+        self._graph_views.clear()
+        self._resolved = None
+        self._batch = None
         self._sink_page = None
         self.table = PageTable(self.device, self.config.max_pages)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 
 @dataclass
@@ -24,3 +25,44 @@ class CacheStream:
     in_flight: bool = False
     # Its row in the manager's device page table (page_table.py); -1 until it first gets pages.
     table_row: int = -1
+
+
+class StreamMap(dict[tuple[str, str], CacheStream]):
+    """The manager's streams by ``(request_id, label)``, with ``version`` counting every change of
+    which object a key maps to (an entry set, removed or cleared): a step admitted at version v
+    whose plan or commit finds v still there knows its streams are the current ones without
+    looking each one up again. Reads are the plain dict's."""
+
+    version = 0
+
+    def __setitem__(self, key: tuple[str, str], value: CacheStream) -> None:
+        self.version += 1
+        super().__setitem__(key, value)
+
+    def __delitem__(self, key: tuple[str, str]) -> None:
+        self.version += 1
+        super().__delitem__(key)
+
+    def clear(self) -> None:
+        self.version += 1
+        super().clear()
+
+    def pop(self, *args: Any) -> Any:
+        self.version += 1
+        return super().pop(*args)
+
+    def popitem(self) -> tuple[tuple[str, str], CacheStream]:
+        self.version += 1
+        return super().popitem()
+
+    def setdefault(self, key: tuple[str, str], default: Any = None) -> Any:
+        self.version += 1
+        return super().setdefault(key, default)
+
+    def update(self, *args: Any, **kwargs: Any) -> None:
+        self.version += 1
+        super().update(*args, **kwargs)
+
+    def __ior__(self, other: Any) -> StreamMap:  # type: ignore[override,misc]
+        self.update(other)
+        return self

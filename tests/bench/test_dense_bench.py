@@ -1,6 +1,6 @@
 """The bench scripts on CPU, so a GPU run is not spent on a typo: every script imports, and
 bench/dense_prefill.py runs small shapes over the stand-ins, the code path the GPU run takes
-(variants, correctness checks, result files)."""
+(variants, correctness checks, result files); bench/prepare_host.py, a CPU bench, runs small."""
 
 from __future__ import annotations
 
@@ -29,6 +29,17 @@ def test_bench_runs_on_cpu_standins(tmp_path, monkeypatch, fa3_standin, flashinf
     assert set(doc["targets"]) == {"dense_fa3_over_raw_fa3_per_layer", "paged_over_mstar_dense_fa3_per_step",
                                    "paged_over_mstar_dense_flashinfer_per_step"}
     assert "| mstar_dense_fa3 |" in (tmp_path / "dense_prefill.md").read_text()
+
+
+def test_prepare_host_bench_runs_on_cpu(tmp_path, monkeypatch, flashinfer_standin):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("prepare_host")
+    assert bench.main(["--out", str(tmp_path), "--rows", "8", "--reps", "5"]) == 0
+    doc = json.loads((tmp_path / "prepare_host.json").read_text())
+    assert [(r["backend"], r["rows"]) for r in doc["results"]] == [("reference", 8), ("flashinfer", 8)]
+    fi = doc["results"][1]
+    assert fi["inner_plan_us"] > 0 and fi["mstar_us"] == fi["prepare_us"] - fi["inner_plan_us"]
+    assert "| flashinfer | 8 |" in (tmp_path / "prepare_host.md").read_text()
 
 
 # the transformers scripts import transformers at their top

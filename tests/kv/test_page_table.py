@@ -3,6 +3,7 @@ page lists say, across table growth, row reuse, fork, reset, rollback and uncomm
 
 import random
 
+import pytest
 import torch
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
@@ -33,9 +34,14 @@ def check(lay):
     assert lay.positions[:n].tolist() == pos
 
 
-def test_random_lifecycle_matches_the_host_page_lists():
+@pytest.mark.parametrize("on_host", [True, False], ids=["host", "accelerator-path"])
+def test_random_lifecycle_matches_the_host_page_lists(on_host):
+    """On a CPU the table is written and gathered through numpy; ``on_host=False`` runs the
+    accelerator's path (writes uploaded with the rows and scattered, a binary-search gather) on
+    the CPU tensors."""
     rng = random.Random(12)
     kv = small_kv(max_pages=400, page_size=4)
+    kv.table.on_host = on_host
     rids = [f"r{i}" for i in range(12)]
     for r in rids:
         kv.ingest_request(r)

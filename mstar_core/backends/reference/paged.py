@@ -99,8 +99,15 @@ class ReferencePrefillWrapper:
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
-        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__)
         qo_indptr = qo_indptr.cpu().to(torch.int64)
+        self._plan_rows(qo_indptr[1:] - qo_indptr[:-1], int(qo_indptr[-1]), paged_kv_indptr, paged_kv_indices,
+                        paged_kv_last_page_len, causal, kv_lens, window_left, kwargs)
+
+    def _plan_rows(self, q_lens: torch.Tensor, total: int, paged_kv_indptr: torch.Tensor,
+                   paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor, causal: bool,
+                   kv_lens: torch.Tensor | None, window_left: int, kwargs: dict[str, Any]) -> None:
+        """The plan of rows of ``q_lens`` queries (int64, ``total`` of them)."""
+        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__) if kwargs else (None, None, None)
         indptr = paged_kv_indptr.cpu().to(torch.int64)
         if kv_lens is None:
             lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size)
@@ -110,9 +117,9 @@ class ReferencePrefillWrapper:
         # grows with the keys, and a plan's host work stays O(rows) (the paged manager plans while
         # the previous step runs). Every layer's run reuses it.
         self._pad, self._slots = None, None
-        self._planned = (qo_indptr[1:] - qo_indptr[:-1], lens, causal, window_left, indptr, paged_kv_indices)
+        self._planned = (q_lens, lens, causal, window_left, indptr, paged_kv_indices)
         self._sm_scale, self._soft_cap, self._kv_dtype = sm_scale, soft_cap, kv_dtype
-        self._total = int(qo_indptr[-1])
+        self._total = total
 
     def _padding(self) -> tuple[Padding, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
         if self._pad is None or self._slots is None:
@@ -172,6 +179,7 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
     ) -> None:
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+        self._ones = torch.ones(0, dtype=torch.int64)
 
     # The decode protocol's plan (no qo_indptr, no causal) over the prefill plan it reuses:
     # a decode wrapper is not a drop-in prefill wrapper, by design.
@@ -186,9 +194,10 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         **kwargs: Any,
     ) -> None:
         rows = paged_kv_indptr.numel() - 1
-        qo_indptr = torch.arange(rows + 1, dtype=torch.int64)
-        super().plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                     causal=True, dtype=dtype, kv_lens=kv_lens, window_left=window_left, **kwargs)
+        if self._ones.numel() < rows:  # one query per row: a slice of a grown tensor of ones
+            self._ones = torch.ones(max(rows, 2 * self._ones.numel()), dtype=torch.int64)
+        self._plan_rows(self._ones[:rows], rows, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                        True, kv_lens, window_left, kwargs)
 
 
 class ReferenceMixedWrapper(ReferencePrefillWrapper):
