@@ -61,7 +61,9 @@ def note_copy(handle: int, given: torch.Tensor, own: torch.Tensor, who: str) -> 
 def write_kv(k: torch.Tensor, v: torch.Tensor, storage: torch.Tensor, handle: int, layer_idx: int,
              label: str) -> None:
     """``KVManager.write_kv`` into ``storage`` (the manager's cache, ``[layers, pages, 2, ...]``)."""
-    resolve(handle).write_kv_into(storage, k, v, layer_idx, label or None)
+    kv = resolve(handle)
+    note_copy(handle, storage, kv.storage, kv.name)
+    kv.write_kv_into(storage, k, v, layer_idx, label or None)
 
 
 @write_kv.register_fake
@@ -88,7 +90,9 @@ def dense_run(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, storage: torch.
               layer_idx: int, label: str, sinks: torch.Tensor | None) -> torch.Tensor:
     """``DenseAttentionManager.run``: writes the committed K/V into ``storage`` (the paged cache) and
     attends over prefix + fresh K/V -> ``[tokens, Hq, D]``."""
-    return resolve(handle).run_eager(q, label or None, storage, k, v, layer_idx, sinks).contiguous()
+    attn = resolve(handle)
+    note_copy(handle, storage, attn.kv.storage, type(attn).__name__)
+    return attn.run_eager(q, label or None, storage, k, v, layer_idx, sinks).contiguous()
 
 
 @dense_run.register_fake
@@ -105,8 +109,9 @@ def bounded_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, storage: t
     into it: ``q [B * rows, H, T, D]`` -> ``[B * rows, T, H, D]``."""
     row_source = None if row_source_storage is None or row_source_slots is None else (
         row_source_storage, row_source_slots)
-    return resolve(handle).attend_eager(storage, layer_idx, q, k, v, source, None, rel_bias, ieee,
-                                        row_source).contiguous()
+    mgr = resolve(handle)
+    note_copy(handle, storage, mgr.storage, mgr.name)
+    return mgr.attend_eager(storage, layer_idx, q, k, v, source, None, rel_bias, ieee, row_source).contiguous()
 
 
 @bounded_attend.register_fake

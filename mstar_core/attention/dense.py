@@ -380,7 +380,6 @@ class DenseAttentionManager(AttentionManager):
             # layer_idx keys the gathered prefix and picks the FP8 scales: they must be the view's layer's
             self.kv.check_layer_view(kv_cache_layer, self.kv.check_layer(layer_idx), f"{who}.run")
         storage = self.kv.storage if storage is None else storage
-        ops.note_copy(self.op_handle, storage, self.kv.storage, who)
         assert k is not None and v is not None
         self._write_committed(lr, k, v, layer_idx, storage)
         keys, values = self._assemble(lr, k, v, storage[self.kv.check_layer(layer_idx)], layer_idx)

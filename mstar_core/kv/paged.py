@@ -766,7 +766,6 @@ class KVManager(Resource):
     def write_kv_into(self, storage: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_idx: int,
                       label: str | None) -> None:
         """:meth:`write_kv` into ``storage``: the cache, or the copy of it a compiled graph passed."""
-        ops.note_copy(self.op_handle, storage, self.storage, self.name)
         lay = self.current.layout(label)
         # rows = the step's tokens, or the graph bucket they were padded to
         want = (lay.write_pages.numel(), self.config.num_kv_heads, self.config.head_dim)

@@ -115,6 +115,7 @@ def test_bench_compiles_the_tiny_decoder_and_says_so():
            "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--layers", "1"]
     p = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr
-    assert "compiled at warm-up in" in p.stdout and "torch.compile (aot_eager)" in p.stderr
+    # (the progress line on stderr shows only for a compile over a second: cached, this one may not)
+    assert "compiled at warm-up in" in p.stdout
     p = subprocess.run(cmd[:4] + cmd[5:], capture_output=True, text=True, timeout=300)  # --compile without --graphs
     assert p.returncode != 0 and "use it with graphs" in p.stderr

@@ -546,7 +546,6 @@ class BoundedKVManager(Resource):
         """:meth:`attend` outside a compiled graph, over ``storage``: the slots, or the copy of
         them a compiled graph passed."""
         layer_idx = self._layer_index(layer_idx, "attend")
-        ops.note_copy(self.op_handle, storage, self.storage, self.name)
         if plan is not None and not isinstance(plan, BoundedPlan):
             raise InputTypeError(f"{self.name}.attend: plan must be a BoundedPlan or None, got {type(plan).__name__}")
         if row_source is not None and (not isinstance(row_source, tuple) or len(row_source) != 2):
