@@ -21,7 +21,7 @@ import torch
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
 from mstar_core.compiling import CompiledForward, compile_options
-from mstar_core.errors import InputError, InputTypeError, StateError
+from mstar_core.errors import CompileError, InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner, check_buckets
 from mstar_core.integrations.transformers.attention import BINDING_KWARG, NAME, bound, register
 from mstar_core.integrations.transformers.probe import (
@@ -259,8 +259,12 @@ class Engine:
             self.node.post_warmup_validate()  # the runner holds no graph and runs every step eagerly
             return
         if not self.runner.enabled:
-            log.warning("graphs requested but backend %s cannot capture paged decode here: steps run eagerly",
-                        self.backend)
+            why = f"backend {self.backend} cannot capture paged decode here"
+            if self.options.compile is True:  # compiling runs through the graph path, which is off
+                raise CompileError(f"compile=True: {why}, and only graph steps are compiled; pick a backend that "
+                                   "captures (mstar backends), or compile=None to run uncompiled where it cannot")
+            log.warning("graphs requested but %s: steps run eagerly%s", why,
+                        "" if self.runner.compiler is None else ", uncompiled")
 
     # -- the binding every layer calls ----------------------------------------------------------
     def attend(self, module: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Any,

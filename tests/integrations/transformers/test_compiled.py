@@ -98,3 +98,16 @@ def test_mstar_generate_compile(tmp_path, capsys):
     out = json.loads(capsys.readouterr().out)
     assert out["ids"] == [hf_greedy(model, [1, 2, 3], 6), hf_greedy(model, [4, 5], 6)]
     assert out["compiled"].startswith("compiled (aot_eager) for buckets")
+
+
+def test_compile_where_the_backend_cannot_capture_fails_or_warns(monkeypatch, caplog):
+    from mstar_core.attention.paged import PagedAttentionManager
+
+    model = build("llama")
+    monkeypatch.setattr(PagedAttentionManager, "can_capture", lambda self: False)
+    with pytest.raises(CompileError, match="cannot capture paged decode here, and only graph steps are compiled"):
+        generate(model, PROMPTS, 4, buckets=(4,), compile=True, compile_backend="aot_eager")
+    with caplog.at_level(logging.WARNING):
+        ids = generate(model, PROMPTS, 4, buckets=(4,), compile=None, compile_backend="aot_eager")
+    assert ids == [hf_greedy(model, p, 4) for p in PROMPTS]
+    assert any("steps run eagerly, uncompiled" in r.getMessage() for r in caplog.records)
