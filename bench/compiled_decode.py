@@ -47,6 +47,7 @@ from transformers_check import eager_logits, teacher_forced
 from transformers_decode import llama_1b
 
 from mstar_core import Engine, EngineOptions
+from mstar_core.demo.decode_bench import lay_down
 from mstar_core.graphs import capture_graph
 from mstar_core.integrations.transformers import run
 from mstar_core.integrations.transformers.engine import LABEL
@@ -135,10 +136,7 @@ def layers_alone_ms(model, rows: int, context: int, backend: str, compiled: bool
 def filled(engine: Engine, rows: int, context: int, tag: str) -> tuple[list[str], Step]:
     """``rows`` requests holding ``context`` tokens of random K/V (no forward), and their decode step."""
     rids = [f"{tag}{i}" for i in range(rows)]
-    for r in rids:
-        engine.node.ingest_request(r)
-    fill = Step(KVStep(tuple(KVSpan(r, LABEL, context) for r in rids)), engine.step_attn)
-    assert engine.node.step(fill, lambda ctx: None).outcome, "the cache cannot hold the context"
+    lay_down(engine.node, rids, LABEL, [context] * rows, engine.step_attn)
     engine.kv.storage.normal_()
     return rids, Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)), engine.step_attn)
 

@@ -32,6 +32,7 @@ import report
 import torch
 
 from mstar_core import GraphRunner, KVConfig, KVManager, KVSpan, KVStep, Node, PagedAttentionManager, Step, StepContext
+from mstar_core.demo.decode_bench import lay_down
 from mstar_core.testing.timing import paired_host_us
 
 HQ, HKV, D, PS, DTYPE, LABEL = 9, 3, 64, 16, torch.bfloat16, "text"
@@ -79,11 +80,7 @@ def setup(backend: str, rows: int, steps: int, seed: int = 0) -> tuple[KVManager
     runner = GraphRunner(node, lambda ctx, tokens: tokens[:, None].float(), [rows], CPU, LABEL)
     runner.warmup()
     rids = [f"r{i}" for i in range(rows)]
-    for r in rids:
-        node.ingest_request(r)
-    fill = Step(KVStep(tuple(KVSpan(r, LABEL, c) for r, c in zip(rids, contexts, strict=True))))
-    if not node.step(fill, lambda ctx: None).outcome:
-        raise RuntimeError("the cache cannot hold the contexts")
+    lay_down(node, rids, LABEL, contexts)
     return kv, attn, node, runner, Step(KVStep(tuple(KVSpan(r, LABEL, 1) for r in rids)))
 
 

@@ -68,6 +68,10 @@ class CompiledForward:
     options: CompileOptions = field(default_factory=CompileOptions)
     name: str = "the model"  # what the log lines call it
 
+    def __call__(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
+        """The forward uncompiled: ``body(*inputs(ctx, tokens))``."""
+        return self.body(*self.inputs(ctx, tokens))
+
 
 def make_room(graphs: int) -> None:
     """Dynamo keeps at most ``recompile_limit`` graphs per function (8 by default) and falls back to
@@ -97,7 +101,7 @@ class StepCompiler:
 
     def __call__(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
         if ctx.bucket is not None and ctx.bucket in self.failed:
-            return self.forward.body(*self.forward.inputs(ctx, tokens))
+            return self.forward(ctx, tokens)
         return self._fn(*self.forward.inputs(ctx, tokens))
 
     def compile(self, bucket: int, run: Callable[[], None]) -> None:

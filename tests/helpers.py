@@ -111,11 +111,7 @@ def tiny_graph_node(graphs=True, slots=2, buckets=(2, 4), max_pages=64, layers=2
     kv = KVManager(kvc, "cpu", torch.float64)
     attn = PagedAttentionManager(kv, "cpu", torch.float64, kvc, REF_WRAPPERS, accelerator_graph=graphs)
     node = Node([kv, attn])
-
-    def forward(ctx, tokens):
-        pos = ctx.plan_results["kv"].layout("text").positions
-        return model.forward_step(tokens, pos, kv, attn, "text")
-
+    forward = model.step_forward(kv, attn)
     return model, kv, attn, node, GraphRunner(node, forward, buckets=list(buckets), device="cpu", slots=slots)
 
 
@@ -131,12 +127,7 @@ def multi_token_graph_node(query_tokens=4, features=None, wrappers=REF_WRAPPERS,
     kv = KVManager(kvc, device, dtype, features=features)
     attn = PagedAttentionManager(kv, device, dtype, kvc, wrappers, accelerator_graph=True)
     node = Node([kv, attn])
-
-    def forward(ctx, tokens):
-        pos = ctx.plan_results["kv"].layout("text").positions
-        return model.forward_step(tokens, pos, kv, attn, "text")
-
-    runner = GraphRunner(node, forward, buckets=[2, 4], device=device, query_tokens=query_tokens)
+    runner = GraphRunner(node, model.step_forward(kv, attn), buckets=[2, 4], device=device, query_tokens=query_tokens)
     return model, kv, attn, node, runner
 
 

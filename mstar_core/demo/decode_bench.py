@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -17,7 +17,7 @@ import torch
 
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
-from mstar_core.compiling import CompiledForward, CompileOptions
+from mstar_core.compiling import CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
 from mstar_core.errors import InputError, StateError
@@ -27,7 +27,7 @@ from mstar_core.kv import KVConfig, KVManager
 from mstar_core.memory import check_fits, format_bytes
 from mstar_core.node import Node
 from mstar_core.resource import resolve_dtype
-from mstar_core.step import KVSpan, KVStep, Step, StepContext
+from mstar_core.step import AttentionStep, KVSpan, KVStep, Step
 from mstar_core.testing.timing import event, kernel_ms, sync
 
 LABEL = "text"
@@ -187,34 +187,30 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
                                  max_batch_size=max(o.batch, 1), backend_name=sel.name)
     node = Node([kv, attn])
 
-    def inputs(ctx: StepContext, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return tokens, ctx.plan_results["kv"].layout(LABEL).positions
-
-    def body(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return model.forward_step(tokens, positions, kv, attn, LABEL)
-
-    def forward(ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
-        return body(*inputs(ctx, tokens))
-
-    compiled = (CompiledForward(inputs, body, CompileOptions(o.compile_backend), "the tiny decoder") if o.compile
-                else None)
-    runner = GraphRunner(node, forward, [o.batch], dev, LABEL, query_tokens=t, compiled=compiled)
+    forward = model.step_forward(kv, attn, LABEL, CompileOptions(o.compile_backend))
+    runner = GraphRunner(node, forward, [o.batch], dev, LABEL, query_tokens=t, compiled=forward if o.compile else None)
     if o.graphs:
         runner.warmup()  # validates every resource after capture
     else:
         node.post_warmup_validate()
     rids = [f"r{i}" for i in range(o.batch)]
-    for r in rids:
-        node.ingest_request(r)
-    # The context is laid down without a forward: random K/V (never zeros: they can run faster).
-    fill = Step(KVStep(tuple(KVSpan(r, LABEL, o.context) for r in rids)))
-    if not node.step(fill, lambda ctx: None).outcome:
-        raise StateError("bench: the KV cache cannot hold the context")
+    lay_down(node, rids, LABEL, [o.context] * o.batch)
     if tp is not None:
         node.post_warmup_validate()  # every rank holds the same context
-    kv.storage.normal_()
+    kv.storage.normal_()  # random K/V for the context (never zeros: they can run faster)
     decode = Step(KVStep(tuple(KVSpan(r, LABEL, t) for r in rids)))
     return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode, tp)
+
+
+def lay_down(node: Node, rids: Sequence[str], label: str, contexts: Sequence[int],
+             attn: AttentionStep = AttentionStep()) -> None:
+    """Ingest ``rids`` and give each ``contexts[i]`` committed tokens in one step with no forward
+    (their K/V are whatever the cache holds): a bench's context, laid down in no time."""
+    for r in rids:
+        node.ingest_request(r)
+    fill = Step(KVStep(tuple(KVSpan(r, label, n) for r, n in zip(rids, contexts, strict=True))), attn)
+    if not node.step(fill, lambda ctx: None).outcome:
+        raise StateError(f"bench: the KV cache cannot hold {sum(contexts)} context tokens over {len(rids)} requests")
 
 
 def _check_tp(o: BenchOptions, tp: TensorParallel | None) -> None:

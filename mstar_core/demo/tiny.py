@@ -18,8 +18,10 @@ import torch
 import torch.nn.functional as F
 
 from mstar_core.attention.base import AttentionManager
+from mstar_core.compiling import CompiledForward, CompileOptions
 from mstar_core.distributed import TensorParallel, check_shardable
 from mstar_core.kv.paged import KVManager
+from mstar_core.step import StepContext
 
 
 @dataclass(frozen=True)
@@ -116,6 +118,20 @@ class TinyDecoder:
             o = attn.run(q, label, kv.layer_view(i), k=k, v=v, layer_idx=i)
             x = self._mlp(self._attn_out(x, o, p), p)
         return _rms(x, self.norm) @ self.head
+
+    def step_forward(self, kv: KVManager, attn: AttentionManager, label: str = "text",
+                     options: CompileOptions | None = None) -> CompiledForward:
+        """:meth:`forward_step` as a runner's forward in its two parts: the positions read from the
+        step's KV plan (host), then the layers over tensors alone (what ``torch.compile`` traces).
+        Called as is, it is the uncompiled forward."""
+
+        def inputs(ctx: StepContext, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            return tokens, ctx.plan_results[kv.name].layout(label).positions
+
+        def body(tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+            return self.forward_step(tokens, positions, kv, attn, label)
+
+        return CompiledForward(inputs, body, options or CompileOptions(), "the tiny decoder")
 
     def forward_full(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[n, vocab]`` of one whole sequence, causal, no cache (sharded: every rank

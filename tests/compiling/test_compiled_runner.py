@@ -23,16 +23,15 @@ from ..helpers import tiny_graph_node
 def compiled_runner(options=None, body_hook=None):
     options = options or CompileOptions("aot_eager")
     model, kv, attn, node, plain = tiny_graph_node(buckets=(2, 4))
-
-    def inputs(ctx, tokens):
-        return tokens, ctx.plan_results["kv"].layout("text").positions
+    parts = model.step_forward(kv, attn)
 
     def body(tokens, positions):
         if body_hook is not None:
             body_hook()
-        return model.forward_step(tokens, positions, kv, attn, "text")
+        return parts.body(tokens, positions)
 
-    runner = GraphRunner(node, plain.forward, [2, 4], "cpu", compiled=CompiledForward(inputs, body, options, "tiny"))
+    runner = GraphRunner(node, plain.forward, [2, 4], "cpu",
+                         compiled=CompiledForward(parts.inputs, body, options, "tiny"))
     return model, kv, node, runner
 
 

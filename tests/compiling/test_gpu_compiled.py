@@ -23,7 +23,7 @@ from mstar_core import (
     select_backend,
 )
 from mstar_core.capabilities import PAGED
-from mstar_core.compiling import CompiledForward, CompileOptions
+from mstar_core.compiling import CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 
 pytestmark = [pytest.mark.gpu,
@@ -66,18 +66,8 @@ def _runner(compiled: bool):
     kv = KVManager(kvc, DEV, DT)
     attn = PagedAttentionManager(kv, DEV, DT, kvc, _wrappers(), accelerator_graph=True)
     node = Node([kv, attn])
-
-    def inputs(ctx, tokens):
-        return tokens, ctx.plan_results["kv"].layout("text").positions
-
-    def body(tokens, positions):
-        return model.forward_step(tokens, positions, kv, attn, "text")
-
-    def forward(ctx, tokens):
-        return body(*inputs(ctx, tokens))
-
-    c = CompiledForward(inputs, body, CompileOptions("inductor"), "tiny") if compiled else None
-    runner = GraphRunner(node, forward, buckets=[4, 8], device=DEV, compiled=c)
+    forward = model.step_forward(kv, attn, options=CompileOptions("inductor"))
+    runner = GraphRunner(node, forward, buckets=[4, 8], device=DEV, compiled=forward if compiled else None)
     runner.warmup()
     return model, kv, node, runner
 
