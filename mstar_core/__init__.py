@@ -71,6 +71,7 @@ from mstar_core.registry import (
 )
 from mstar_core.registry.dense import dense_or_flashinfer, dense_selection
 from mstar_core.resource import BuildInfo, Resource
+from mstar_core.sampling import Sampler, SamplingParams
 from mstar_core.step import AdmitOutcome, AttentionStep, KVSpan, KVStep, Shortage, Step, StepContext
 from mstar_core.warmup import WarmedKernel, WarmupConfig, WarmupReport, warmup
 
@@ -161,6 +162,8 @@ __all__ = [
     "Registry",
     "Resource",
     "RowLayout",
+    "Sampler",
+    "SamplingParams",
     "Selection",
     "Shortage",
     "SpanLayout",

@@ -21,7 +21,7 @@ import torch
 from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.step import is_int
 
-__all__ = ["FILTERS", "SamplingParams", "check_sampling"]
+__all__ = ["FILTERS", "Sampler", "SamplingParams", "check_sampling"]
 
 # The filters a sampler can apply; a sampler built without one refuses requests that need it
 # (each costs work in every step: top-k and top-p sort the vocabulary).
@@ -112,3 +112,160 @@ def request_seed(params: SamplingParams) -> int:
     if params.seed is not None:
         return params.seed
     return int(torch.randint(0, 1 << 62, (), dtype=torch.int64))
+
+
+_MASK32 = 0xFFFFFFFF
+_MUL = 0x45D9F3B  # odd and < 2**31: a 32-bit value times it stays inside int64 (no signed overflow)
+
+
+def _mix32(h: torch.Tensor) -> torch.Tensor:
+    """A 32-bit integer hash of int64 values in 0..2**32-1 (xor-shift-multiply rounds)."""
+    h = h ^ (h >> 16)
+    h = (h * _MUL) & _MASK32
+    h = h ^ (h >> 16)
+    h = (h * _MUL) & _MASK32
+    return h ^ (h >> 16)
+
+
+def _fold_seed(seed: int) -> int:
+    """A 63-bit seed folded to the 32-bit key the hash takes."""
+    return (seed ^ (seed >> 32)) & _MASK32
+
+
+def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+    """One float32 in (0, 1) per row from its key and the position it draws at: the same pair
+    gives the same value on every device and in any batch."""
+    h = _mix32(keys ^ _mix32(positions.long() & _MASK32))
+    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+
+
+def _host_to(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list on ``device`` without waiting for the device: on CUDA through pinned
+    memory (the caching host allocator keeps it until the copy has run)."""
+    t = torch.tensor(values, dtype=dtype)
+    if device.type != "cuda":
+        return t.to(device)
+    return t.pin_memory().to(device, non_blocking=True)
+
+
+class Sampler:
+    """Next tokens from a step's logits, on the device, for up to ``max_rows`` requests at once.
+
+    Each request holds a slot of per-request tables (its parameters, its key, and with the
+    repetition penalty the tokens it has seen) from :meth:`admit` to :meth:`release`; before a
+    step, :meth:`set_rows` says which slot each row is (a static buffer a captured graph reads;
+    rows past the step's are padding and use the spare slot). ``filters``: the subset of
+    :data:`FILTERS` this sampler applies (temperature is always there)."""
+
+    def __init__(self, device: torch.device | str, max_rows: int, vocab: int,
+                 filters: Sequence[str] = FILTERS) -> None:
+        unknown = sorted(set(filters) - set(FILTERS))
+        if unknown:
+            raise InputError(f"Sampler: unknown filters {unknown}; the filters are {list(FILTERS)}")
+        if not is_int(max_rows) or max_rows < 1 or not is_int(vocab) or vocab < 1:
+            raise InputError(f"Sampler: max_rows and vocab must be ints >= 1, got {max_rows!r}, {vocab!r}")
+        self.device = torch.device(device)
+        self.filters = frozenset(filters)
+        self.vocab = vocab
+        slots = max_rows + 1  # the last is the padding rows'
+        self.pad = max_rows
+        dev = self.device
+        self.temperature = torch.zeros(slots, device=dev)
+        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
+        self.top_p = torch.ones(slots, device=dev)
+        self.min_p = torch.zeros(slots, device=dev)
+        self.penalty = torch.ones(slots, device=dev)
+        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)
+        penalize = "repetition_penalty" in self.filters
+        self.seen = torch.zeros(slots if penalize else 0, vocab, dtype=torch.bool, device=dev)
+        self.rows = torch.full((max_rows,), self.pad, dtype=torch.long, device=dev)
+        self._rows_key: tuple[int, ...] = ()
+        self._free = list(range(max_rows - 1, -1, -1))
+
+    def admit(self, params: SamplingParams, seed: int, context: Sequence[int]) -> int:
+        """A slot for a request drawing with ``params`` and ``seed``; ``context`` (its prompt) is
+        what the repetition penalty counts as seen. Refused, naming the option, when this sampler
+        lacks a filter the request needs."""
+        missing = sorted(params.filters() - self.filters)
+        if missing:
+            raise InputError(f"the engine's sampler was built without {missing} (filters {sorted(self.filters)}); "
+                             f"build it with EngineOptions(sampler=...) including them")
+        if not self._free:
+            raise StateError(f"Sampler: all {self.pad} slots are held (release finished requests first)")
+        slot = self._free.pop()
+        i = torch.tensor([slot], device=self.device)
+        values = [params.temperature, params.top_p, params.min_p, params.repetition_penalty]
+        t, p, m, r = _host_to(values, torch.float32, self.device).unbind()
+        self.temperature.index_copy_(0, i, t[None])
+        self.top_p.index_copy_(0, i, p[None])
+        self.min_p.index_copy_(0, i, m[None])
+        self.penalty.index_copy_(0, i, r[None])
+        k, key = _host_to([params.top_k, _fold_seed(seed)], torch.long, self.device).unbind()
+        self.top_k.index_copy_(0, i, k[None])
+        self.keys.index_copy_(0, i, key[None])
+        if self.seen.numel():
+            self.seen[slot] = False
+            ids = [t for t in context if 0 <= t < self.vocab]
+            if ids:
+                self.seen[slot, _host_to(ids, torch.long, self.device)] = True
+        return slot
+
+    def release(self, slot: int) -> None:
+        if slot not in self._free and 0 <= slot < self.pad:
+            self._free.append(slot)
+
+    def set_rows(self, slots: Sequence[int]) -> None:
+        """The slot of each row of the next step (in stream order: a step in flight keeps the
+        rows it was launched with)."""
+        key = tuple(slots)
+        if key == self._rows_key:
+            return
+        n = len(key)
+        if n > self.rows.numel():
+            raise InputError(f"Sampler.set_rows: {n} rows, the sampler holds {self.rows.numel()}")
+        self.rows[:n].copy_(_host_to(list(key), torch.long, self.device), non_blocking=True)
+        self.rows[n:].fill_(self.pad)
+        self._rows_key = key
+
+    def sample(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The next token of each row of ``logits [rows, vocab]``; ``positions[rows]``: the
+        position of each row's last input token (what makes each draw of a request distinct)."""
+        n = logits.shape[0]
+        rows = self.rows[:n]
+        x = logits.float()
+        if "repetition_penalty" in self.filters:
+            p = self.penalty[rows][:, None]
+            x = torch.where(self.seen[rows], torch.where(x > 0, x / p, x * p), x)
+        greedy = x.argmax(-1)
+        t = self.temperature[rows]
+        x = x / torch.where(t > 0, t, 1.0)[:, None]
+        u = uniforms(self.keys[rows], positions)
+        if self.filters & {"top_k", "top_p"}:
+            x = torch.where(self._ranked_keep(x, rows), x, torch.finfo(x.dtype).min)
+        probs = torch.softmax(x, -1)
+        if "min_p" in self.filters:
+            probs = torch.where(probs >= self.min_p[rows][:, None] * probs.amax(-1, keepdim=True), probs, 0.0)
+        # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
+        # which filters its batch-mates needed: the first token whose CDF reaches u of the kept
+        # mass (never one the filters zeroed).
+        cdf = probs.cumsum(-1)
+        picked = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous())[:, 0].clamp_max(x.shape[-1] - 1)
+        tokens = torch.where(t > 0, picked, greedy)
+        if "repetition_penalty" in self.filters:
+            self.seen[rows, tokens] = True
+        return tokens
+
+    def _ranked_keep(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Which tokens top-k and top-p keep, from the vocabulary sorted once per step."""
+        xs, order = x.sort(-1, descending=True)
+        keep = torch.ones_like(xs, dtype=torch.bool)
+        if "top_k" in self.filters:
+            k = self.top_k[rows][:, None]
+            kth = xs.gather(-1, (k - 1).clamp(0, x.shape[-1] - 1))
+            keep = (k == 0) | (xs >= kth)  # ties with the k-th stay, as transformers keeps them
+        if "top_p" in self.filters:
+            probs = torch.softmax(torch.where(keep, xs, torch.finfo(xs.dtype).min), -1)
+            before = probs.cumsum(-1) - probs  # what the more likely tokens already hold
+            top_p = self.top_p[rows][:, None]
+            keep = keep & ((before < top_p) | (top_p >= 1))  # 1 keeps all, even where the sum rounds past 1
+        return torch.zeros_like(keep).scatter_(-1, order, keep)

@@ -30,11 +30,14 @@ from mstar_core.integrations.transformers.probe import LayerAttention, ModelAtte
 from mstar_core.integrations.transformers.prompts import (
     check_arrivals,
     check_eos,
+    check_length,
     check_max_new,
     check_on_step,
     check_prompts,
+    check_stop,
 )
 from mstar_core.kv.paged import pages_for
+from mstar_core.sampling import SamplingParams, check_sampling
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +46,7 @@ __all__ = [
     "UnsupportedModel", "generate", "generate_report", "mstar_attention", "probe", "register", "run",
 ]
 
-RUN_OPTIONS = ("arrivals", "eos_token_id", "on_step")
+RUN_OPTIONS = ("arrivals", "eos_token_id", "on_step", "sampling", "stop")
 ENGINE_OPTIONS = tuple(f.name for f in fields(EngineOptions))
 
 register()
@@ -51,14 +54,18 @@ register()
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, backend: str | None = None,
              **options: Any) -> list[list[int]]:
-    """Greedy generation through mstar: ``prompts`` are token-id lists; returns each prompt's new
-    token ids (stopping after the model's end-of-sequence token, which is kept, as
-    ``model.generate`` does). ``backend``: a name or ``"auto"`` (None: config, env, then auto).
+    """Generation through mstar: ``prompts`` are token-id lists; returns each prompt's new token
+    ids (stopping after the model's end-of-sequence token, which is kept, as ``model.generate``
+    does). ``backend``: a name or ``"auto"`` (None: config, env, then auto). Greedy unless
+    ``sampling`` says otherwise.
 
     ``options``: :class:`EngineOptions` fields (``page_size``, ``max_pages`` (default: room for
     every prompt at once), ``max_batch_size``, ``max_prefill_tokens``, ``graphs``, ``buckets``,
-    ``kv_dtype``) and ``arrivals`` (the step each prompt joins at), ``eos_token_id`` (default the
-    model's generation config's; None to never stop early), ``on_step(done, total)``."""
+    ``kv_dtype``, ``compile``, ``sampler`` filters (default: what the requests need)) and
+    ``sampling`` (a :class:`~mstar_core.sampling.SamplingParams`, or one per prompt),
+    ``arrivals`` (the step each prompt joins at), ``eos_token_id`` (default the model's
+    generation config's; None to never stop early), ``on_step(done, total)``,
+    ``stop(i, ids) -> bool`` (after each new token of prompt ``i``; True ends it there)."""
     return generate_report(model, prompts, max_new_tokens, backend, **options).ids
 
 
@@ -74,17 +81,28 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     check_max_new(max_new_tokens)
     vocab = getattr(model.config, "vocab_size", None)
     prompts = check_prompts(prompts, vocab)
+    check_length(prompts, max_new_tokens, model.config)
     run_kw = {k: options.pop(k) for k in RUN_OPTIONS if k in options}
     if "eos_token_id" not in run_kw:
         gen = getattr(model, "generation_config", None)
         run_kw["eos_token_id"] = _model_eos(getattr(gen, "eos_token_id", None), vocab)
     eos = check_eos(run_kw["eos_token_id"], vocab)
     arrivals = check_arrivals(run_kw.get("arrivals"), len(prompts))
-    on_step = run_kw.get("on_step")
+    on_step, stop = run_kw.get("on_step"), run_kw.get("stop")
     check_on_step(on_step)
+    check_stop(stop)
+    sampling = check_sampling(run_kw.get("sampling"), len(prompts))
+    options.setdefault("sampler", _filters(sampling))
     engine_opts = _sized(prompts, max_new_tokens, options)
     with Engine(model, backend, engine_opts) as engine:
-        return run_checked(engine, prompts, max_new_tokens, arrivals, eos, on_step)
+        return run_checked(engine, prompts, max_new_tokens, arrivals, eos, on_step, sampling, stop)
+
+
+def _filters(sampling: list[SamplingParams]) -> tuple[str, ...] | None:
+    """The sampler these requests need: None where every one is plain greedy (an argmax)."""
+    if all(p == SamplingParams(seed=p.seed) for p in sampling):
+        return None
+    return tuple(sorted(set().union(*(p.filters() for p in sampling))))
 
 
 def _model_eos(eos: Any, vocab: int | None) -> Any:

@@ -1,14 +1,16 @@
-"""Greedy generation with continuous batching over an :class:`.engine.Engine`.
+"""Generation with continuous batching over an :class:`.engine.Engine`: greedy, or drawn per
+request by the engine's sampler (:mod:`mstar_core.sampling`) inside each step.
 
 Requests join at their arrival step and leave when done; a prompt waits while the pages it will
 need (prompt + new tokens) are not free, or while the step's prompt-token budget is spent. Each
 step packs every running request's next token and the joining prompts into one forward.
 
-The host never waits for a step before launching the next: the next step's input tokens are
-gathered on the device from the previous step's argmax, and a step's token ids are read (the only
-synchronisation) after the following step is launched. So with graphs the host plans step N+1
-while step N runs. The one cost: an end-of-sequence token is seen a step late, and the token its
-request computed meanwhile is dropped.
+On CUDA the host never waits for a step before launching the next: the next step's input tokens
+are gathered on the device from the previous step's tokens, and a step's token ids are read (the
+only synchronisation) after the following step is launched. So with graphs the host plans step
+N+1 while step N runs. The one cost: an end-of-sequence token (or a stop) is seen a step late,
+and the token its request computed meanwhile is dropped. Elsewhere a step has run when its launch
+returns, so its tokens are read at once.
 """
 
 from __future__ import annotations
@@ -28,11 +30,14 @@ from mstar_core.integrations.transformers.generation import Generation, StepReco
 from mstar_core.integrations.transformers.prompts import (
     check_arrivals,
     check_eos,
+    check_length,
     check_max_new,
     check_on_step,
     check_prompts,
+    check_stop,
 )
 from mstar_core.kv.paged import pages_for
+from mstar_core.sampling import SamplingParams, check_sampling, request_seed
 from mstar_core.step import KVSpan, KVStep, Step
 
 log = logging.getLogger(__name__)
@@ -45,6 +50,9 @@ class _Request:
     max_new: int
     arrives: int
     pages: int  # what it holds at most: prompt + new tokens
+    params: SamplingParams
+    seed: int
+    slot: int | None = None  # its sampler slot, from joining to leaving
     launched: int = 0  # tokens whose step was launched
     generated: list[int] = field(default_factory=list)
     stopped: bool = False  # produced an end-of-sequence token
@@ -65,39 +73,63 @@ class _Launched(NamedTuple):
     """A launched step whose token ids the host has not read yet."""
 
     rows: list[_Request]
-    toks: torch.Tensor  # [rows] argmax, on the device
-    host: torch.Tensor  # the same ids, copied to (pinned) host memory as soon as the argmax is done
-    ready: torch.cuda.Event | None  # recorded after that copy (None off CUDA)
+    toks: torch.Tensor  # [rows] next tokens, on the device
+    host: torch.Tensor  # the same ids, copied to (pinned) host memory as soon as they are drawn
+    ready: torch.cuda.Event | None  # recorded after that copy, timed (None off CUDA)
+    done_s: float  # off CUDA: when the step had run (from the start of the run); on CUDA, from ``ready``
     kind: str
     graph: bool
     tokens: int
 
 
+Stop = Callable[[int, list[int]], bool]
+
+
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
-        on_step: Callable[[int, int], None] | None = None) -> Generation:
-    """Generate ``max_new_tokens`` greedy tokens per prompt (fewer where an end-of-sequence token
-    comes first). ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
-    ``on_step(done, total)`` is called after each step with the tokens produced so far.
-    Whatever happens, every request is removed from the engine's resources on return."""
+        on_step: Callable[[int, int], None] | None = None,
+        sampling: SamplingParams | Sequence[SamplingParams] | None = None, stop: Stop | None = None) -> Generation:
+    """Generate ``max_new_tokens`` tokens per prompt (fewer where an end-of-sequence token or a
+    stop comes first): greedy, or drawn with ``sampling`` (one :class:`SamplingParams` for all,
+    or one per prompt; the engine needs a sampler for it: ``EngineOptions(sampler=...)``).
+    ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
+    ``on_step(done, total)`` is called after each step with the tokens produced so far;
+    ``stop(i, ids)`` after each new token of prompt ``i`` (``ids``: its new tokens so far), True
+    ending that request there. Whatever happens, every request is removed from the engine's
+    resources on return."""
     engine.check_open()
     vocab = getattr(engine.model.config, "vocab_size", None)
     check_max_new(max_new_tokens)
     prompts = check_prompts(prompts, vocab)
+    check_length(prompts, max_new_tokens, engine.model.config)
     check_on_step(on_step)
+    check_stop(stop)
     return run_checked(engine, prompts, max_new_tokens, check_arrivals(arrivals, len(prompts)),
-                       check_eos(eos_token_id, vocab), on_step)
+                       check_eos(eos_token_id, vocab), on_step, check_sampling(sampling, len(prompts)), stop)
 
 
 def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, arrivals: list[int], eos: set[int],
-                on_step: Callable[[int, int], None] | None) -> Generation:
+                on_step: Callable[[int, int], None] | None, sampling: list[SamplingParams] | None = None,
+                stop: Stop | None = None) -> Generation:
     """:func:`run` for inputs already checked where they entered (``check_prompts``,
-    ``check_max_new``, ``check_arrivals``, ``check_eos``, ``check_on_step``): ``generate``
-    checks them before it builds the engine."""
+    ``check_length``, ``check_max_new``, ``check_arrivals``, ``check_eos``, ``check_on_step``,
+    ``check_sampling``, ``check_stop``): ``generate`` checks them before it builds the engine."""
     engine.check_open()
     o, ps = engine.options, engine.options.page_size
-    reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps))
-            for i, (p, a) in enumerate(zip(prompts, arrivals, strict=True))]
+    params = sampling or [SamplingParams()] * len(prompts)
+    if engine.sampler is None:
+        drawn = [i for i, p in enumerate(params) if p != SamplingParams(seed=p.seed)]
+        if drawn:
+            raise InputError(f"generate: prompts {drawn[:5]} sample (temperature or repetition penalty), but the "
+                             "engine was built without a sampler: build it with EngineOptions(sampler=(...filters))")
+    else:
+        for i, p in enumerate(params):
+            missing = sorted(p.filters() - engine.sampler.filters)
+            if missing:
+                raise InputError(f"generate: prompt {i} needs the sampler's filters {missing}; the engine's has "
+                                 f"{sorted(engine.sampler.filters)} (EngineOptions(sampler=...))")
+    reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps), sp, request_seed(sp))
+            for i, (p, a, sp) in enumerate(zip(prompts, arrivals, params, strict=True))]
     assert o.max_pages is not None
     for r in reqs:
         if r.pages > o.max_pages:
@@ -107,13 +139,13 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, a
             raise InputError(f"generate: prompt {r.index} has {len(r.prompt)} tokens, more than max_prefill_tokens "
                              f"{o.max_prefill_tokens} (one step's prompt tokens); raise max_prefill_tokens")
     with torch.no_grad():
-        return _Loop(engine, reqs, eos, on_step).run()
+        return _Loop(engine, reqs, eos, on_step, stop).run()
 
 
 class _Loop:
     def __init__(self, engine: Engine, reqs: list[_Request], eos: set[int],
-                 on_step: Callable[[int, int], None] | None) -> None:
-        self.e, self.eos, self.on_step = engine, eos, on_step
+                 on_step: Callable[[int, int], None] | None, stop: Stop | None) -> None:
+        self.e, self.eos, self.on_step, self.stop = engine, eos, on_step, stop
         self.pending = sorted(reqs, key=lambda r: r.arrives)
         self.reqs = reqs
         self.active: list[_Request] = []  # joined, not yet removed
@@ -124,21 +156,30 @@ class _Loop:
         self._last_key: list[int] = []
         self._last: tuple[Step, str] | None = None
         self.produced = 0  # tokens appended to the requests' outputs so far
+        # On CUDA a step's end is read from a timed event, against this one recorded at the start.
+        self._origin: torch.cuda.Event | None = None
 
     def run(self) -> Generation:
         e = self.e
+        if e.device.type == "cuda":
+            self._origin = torch.cuda.Event(enable_timing=True)
+            self._origin.record()
         self.t0 = time.perf_counter()
-        inflight: _Launched | None = None
+        inflight: _Launched | None = None  # launched, not read
+        last: _Launched | None = None  # the last step launched: the next one's decode tokens come from it
         step_no = 0
         limit = 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000
         total = sum(r.max_new for r in self.reqs)
         try:
             while self.pending or self.active or inflight:
                 self._arrive(step_no)
-                launched = self._launch(inflight)
+                launched = self._launch(last)
                 if inflight is not None:
                     self._read(inflight)
-                inflight = launched
+                inflight = last = launched
+                if inflight is not None and inflight.ready is None:
+                    self._read(inflight)  # it has run: nothing to overlap, nothing to drop
+                    inflight = None
                 self._leave(inflight.rows if inflight else [])
                 step_no += 1
                 if self.on_step is not None:
@@ -154,6 +195,8 @@ class _Loop:
                 for rid in list(self.ingested):
                     e.node.remove_request(rid)
                     self.ingested.discard(rid)
+                for r in self.reqs:
+                    self._release(r)
         seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
                           tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device),
@@ -178,6 +221,8 @@ class _Loop:
                 if r.rid not in self.ingested:
                     self.ingested.add(r.rid)  # first: removal is idempotent, a missed one leaks
                     e.node.ingest_request(r.rid)
+                if e.sampler is not None and r.slot is None:
+                    r.slot = e.sampler.admit(r.params, r.seed, r.prompt)
             step, kind = self._step(rows)
             prep = e.runner.prepare(step)
             if prep.outcome:
@@ -189,19 +234,22 @@ class _Loop:
             joining.pop()
             self.waits += 1
         tokens = self._tokens(decode, joining, inflight)
+        if e.sampler is not None:
+            e.sampler.set_rows([r.slot for r in rows if r.slot is not None])
         out = e.runner.launch(prep, tokens)
-        toks = out[: len(rows)].argmax(-1)
-        # Copied to the host now, in stream order right behind the argmax: a plain read later
+        toks = out[: len(rows)]
+        # Copied to the host now, in stream order right behind the draw: a plain read later
         # would queue behind the next step's replay and make the host wait for it too.
         host, ready = toks, None
         if toks.device.type == "cuda":
             host = torch.empty(toks.shape, dtype=toks.dtype, pin_memory=True)
             host.copy_(toks, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(enable_timing=True)
             ready.record()
         for r in rows:
             r.launched += 1
-        return _Launched(rows, toks, host, ready, kind, prep.graph is not None, len(tokens))
+        return _Launched(rows, toks, host, ready, time.perf_counter() - self.t0, kind, prep.graph is not None,
+                         len(tokens))
 
     def _step(self, rows: list[_Request]) -> tuple[Step, str]:
         """The step of ``rows`` and its kind; a decode step of the same rows as the last one is
@@ -253,19 +301,21 @@ class _Loop:
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _read(self, step: _Launched) -> None:
+        done_s = step.done_s
         if step.ready is not None:
             step.ready.synchronize()  # the one wait: for this step only (the next is already queued)
+            assert self._origin is not None
+            done_s = self._origin.elapsed_time(step.ready) / 1e3  # when the device finished it
         ids = step.host.tolist()
-        now = time.perf_counter()
-        self.steps.append(StepRecord(step.kind, len(step.rows), step.tokens, step.graph, now - self.t0))
+        self.steps.append(StepRecord(step.kind, len(step.rows), step.tokens, step.graph, done_s))
         for r, t in zip(step.rows, ids, strict=True):
             if r.stopped:
-                continue  # computed before its end-of-sequence token was seen: dropped
+                continue  # computed before its end-of-sequence token or stop was seen: dropped
             r.generated.append(t)
             self.produced += 1
             if r.first_token_s is None:
-                r.first_token_s = now - r.joined_at
-            if t in self.eos:
+                r.first_token_s = max(done_s - (r.joined_at - self.t0), 0.0)
+            if t in self.eos or (self.stop is not None and self.stop(r.index, list(r.generated))):
                 r.stopped = True
 
     def _leave(self, launched_rows: list[_Request]) -> None:
@@ -275,3 +325,9 @@ class _Loop:
             self.active.remove(r)
             self.e.node.remove_request(r.rid)
             self.ingested.discard(r.rid)
+            self._release(r)
+
+    def _release(self, r: _Request) -> None:
+        if r.slot is not None and self.e.sampler is not None:
+            self.e.sampler.release(r.slot)
+        r.slot = None

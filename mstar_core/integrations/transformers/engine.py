@@ -34,6 +34,7 @@ from mstar_core.integrations.transformers.probe import (
 from mstar_core.kv import KVConfig, KVManager
 from mstar_core.memory import check_fits
 from mstar_core.node import Node
+from mstar_core.sampling import FILTERS, Sampler
 from mstar_core.step import AttentionStep, StepContext, is_int
 
 log = logging.getLogger(__name__)
@@ -59,6 +60,9 @@ class EngineOptions:
     # None (where the model allows, else a warning), False. It turns the graph path on.
     compile: bool | None = False
     compile_backend: str = "inductor"
+    # Tokens drawn on the device inside each step (:class:`~mstar_core.sampling.Sampler`) with these
+    # filters of FILTERS (an empty tuple: temperature only); None: greedy argmax, no sampler.
+    sampler: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
@@ -73,6 +77,12 @@ class EngineOptions:
         if self.buckets is not None:
             object.__setattr__(self, "buckets", check_buckets(self.buckets, "mstar generate"))
         compile_options(self.compile, self.compile_backend, "mstar generate")  # refused here, not at warm-up
+        if self.sampler is not None:
+            if isinstance(self.sampler, (str, bytes)) or not isinstance(self.sampler, (tuple, list, set, frozenset)) \
+                    or set(self.sampler) - set(FILTERS):
+                raise InputError(f"mstar generate: sampler must be None (greedy) or filters from {list(FILTERS)}, "
+                                 f"got {self.sampler!r}")
+            object.__setattr__(self, "sampler", tuple(sorted(self.sampler)))
         if self.compile is not False and self.graphs is False:
             raise InputError("mstar generate: compile compiles the graph steps (one graph per bucket), but graphs is "
                              "False; leave graphs at None (compile turns the graph path on) or True")
@@ -105,6 +115,13 @@ class _Switch:
 # switches the model back, so closing one never pulls attention from under another still running.
 _SWITCHES: weakref.WeakKeyDictionary[Any, _Switch] = weakref.WeakKeyDictionary()
 _SWITCH_LOCK = threading.Lock()
+
+
+def _output_width(model: Any) -> int:
+    """The width of the model's logits (its LM head's rows; a config's vocab_size may be smaller)."""
+    head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
+    weight = getattr(head, "weight", None)
+    return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(model.config.vocab_size)
 
 
 def check_model(model: Any) -> None:
@@ -226,6 +243,8 @@ class Engine:
                 max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features, backend_name=sel.name)
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
+            self.sampler = None if o.sampler is None else Sampler(
+                self.device, o.max_batch_size, _output_width(model), o.sampler)
             # One sm_scale for every layer (the probe refuses a model whose layers differ).
             self.step_attn = AttentionStep(sm_scale=a.sm_scale)
             compiled = None if compiling is None else CompiledForward(
@@ -281,20 +300,28 @@ class Engine:
         return self.attn.run(q, LABEL, self.kv.layer_view(i), k=k, v=v, layer_idx=i, sinks=kwargs.get("s_aux"))
 
     def _forward(self, ctx: StepContext, tokens: torch.Tensor) -> torch.Tensor:
-        """Logits of the step's last token per row, ``[rows, vocab]`` (a graph step: every row is
-        one token, padded to the bucket)."""
+        """The next token of each row, ``[rows]``, from the logits of its last token (a graph
+        step: every row is one token, padded to the bucket)."""
         self._check_switched()
         lay = ctx.plan_results[self.kv.name].layout(LABEL)
         keep: int | torch.Tensor = 0  # every token (one per row)
+        positions = lay.positions
         if ctx.bucket is None and lay.num_tokens != len(lay.spans):
             # Prompt rows: only each row's last token reaches the LM head (a 512-token prompt's
             # full logits would be 512 x vocab).
             last = [s.q_start + s.to_compute - 1 for s in lay.spans]
             keep = torch.tensor(last, device=self.device)
+            positions = positions[keep]
         with bound(self):
             out = self.model(input_ids=tokens[None], position_ids=lay.positions[None].long(), use_cache=False,
                              logits_to_keep=keep)
-        return out.logits[0]
+        return self._next_tokens(out.logits[0], positions)
+
+    def _next_tokens(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Greedy argmax, or the sampler's draw: inside the step, so a graph replays it too."""
+        if self.sampler is None:
+            return logits.argmax(-1)
+        return self.sampler.sample(logits, positions)
 
     def _check_switched(self) -> None:
         impl = getattr(self.model.config, "_attn_implementation", None)
@@ -308,11 +335,11 @@ class Engine:
         return tokens, ctx.plan_results[self.kv.name].layout(LABEL).positions
 
     def _body(self, tokens: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """A graph step's logits ``[rows, vocab]`` from tensors alone (what ``torch.compile`` traces):
+        """A graph step's next tokens ``[rows]`` from tensors alone (what ``torch.compile`` traces):
         the binding goes down as a keyword, and every row's one token reaches the LM head."""
         out = self.model(input_ids=tokens[None], position_ids=positions[None].long(), use_cache=False,
                          logits_to_keep=0, **{BINDING_KWARG: self})
-        return out.logits[0]
+        return self._next_tokens(out.logits[0], positions)
 
     def check_open(self) -> None:
         """Refuse to run a closed engine (its cache is freed; the model may run other attention)."""

@@ -1,6 +1,7 @@
-"""The checks ``generate`` applies where its inputs enter: prompts, token budget, arrivals and
-end-of-sequence ids. Ints are ints (:func:`~mstar_core.step.is_int`): ``1.9``, ``"1"`` or ``True``
-are refused, never rounded or parsed."""
+"""The checks ``generate`` applies where its inputs enter: prompts, token budget and the model's
+positions, arrivals, end-of-sequence ids and callbacks. Ints are ints
+(:func:`~mstar_core.step.is_int`): ``1.9``, ``"1"`` or ``True`` are refused, never rounded or
+parsed."""
 
 from __future__ import annotations
 
@@ -33,6 +34,26 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
             raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside {_vocab(vocab)}")
         out.append(ids)
     return out
+
+
+def check_length(prompts: list[list[int]], max_new_tokens: int, config: object) -> None:
+    """Every prompt and its new tokens within the model's ``max_position_embeddings`` (the longest
+    sequence it was built for), refused before any cache is sized for it."""
+    limit = getattr(config, "max_position_embeddings", None)
+    if not is_int(limit) or limit < 1:
+        return
+    longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
+    need = len(prompts[longest]) + max_new_tokens
+    if need > limit:
+        raise InputError(f"generate: prompts[{longest}] ({len(prompts[longest])} tokens) + max_new_tokens "
+                         f"{max_new_tokens} = {need} positions, more than the model's max_position_embeddings "
+                         f"{limit}; lower max_new_tokens to at most {max(limit - len(prompts[longest]), 0)}"
+                         " or shorten the prompt")
+
+
+def check_stop(stop: object) -> None:
+    if stop is not None and not callable(stop):
+        raise InputTypeError(f"generate: stop must be a callable stop(index, ids) -> bool or None, got {stop!r:.60}")
 
 
 def check_max_new(max_new_tokens: object) -> None:

@@ -137,10 +137,24 @@ def test_graphs_by_default_without_room_for_the_widest_bucket_run_eagerly(monkey
     assert "graphs off: graphs capture batches of up to 4 rows" in caplog.text and "max_pages is 4" in caplog.text
 
 
+def test_new_tokens_past_the_models_positions_are_refused_naming_the_bound(monkeypatch):
+    model, prompts, _ = model_and_reference()
+    limit = model.config.max_position_embeddings
+    built = []
+    monkeypatch.setattr(Engine, "__init__", lambda *a, **k: built.append(1))  # must not be reached
+    with pytest.raises(ValueError, match=rf"prompts\[1\] \(3 tokens\) \+ max_new_tokens {limit} = {limit + 3} "
+                                         rf"positions, more than the model's max_position_embeddings {limit}; "
+                                         rf"lower max_new_tokens to at most {limit - 3}"):
+        generate(model, [[1, 2], [1, 2, 3]], limit, backend="reference")
+    assert built == []
+    untouched(model)
+
+
 def test_a_cache_larger_than_memory_is_refused_before_it_is_allocated(monkeypatch):
     import mstar_core.memory as memory
 
     model, prompts, _ = model_and_reference()
+    monkeypatch.setattr(model.config, "max_position_embeddings", 2 * 10**9)  # a context longer than memory holds
     monkeypatch.setattr(memory, "available_bytes", lambda device: 16 << 30)  # any machine's, not this one's
     with pytest.raises(ValueError, match=r"Engine: the KV cache of max_pages 62500002 x page_size 16 .* max_new_tokens"
                                          r".* needs about 3\.7 TiB, more than the 16\.0 GiB available on cpu"):

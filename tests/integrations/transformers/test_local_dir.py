@@ -105,7 +105,6 @@ def test_graph_steps_on_cpu_are_not_called_cuda_graphs(model_dir, capsys):
     assert "through the graph path on cpu (no CUDA graphs: each replay re-runs the forward)" in out
 
 
-def test_a_cache_past_the_memory_is_refused_naming_max_new_tokens(model_dir, capsys):
+def test_new_tokens_past_the_models_positions_are_refused_naming_max_new_tokens(model_dir, capsys):
     err = _generate_fails(capsys, model_dir, "--max-new-tokens", str(10**13))
-    assert "Engine: the KV cache of max_pages" in err and "max_new_tokens" in err
-    assert "more than the" in err and "available on cpu" in err
+    assert "more than the model's max_position_embeddings" in err and "lower max_new_tokens" in err
