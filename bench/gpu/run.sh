@@ -37,10 +37,12 @@
 #                       warm: the call that brings the last part joins and checks it into /tmp/smollm2
 #   compiled            as transformers (on that machine for SmolLM2): compiled steps' GPU tests and
 #                       bench/compiled_decode.py (MODELS=smollm2,llama1b by default; SmolLM2 where /tmp/smollm2 holds it)
+#   sampling            as transformers: the sampler's GPU tests and bench/sampled_decode.py (sampled against
+#                       greedy decode steps inside graphs)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -194,6 +196,11 @@ compiled)
   gpu_tests 200 tests tests/compiling tests/integrations/transformers/test_compiled.py
   smol=(); [ -f /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && smol=(--smol /tmp/smollm2)
   T 540 compiled_decode python3 bench/compiled_decode.py --out "$R" --models "${MODELS:-smollm2,llama1b}" "${smol[@]}"
+  flashinfer_modules_out "$FI" ;;
+sampling)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  gpu_tests 150 tests tests/sampling
+  T 420 sampled_decode python3 bench/sampled_decode.py --out "$R"
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac
