@@ -179,6 +179,7 @@ class Sampler:
         penalize = "repetition_penalty" in self.filters
         self.seen = torch.zeros(slots if penalize else 0, vocab, dtype=torch.bool, device=dev)
         self.rows = torch.full((max_rows,), self.pad, dtype=torch.long, device=dev)
+        self._true = torch.ones((), dtype=torch.bool, device=dev)
         self._rows_key: tuple[int, ...] = ()
         self._free = list(range(max_rows - 1, -1, -1))
 
@@ -252,7 +253,8 @@ class Sampler:
         picked = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous())[:, 0].clamp_max(x.shape[-1] - 1)
         tokens = torch.where(t > 0, picked, greedy)
         if "repetition_penalty" in self.filters:
-            self.seen[rows, tokens] = True
+            # A device value: a Python True would be copied from the host, which a capture refuses.
+            self.seen.index_put_((rows, tokens), self._true)
         return tokens
 
     def _ranked_keep(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
