@@ -48,17 +48,18 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="with --chat: a system message before each chat (a \"messages\" line that starts with its "
                      "own system message keeps it)")
     out = p.add_argument_group("generation")
-    out.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
+    out.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt (default 32)")
     out.add_argument("--stop", action="append", metavar="STRING",
                      help="end a request at the token that completes STRING; its text is cut before STRING "
                      "(repeatable)")
     out.add_argument("--ignore-eos", action="store_true", help="never stop at the end-of-sequence token")
-    out.add_argument("--temperature", type=float, help="sampling temperature (default 0: greedy)")
-    out.add_argument("--top-k", type=int, help="sample from the K likeliest tokens (default 0: all)")
-    out.add_argument("--top-p", type=float, help="sample from the likeliest tokens holding P of the mass (default 1)")
-    out.add_argument("--min-p", type=float,
+    out.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 0: greedy)")
+    out.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens (default 0: all)")
+    out.add_argument("--top-p", type=float, metavar="P",
+                     help="sample from the likeliest tokens holding P of the mass (default 1)")
+    out.add_argument("--min-p", type=float, metavar="P",
                      help="drop tokens less likely than P times the likeliest (default 0: none)")
-    out.add_argument("--repetition-penalty", type=float,
+    out.add_argument("--repetition-penalty", type=float, metavar="R",
                      help="> 1 discourages tokens already in the prompt or output (default 1: none)")
     out.add_argument("--sampling-seed", type=int, metavar="S",
                      help="prompt i draws with seed S+i, the same tokens alone or in any batch (default: seeds from "

@@ -179,19 +179,14 @@ def test_engine_sizes_change_nothing_in_the_ids(saved, capsys):
     assert small["ids"] == base and small["steps"]["mixed"] == 0  # one request a step: never prefill with decode
 
 
-def _stop_word(words: list[str], k: int) -> str:
-    """The k-th generated word, when it first shows up there (the text is cut at its first match)."""
-    assert " ".join(words[:k]).find(words[k]) < 0
-    return words[k]
-
-
 def test_stop_ends_at_the_token_completing_it_and_cuts_the_text(saved, capsys):
     d, _ = saved
     argv = ["--prompt", "the cat", "--max-new-tokens", "12", "--ignore-eos"]
     full = run_json(capsys, d, *argv)["prompts"][0]
     words = full["generated_text"].split()
-    k = next(i for i in range(1, len(words)) if " ".join(words[:i]).find(words[i]) < 0)
-    out = run_json(capsys, d, *argv, "--stop", _stop_word(words, k), "--stop", "never-said")
+    # the first word after the first that the text before it does not hold (the cut is at the first match)
+    k = next(i for i in range(1, len(words)) if words[i] not in " ".join(words[:i]))
+    out = run_json(capsys, d, *argv, "--stop", words[k], "--stop", "never-said")
     row = out["prompts"][0]
     assert row["generated_ids"] == full["generated_ids"][: k + 1] and row["finish"] == "stop"
     assert row["generated_text"] == " ".join(words[:k]) + " "
