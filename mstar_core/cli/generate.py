@@ -1,4 +1,6 @@
-"""``mstar generate``: a local transformers model's greedy generation through mstar."""
+"""``mstar generate``: a local transformers model (a directory or a GGUF file) generating through
+mstar. Everything that can be checked without the weights (flags, prompt files, token ids against
+the vocabulary, lengths against the model's positions) is checked before they load."""
 
 from __future__ import annotations
 
@@ -10,8 +12,10 @@ import time
 from typing import Any
 
 from mstar_core.cli.demo import check_seed
+from mstar_core.cli.generate_inputs import check_fits, check_flags, encode_all, sampling_from
 from mstar_core.cli.options import add_compile, add_config, check_device, config_from
-from mstar_core.errors import InputError, StateError
+from mstar_core.cli.prompt_input import Prompt, gather
+from mstar_core.errors import StateError
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 
@@ -19,40 +23,67 @@ PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
 def register(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "generate",
-        help="greedy generation of a local transformers model through mstar",
+        help="generation of a local transformers model (directory or GGUF file) through mstar",
         description="Load a causal LM from a local directory (config.json; safetensors weights when present, "
-        "else random weights from --seed; nothing is downloaded), switch its attention to mstar and generate "
-        "greedily with continuous batching. Prints the backend, steps by kind, tokens/s and the generated ids "
-        "(and text, with a tokenizer). Needs the transformers extra: pip install '.[transformers]' in a clone "
-        "of mstar.",
+        "else random weights from --seed) or a .gguf file (nothing is downloaded), switch its attention to mstar "
+        "and generate with continuous batching (greedy unless sampling flags are given). Prints the load time, "
+        "the backend, steps by kind, tokens/s and each prompt's generated ids and text. Needs the transformers "
+        "extra: pip install '.[transformers]' in a clone of mstar.",
     )
-    p.add_argument("model", help="local model directory (config.json, optional *.safetensors and tokenizer)")
-    p.add_argument("--prompt", action="append", required=True, metavar="P",
-                   help="a prompt: token ids (\"1,2,3\" or \"1 2 3\"), or text when the directory has a tokenizer; "
-                   "repeat for several requests")
-    p.add_argument("--max-new-tokens", type=int, default=32, help="new tokens per prompt (default 32)")
-    p.add_argument("--backend", default=None,
-                   help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
-    p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
-    p.add_argument("--dtype", default="auto",
-                   help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
-    p.add_argument("--seed", type=int, default=0, help="random weights' seed when the directory has none (default 0)")
-    p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
-                   help="replay decode steps from CUDA graphs (default: on for CUDA); on a CPU the graph path "
-                   "runs without CUDA graphs, each replay re-running the forward")
-    add_compile(p, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
+    p.add_argument("model", help="a local model directory (config.json, optional *.safetensors and tokenizer), a "
+                   ".gguf file, or a directory holding one .gguf file")
+    src = p.add_argument_group("prompts (text unless --ids)")
+    src.add_argument("--prompt", action="append", metavar="TEXT",
+                     help="a prompt; repeat for several requests (token ids with --ids)")
+    src.add_argument("--prompt-file", action="append", metavar="PATH",
+                     help="prompts from a file: one a line (blank lines skipped; token ids with --ids), or a .jsonl "
+                     "file whose lines are {\"prompt\": TEXT}, {\"messages\": [{\"role\": ..., \"content\": ...}]} "
+                     "(always through the chat template) or {\"ids\": [1, 2]}; repeatable, read after --prompt")
+    src.add_argument("--ids", action="store_true",
+                     help="--prompt values and prompt-file lines are token ids (\"1,2,3\" or \"1 2 3\"), not text")
+    src.add_argument("--chat", action="store_true",
+                     help="put each text prompt through the tokenizer's chat template as a user message, with the "
+                     "assistant's turn opened")
+    src.add_argument("--system", metavar="TEXT",
+                     help="with --chat: a system message before each chat (a \"messages\" line that starts with its "
+                     "own system message keeps it)")
+    out = p.add_argument_group("generation")
+    out.add_argument("--max-new-tokens", type=int, default=32, metavar="N", help="new tokens per prompt (default 32)")
+    out.add_argument("--stop", action="append", metavar="STRING",
+                     help="end a request at the token that completes STRING; its text is cut before STRING "
+                     "(repeatable)")
+    out.add_argument("--ignore-eos", action="store_true", help="never stop at the end-of-sequence token")
+    out.add_argument("--temperature", type=float, metavar="T", help="sampling temperature (default 0: greedy)")
+    out.add_argument("--top-k", type=int, metavar="K", help="sample from the K likeliest tokens (default 0: all)")
+    out.add_argument("--top-p", type=float, metavar="P",
+                     help="sample from the likeliest tokens holding P of the mass (default 1)")
+    out.add_argument("--min-p", type=float, metavar="P",
+                     help="drop tokens less likely than P times the likeliest (default 0: none)")
+    out.add_argument("--repetition-penalty", type=float, metavar="R",
+                     help="> 1 discourages tokens already in the prompt or output (default 1: none)")
+    out.add_argument("--sampling-seed", type=int, metavar="S",
+                     help="prompt i draws with seed S+i, the same tokens alone or in any batch (default: seeds from "
+                     "torch's default generator)")
+    eng = p.add_argument_group("engine")
+    eng.add_argument("--backend", default=None,
+                     help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
+    eng.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default cpu)")
+    eng.add_argument("--dtype", default="auto",
+                     help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16, float16")
+    eng.add_argument("--seed", type=int, default=0,
+                     help="random weights' seed when the directory has none (default 0)")
+    eng.add_argument("--batch-size", type=int, metavar="N",
+                     help="requests in one step at most (default: every prompt, at most 64)")
+    eng.add_argument("--page-size", type=int, metavar="N", help="tokens per KV page (default 16)")
+    eng.add_argument("--max-pages", type=int, metavar="N",
+                     help="KV pages in the cache (default: room for every prompt at once)")
+    eng.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
+                     help="replay decode steps from CUDA graphs (default: on for CUDA); on a CPU the graph path "
+                     "runs without CUDA graphs, each replay re-running the forward")
+    add_compile(eng, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
     p.set_defaults(func=run)
-
-
-def _prompt_ids(text: str, tokenizer: Any) -> list[int]:
-    parts = text.replace(",", " ").split()
-    if parts and all(x.lstrip("-").isdigit() for x in parts):
-        return [int(x) for x in parts]
-    if tokenizer is None:
-        raise InputError(f"prompt {text!r} is not token ids (\"1,2,3\") and the model directory has no tokenizer")
-    return list(tokenizer(text, add_special_tokens=False)["input_ids"])
 
 
 class _Progress:
@@ -68,46 +99,100 @@ class _Progress:
             print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
-def run(args: argparse.Namespace) -> int:
-    check_seed(args.seed, "generate")
-    device = check_device(args.device, "generate")
-    config = config_from(args)  # before the model loads: a typo fails fast
-    if args.max_new_tokens < 1:
-        raise InputError(f"generate: --max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if importlib.util.find_spec("transformers") is None:
-        raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
-    from mstar_core.integrations.transformers import generate_report
-    from mstar_core.integrations.transformers.local import load
-    from mstar_core.resource import resolve_dtype
+def _options(args: argparse.Namespace, config: Any, count: int, tokenizer: Any) -> dict[str, Any]:
+    """``generate_report``'s options for these flags; only what a flag asks for is passed."""
+    from mstar_core.integrations.transformers.text import StopStrings
 
-    dtype = resolve_dtype(args.dtype, device)
-    model, tokenizer, weights = load(args.model, str(device), dtype, args.seed)
-    prompts = [_prompt_ids(p, tokenizer) for p in args.prompt]
     options: dict[str, Any] = {"on_step": _Progress(), "config": config}
+    for flag, name in (("batch_size", "max_batch_size"), ("page_size", "page_size"), ("max_pages", "max_pages")):
+        if getattr(args, flag) is not None:
+            options[name] = getattr(args, flag)
     if args.graphs is not None:
         options["graphs"] = args.graphs
     if args.compile:
         options.update(compile=True, compile_backend=args.compile_backend)
-    rep = generate_report(model, prompts, args.max_new_tokens, args.backend, **options)
-    texts = [tokenizer.decode(ids) for ids in rep.ids] if tokenizer is not None else None
+    if args.ignore_eos:
+        options["eos_token_id"] = None
+    sampling = sampling_from(args, count)
+    if sampling is not None:
+        options["sampling"] = sampling
+    if args.stop:
+        options["stop"] = StopStrings(tokenizer, args.stop)
+    return options
+
+
+def _eos(model: Any, ignore: bool) -> set[int]:
+    eos = None if ignore else getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    return set() if eos is None else {eos} if isinstance(eos, int) else set(eos)
+
+
+def _results(prompts: list[Prompt], ids: list[list[int]], rep: Any, tokenizer: Any, stop: Any, eos: set[int],
+             max_new: int) -> list[dict[str, Any]]:
+    from mstar_core.integrations.transformers.text import decode
+
+    out = []
+    for p, prompt_ids, new, ttft in zip(prompts, ids, rep.ids, rep.first_token_s, strict=True):
+        text, stopped = (decode(tokenizer, new), False) if tokenizer is not None else (None, False)
+        if stop is not None and text is not None:
+            text, stopped = stop.cut(text)
+        # short of max_new without an end-of-sequence token: the stop check ended it
+        finish = "eos" if not stopped and new and new[-1] in eos else \
+            "length" if not stopped and len(new) >= max_new else "stop"
+        row: dict[str, Any] = {"source": p.where, "text": p.text, "ids": prompt_ids, "generated_ids": new,
+                               "generated_text": text, "finish": finish, "first_token_s": ttft}
+        if p.messages is not None:
+            row["messages"] = p.messages
+        out.append(row)
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    check_seed(args.seed, "generate")
+    device = check_device(args.device, "generate")
+    config = config_from(args)  # before the model loads: a typo fails fast
+    check_flags(args)
+    prompts = gather(args.prompt, args.prompt_file, args.ids)
+    if importlib.util.find_spec("transformers") is None:
+        raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
+    from mstar_core.integrations.transformers import generate_report
+    from mstar_core.integrations.transformers.local import read_config, read_model, read_tokenizer, resolve
+    from mstar_core.resource import resolve_dtype
+
+    dtype = resolve_dtype(args.dtype, device)
+    t0 = time.perf_counter()
+    source = resolve(args.model)
+    model_config = read_config(source)
+    tokenizer = read_tokenizer(source)
+    ids = encode_all(prompts, tokenizer, source, chat=args.chat, system=args.system)
+    check_fits(prompts, ids, model_config, args.max_new_tokens)
+    model, weights = read_model(source, model_config, str(device), dtype, args.seed)
+    load_s = time.perf_counter() - t0
+    options = _options(args, config, len(prompts), tokenizer)  # the progress line counts from here
+    rep = generate_report(model, ids, args.max_new_tokens, args.backend, **options)
+    rows = _results(prompts, ids, rep, tokenizer, options.get("stop"), _eos(model, args.ignore_eos),
+                    args.max_new_tokens)
+    ttft = sorted(rep.first_token_s)
+    dtype_name = str(dtype).replace("torch.", "")
     if args.json:
         out = {
             "model": args.model, "architecture": type(model).__name__, "weights": "loaded" if weights else "random",
-            "backend": rep.backend, "device": str(device), "dtype": str(dtype).replace("torch.", ""),
+            "backend": rep.backend, "device": str(device), "dtype": dtype_name, "load_seconds": load_s,
             "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
-            "tokens_per_s": rep.tokens_per_s, "compiled": rep.compiled, "ids": rep.ids,
+            "tokens_per_s": rep.tokens_per_s, "first_token_s_median": ttft[len(ttft) // 2],
+            "compiled": rep.compiled, "ids": rep.ids, "prompts": rows,
         }
-        if texts is not None:
-            out["texts"] = texts
+        if tokenizer is not None:
+            out["texts"] = [r["generated_text"] for r in rows]
         print(json.dumps(out, indent=2))
         return 0
-    source = "weights" if weights else f"random weights, seed {args.seed}"
-    print(f"model: {type(model).__name__} from {args.model} ({source}"
-          f", {str(dtype).replace('torch.', '')} on {device})")
+    what = ("GGUF weights" if source.gguf else "weights") if weights else f"random weights, seed {args.seed}"
+    print(f"model: {type(model).__name__} from {args.model} ({what}, {dtype_name} on {device}), "
+          f"loaded in {load_s:.2f} s")
     for line in rep.lines():
         print(line)
-    for i, ids in enumerate(rep.ids):
-        print(f"[{i}] {' '.join(map(str, ids))}")
-        if texts is not None:
-            print(f"[{i}] {texts[i]!r}")
+    for i, r in enumerate(rows):
+        print(f"[{i}] {' '.join(map(str, r['generated_ids']))}")
+        if r["generated_text"] is not None:
+            print(f"[{i}] {r['generated_text']!r}")
     return 0
+

@@ -1,20 +1,27 @@
-"""A model from a local directory, never from the network: ``config.json``, safetensors weights
-when present (random weights from a seed otherwise), and a tokenizer when the directory has one."""
+"""A model from local files, never from the network: a directory with ``config.json``
+(safetensors weights when present, random weights from a seed otherwise, and a tokenizer when it
+has one), or a GGUF file (config, weights and tokenizer in one file, read by transformers' GGUF
+loader). The config and tokenizer are read before the weights, so the CLI can check the prompts
+against them first."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError
+from mstar_core.errors import InputError, StateError
 
 log = logging.getLogger(__name__)
 
+# transformers' GGUF loader imports gguf to read the file and needs accelerate to build the model.
+GGUF_PACKAGES = ("gguf", "accelerate")
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
 # The JSON files transformers reads from a model directory, checked first so that a corrupt one is
 # an error naming it, the line and the column (transformers raises a bare JSONDecodeError or an
@@ -81,20 +88,59 @@ def check_safetensors(d: Path, path: Path) -> None:
         raise bad(f"the file holds {size} bytes, its header describes {need}")
 
 
-def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dtype = torch.float32,
-         seed: int = 0) -> tuple[Any, Any | None, bool]:
-    """``(model, tokenizer or None, weights_loaded)`` from ``directory``; raises ``ValueError``
-    naming what is missing."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass(frozen=True)
+class Source:
+    """Where a model's files lie: its directory, and the GGUF file in it when it is one."""
 
-    if not os.fspath(directory).strip():
-        raise InputError("model directory is empty: give the path of a local directory with config.json")
-    d = Path(directory)
-    if not d.is_dir():
-        raise InputError(f"model directory {str(d)!r} does not exist (mstar generate reads a local directory with "
-                         "config.json; nothing is downloaded)")
-    if not (d / "config.json").is_file():
-        raise InputError(f"{_where(d)} has no config.json")
+    directory: Path
+    gguf: str | None = None
+
+    def __str__(self) -> str:
+        return str(self.directory / self.gguf) if self.gguf else str(self.directory)
+
+    def where(self) -> str:
+        return f"GGUF file {str(self)!r}" if self.gguf else _where(self.directory)
+
+    def kwargs(self) -> dict[str, Any]:
+        # local_files_only everywhere: a missing file is an error here, never a download.
+        return {"local_files_only": True, **({"gguf_file": self.gguf} if self.gguf else {})}
+
+
+def resolve(path: str | os.PathLike[str]) -> Source:
+    """The model at ``path``: a ``.gguf`` file, a directory with ``config.json``, or a directory
+    holding exactly one ``.gguf`` file."""
+    if not os.fspath(path).strip():
+        raise InputError("model path is empty: give a local directory with config.json, or a .gguf file")
+    p = Path(path)
+    if p.is_file() and p.suffix.lower() == ".gguf":
+        return Source(p.parent, p.name)
+    if p.is_file():
+        raise InputError(f"model path {str(p)!r} is a file but not a .gguf file: give a .gguf file or a directory "
+                         "with config.json")
+    if not p.is_dir():
+        raise InputError(f"model path {str(p)!r} does not exist (mstar generate reads a local directory with "
+                         "config.json, or a .gguf file; nothing is downloaded)")
+    if (p / "config.json").is_file():
+        return Source(p)
+    ggufs = sorted(f.name for f in p.glob("*.gguf") if f.is_file())
+    if len(ggufs) == 1:
+        return Source(p, ggufs[0])
+    if ggufs:
+        raise InputError(f"{_where(p)} holds {len(ggufs)} .gguf files ({', '.join(ggufs)}): give the path of the "
+                         "one to load")
+    raise InputError(f"{_where(p)} has no config.json (nor a .gguf file)")
+
+
+def _check_gguf_packages() -> None:
+    missing = [m for m in GGUF_PACKAGES if importlib.util.find_spec(m) is None]
+    if missing:
+        raise StateError(f"reading a .gguf file needs the {' and '.join(GGUF_PACKAGES)} packages (missing: "
+                         f"{', '.join(missing)}): pip install '.[transformers]' in a clone of mstar")
+
+
+def _check_directory(source: Source) -> list[Path]:
+    """The directory's JSON files parsed and its safetensors headers read; its safetensors files."""
+    d = source.directory
     for name in JSON_FILES:
         if (d / name).is_file():
             value = read_json(d, name)
@@ -103,30 +149,70 @@ def load(directory: str | os.PathLike[str], device: str = "cpu", dtype: torch.dt
     shards = sorted(d.glob("*.safetensors"))
     for path in shards:
         check_safetensors(d, path)
-    weights = bool(shards)
+    return shards
+
+
+def read_config(source: Source) -> Any:
+    """The model's transformers config (from ``config.json`` or the GGUF's metadata), after the
+    directory's files are checked; the weights are not read."""
+    from transformers import AutoConfig
+
+    if source.gguf:
+        _check_gguf_packages()
+        what = source.gguf
+    else:
+        _check_directory(source)
+        what = "config.json"
     try:
-        # local_files_only everywhere: a missing file is an error here, never a download.
-        config = AutoConfig.from_pretrained(d, local_files_only=True)
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise InputError(f"{_where(d)}: config.json does not describe a model transformers can build "
+        return AutoConfig.from_pretrained(source.directory, **source.kwargs())
+    except Exception as e:  # gguf's reader raises what numpy and struct raise on a damaged file
+        raise InputError(f"{source.where()}: {what} does not describe a model transformers can build "
                          f"({_said(e)})") from e
+
+
+def read_tokenizer(source: Source) -> Any | None:
+    """The tokenizer, or None for a directory without tokenizer files (a GGUF always holds one)."""
+    from transformers import AutoTokenizer
+
+    present = [source.gguf] if source.gguf else [f for f in TOKENIZER_FILES if (source.directory / f).is_file()]
+    if not present:
+        return None
+    try:
+        return AutoTokenizer.from_pretrained(source.directory, **source.kwargs())
+    except Exception as e:  # the tokenizers library raises its own exception types
+        raise InputError(f"{source.where()}: the tokenizer ({', '.join(map(str, present))}) cannot be loaded "
+                         f"({_said(e)})") from e
+
+
+def read_model(source: Source, config: Any, device: str = "cpu", dtype: torch.dtype = torch.float32,
+               seed: int = 0) -> tuple[Any, bool]:
+    """``(model in eval mode on device, weights_loaded)``: the GGUF's or the safetensors weights,
+    else random weights from ``seed``."""
+    from transformers import AutoModelForCausalLM
+
+    shards = [] if source.gguf else sorted(source.directory.glob("*.safetensors"))
+    weights = bool(source.gguf or shards)
     try:
         if weights:
-            model = AutoModelForCausalLM.from_pretrained(d, config=config, local_files_only=True, dtype=dtype)
+            model = AutoModelForCausalLM.from_pretrained(source.directory, config=config, dtype=dtype,
+                                                         **source.kwargs())
         else:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
-            log.info("%s has no safetensors weights: random weights from seed %d", d, seed)
+            log.info("%s has no safetensors weights: random weights from seed %d", source.directory, seed)
     except (OSError, ValueError, KeyError, TypeError) as e:
-        what = ", ".join(p.name for p in shards) if weights else "config.json"
-        raise InputError(f"{_where(d)}: no causal LM could be built from {what} ({_said(e)})") from e
-    tokenizer = None
-    present = [f for f in TOKENIZER_FILES if (d / f).is_file()]
-    if present:
-        try:
-            tokenizer = AutoTokenizer.from_pretrained(d, local_files_only=True)
-        except Exception as e:  # the tokenizers library raises its own exception types
-            raise InputError(f"{_where(d)}: the tokenizer ({', '.join(present)}) cannot be loaded "
-                             f"({_said(e)})") from e
+        what = source.gguf or (", ".join(p.name for p in shards) if shards else "config.json")
+        raise InputError(f"{source.where()}: no causal LM could be built from {what} ({_said(e)})") from e
     # transformers wraps PreTrainedModel.to in functools.wraps, whose type does not bind self.
-    return model.to(device).eval(), tokenizer, weights  # type: ignore[arg-type]
+    return model.to(device).eval(), weights  # type: ignore[arg-type]
+
+
+def load(path: str | os.PathLike[str], device: str = "cpu", dtype: torch.dtype = torch.float32,
+         seed: int = 0) -> tuple[Any, Any | None, bool]:
+    """``(model, tokenizer or None, weights_loaded)`` from a model directory or GGUF file; an
+    :class:`InputError` names what is missing or damaged."""
+    source = resolve(path)
+    config = read_config(source)
+    tokenizer = read_tokenizer(source)
+    model, weights = read_model(source, config, device, dtype, seed)
+    return model, tokenizer, weights

@@ -92,7 +92,7 @@ def test_compile_options_are_refused_before_anything_is_built():
 def test_mstar_generate_compile(tmp_path, capsys):
     model = build("qwen3", seed=2)
     model.save_pretrained(tmp_path)
-    argv = ["generate", str(tmp_path), "--prompt", "1,2,3", "--prompt", "4,5", "--max-new-tokens", "6",
+    argv = ["generate", str(tmp_path), "--prompt", "1,2,3", "--prompt", "4,5", "--ids", "--max-new-tokens", "6",
             "--compile", "--compile-backend", "aot_eager"]
     assert main([*argv, "--json"]) == 0
     out = json.loads(capsys.readouterr().out)

@@ -21,8 +21,8 @@ def cli_json(capsys, *argv: str) -> dict:
 
 def test_config_only_directory_runs_random_weights_from_the_seed(tmp_path, capsys):
     config("qwen3").save_pretrained(tmp_path)
-    out = cli_json(capsys, str(tmp_path), "--prompt", "1,2,3", "--prompt", "7 8 9 10 11", "--max-new-tokens", "12",
-                   "--seed", "3")
+    out = cli_json(capsys, str(tmp_path), "--prompt", "1,2,3", "--prompt", "7 8 9 10 11", "--ids",
+                   "--max-new-tokens", "12", "--seed", "3")
     assert out["weights"] == "random" and out["backend"] == "reference" and out["architecture"] == "Qwen3ForCausalLM"
     model, _, _ = load(tmp_path, seed=3)  # the same random weights
     assert out["ids"] == [hf_greedy(model, [1, 2, 3], 12), hf_greedy(model, [7, 8, 9, 10, 11], 12)]
@@ -49,7 +49,7 @@ def test_weights_and_tokenizer_text_prompts(tmp_path, capsys):
 
 def test_text_output_names_backend_steps_and_ids(tmp_path, capsys):
     config("llama").save_pretrained(tmp_path)
-    assert main(["generate", str(tmp_path), "--prompt", "4,5", "--max-new-tokens", "3"]) == 0
+    assert main(["generate", str(tmp_path), "--prompt", "4,5", "--ids", "--max-new-tokens", "3"]) == 0
     text = capsys.readouterr().out
     assert "backend: reference" in text and "steps: 3 (prefill 1, mixed 0, decode 2" in text
     assert "tokens/s" in text and text.splitlines()[-1].startswith("[0] ")
@@ -57,9 +57,10 @@ def test_text_output_names_backend_steps_and_ids(tmp_path, capsys):
 
 @pytest.mark.parametrize("argv, message", [
     (["/nonexistent/model", "--prompt", "1"], "does not exist"),
-    (["{cfg}", "--prompt", "hello there"], "no tokenizer"),
-    (["{cfg}", "--prompt", "1", "--max-new-tokens", "0"], "--max-new-tokens"),
-    (["{empty}", "--prompt", "1"], "no config.json"),
+    (["{cfg}", "--prompt", "hello there"], "has no tokenizer: give token ids with --ids"),
+    (["{cfg}", "--prompt", "1"], "has no tokenizer: give token ids with --ids"),
+    (["{cfg}", "--prompt", "1", "--ids", "--max-new-tokens", "0"], "--max-new-tokens"),
+    (["{empty}", "--prompt", "1", "--ids"], "no config.json (nor a .gguf file)"),
 ])
 def test_bad_input_is_one_clear_line(tmp_path, capsys, argv, message):
     config("llama").save_pretrained(tmp_path / "cfg")

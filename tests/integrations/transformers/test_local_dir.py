@@ -39,7 +39,7 @@ def model_dir(saved, tmp_path):
 
 
 def _generate_fails(capsys, d, *extra: str) -> str:
-    assert main(["generate", str(d), "--prompt", "1,2", *(extra or ("--max-new-tokens", "2"))]) == 2
+    assert main(["generate", str(d), "--prompt", "1,2", "--ids", *(extra or ("--max-new-tokens", "2"))]) == 2
     whole = capsys.readouterr().err
     assert "Traceback" not in whole
     err = whole.splitlines()[-1]  # after transformers' loading bar, where the weights load
@@ -99,12 +99,16 @@ def test_the_undamaged_directory_loads(model_dir):
 
 
 def test_graph_steps_on_cpu_are_not_called_cuda_graphs(model_dir, capsys):
-    assert main(["generate", str(model_dir), "--prompt", "1,2", "--max-new-tokens", "3", "--graphs"]) == 0
+    assert main(["generate", str(model_dir), "--prompt", "1,2", "--ids", "--max-new-tokens", "3", "--graphs"]) == 0
     out = capsys.readouterr().out
     assert "replayed from CUDA graphs" not in out
     assert "through the graph path on cpu (no CUDA graphs: each replay re-runs the forward)" in out
 
 
-def test_new_tokens_past_the_models_positions_are_refused_naming_max_new_tokens(model_dir, capsys):
+def test_a_cache_past_the_memory_is_refused_naming_max_new_tokens(model_dir, capsys):
+    cfg = json.loads((model_dir / "config.json").read_text())
+    cfg["max_position_embeddings"] = 10**14  # positions enough: the cache's size is what is refused
+    (model_dir / "config.json").write_text(json.dumps(cfg))
     err = _generate_fails(capsys, model_dir, "--max-new-tokens", str(10**13))
-    assert "more than the model's max_position_embeddings" in err and "lower max_new_tokens" in err
+    assert "Engine: the KV cache of max_pages" in err and "max_new_tokens" in err
+    assert "more than the" in err and "available on cpu" in err
