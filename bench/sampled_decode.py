@@ -12,7 +12,8 @@ filters decide what each step computes: top-k and top-p sort the vocabulary) bes
   (context 64 + up to 128 new tokens), for greedy and each sampler;
 - the bucket-64 graph's GPU time, greedy and sampled replayed in alternating rounds
   (``timing.paired_ms``);
-- uncompiled steps for every sampler, and compiled (Inductor) greedy against ``all``.
+- uncompiled steps for every sampler, and compiled (Inductor) greedy against ``temperature`` and
+  ``all``.
 
 Target: a sampled step <= 1.05x the greedy step.
 
@@ -71,50 +72,43 @@ def replay(e: Engine, batch: int):
     return None if g is None else g.replay
 
 
+def against_greedy(model, a, prompts, greedy: Engine, base: dict, config: str, compile_: bool) -> dict:
+    """One sampler's engine beside the greedy one: step times, the greedy step again, the graphs
+    paired, and how many tokens drawn equal greedy's."""
+    params = CONFIGS[config]
+    filters = FILTERS if config == "all" else tuple(sorted(params.filters()))
+    with engine(model, a, filters, compile_) as sampled:
+        got = step_ms(sampled, prompts, a.new, params)
+        again = step_ms(greedy, prompts, a.new, None)
+        out = {k: v for k, v in got.items() if k != "ids"}
+        out["greedy_step_ms"] = (base["decode_step_ms"] + again["decode_step_ms"]) / 2  # before and after
+        out["step_ratio"] = out["decode_step_ms"] / out["greedy_step_ms"]
+        same = sum(x == y for p, q in zip(got["ids"], base["ids"], strict=True) for x, y in zip(p, q, strict=False))
+        out["tokens_equal_to_greedy"] = same / max(sum(len(p) for p in got["ids"]), 1)
+        fg, fs = replay(greedy, a.batch), replay(sampled, a.batch)
+        if greedy.device.type == "cuda" and fg is not None and fs is not None:
+            g_ms, s_ms = paired_ms(fg, fs, reps=10, rounds=9)
+            out.update(graph_greedy_ms=g_ms, graph_sampled_ms=s_ms, graph_ratio=s_ms / g_ms)
+        return out
+
+
 def measure(name: str, model, a, prompts: list[list[int]]) -> dict:
     r: dict = {}
-
-    def part(key, fn):
-        t0 = time.perf_counter()
-        try:
-            r[key] = fn()
-        except Exception as e:  # one part's failure is a result; the others still run
-            r[key] = {"error": f"{type(e).__name__}: {e}"[:800]}
-            traceback.print_exc()
-        shown = {k: v for k, v in r[key].items() if k != "ids"} if isinstance(r[key], dict) else r[key]
-        print(json.dumps({name: {key: shown}, "s": round(time.perf_counter() - t0, 1)}, default=str), flush=True)
-
-    modes = [("eager", False, list(CONFIGS))] + ([("compiled", True, ["all"])] if a.compiled else [])
+    modes = [("eager", False, list(CONFIGS))] + ([("compiled", True, ["temperature", "all"])] if a.compiled else [])
     for mode, compile_, configs in modes:
         with engine(model, a, None, compile_) as greedy:
             base = step_ms(greedy, prompts, a.new, None)
             r[f"{mode}/greedy"] = {k: v for k, v in base.items() if k != "ids"}
             for c in configs:
-                params = CONFIGS[c]
-                filters = tuple(sorted(params.filters())) if c != "all" else FILTERS
-
-                def one(params=params, filters=filters):
-                    with engine(model, a, filters, compile_) as sampled:
-                        got = step_ms(sampled, prompts, a.new, params)
-                        again = step_ms(greedy, prompts, a.new, None)  # the greedy step beside it, again
-                        out = {k: v for k, v in got.items() if k != "ids"}
-                        out["greedy_step_ms"] = statistics.median([base["decode_step_ms"], again["decode_step_ms"]])
-                        out["step_ratio"] = out["decode_step_ms"] / out["greedy_step_ms"]
-                        same = sum(x == y for p, q in zip(got["ids"], base["ids"], strict=True)
-                                   for x, y in zip(p, q, strict=False))
-                        out["tokens_equal_to_greedy"] = same / max(sum(len(p) for p in got["ids"]), 1)
-                        fg, fs = replay(greedy, a.batch), replay(sampled, a.batch)
-                        if e_cuda(greedy) and fg is not None and fs is not None:
-                            g_ms, s_ms = paired_ms(fg, fs, reps=10, rounds=9)
-                            out.update(graph_greedy_ms=g_ms, graph_sampled_ms=s_ms, graph_ratio=s_ms / g_ms)
-                        return out
-
-                part(f"{mode}/{c}", one)
+                t0 = time.perf_counter()
+                try:
+                    r[f"{mode}/{c}"] = against_greedy(model, a, prompts, greedy, base, c, compile_)
+                except Exception as e:  # one part's failure is a result; the others still run
+                    r[f"{mode}/{c}"] = {"error": f"{type(e).__name__}: {e}"[:800]}
+                    traceback.print_exc()
+                print(json.dumps({name: {f"{mode}/{c}": r[f"{mode}/{c}"]}, "s": round(time.perf_counter() - t0, 1)}),
+                      flush=True)
     return r
-
-
-def e_cuda(e: Engine) -> bool:
-    return e.device.type == "cuda"
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -180,6 +180,9 @@ class Sampler:
         self.seen = torch.zeros(slots if penalize else 0, vocab, dtype=torch.bool, device=dev)
         self.rows = torch.full((max_rows,), self.pad, dtype=torch.long, device=dev)
         self._true = torch.ones((), dtype=torch.bool, device=dev)
+        # The inverse CDF's chunk: a divisor of the vocabulary near its square root where one is
+        # (no padding), else 256.
+        self.chunk = next((c for c in (256, 128, 512, 64, 1024, 32) if vocab % c == 0), 256)
         self._rows_key: tuple[int, ...] = ()
         self._free = list(range(max_rows - 1, -1, -1))
 
@@ -233,41 +236,61 @@ class Sampler:
         position of each row's last input token (what makes each draw of a request distinct)."""
         n = logits.shape[0]
         rows = self.rows[:n]
-        x = logits.float()
+        x = logits
         if "repetition_penalty" in self.filters:
+            x = x.float()
             p = self.penalty[rows][:, None]
             x = torch.where(self.seen[rows], torch.where(x > 0, x / p, x * p), x)
-        greedy = x.argmax(-1)
+        top, greedy = x.max(-1)
         t = self.temperature[rows]
-        x = x / torch.where(t > 0, t, 1.0)[:, None]
-        u = uniforms(self.keys[rows], positions)
+        inv_t = torch.where(t > 0, t, 1.0).reciprocal()[:, None]
+        # Each token's weight exp((x - max) / T): the softmax unnormalised (the most likely is 1).
+        w = torch.addcmul(-(top.float()[:, None] * inv_t), x, inv_t).exp_()
         if self.filters & {"top_k", "top_p"}:
-            x = torch.where(self._ranked_keep(x, rows), x, torch.finfo(x.dtype).min)
-        probs = torch.softmax(x, -1)
-        if "min_p" in self.filters:
-            probs = torch.where(probs >= self.min_p[rows][:, None] * probs.amax(-1, keepdim=True), probs, 0.0)
+            w = torch.where(w >= self._ranked_floor(w, rows), w, 0.0)
+        if "min_p" in self.filters:  # after top-p, as transformers orders them (the most likely stays)
+            w = torch.where(w >= self.min_p[rows][:, None], w, 0.0)
         # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
-        # which filters its batch-mates needed: the first token whose CDF reaches u of the kept
-        # mass (never one the filters zeroed).
-        cdf = probs.cumsum(-1)
-        picked = torch.searchsorted(cdf, (u[:, None] * cdf[:, -1:]).contiguous())[:, 0].clamp_max(x.shape[-1] - 1)
+        # which filters its batch-mates needed.
+        picked = self._reaching(w, uniforms(self.keys[rows], positions))
         tokens = torch.where(t > 0, picked, greedy)
         if "repetition_penalty" in self.filters:
             # A device value: a Python True would be copied from the host, which a capture refuses.
             self.seen.index_put_((rows, tokens), self._true)
         return tokens
 
-    def _ranked_keep(self, x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """Which tokens top-k and top-p keep, from the vocabulary sorted once per step."""
-        xs, order = x.sort(-1, descending=True)
-        keep = torch.ones_like(xs, dtype=torch.bool)
+    def _ranked_floor(self, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The least weight top-k and top-p keep, per row ``[rows, 1]`` (ties with it stay, as
+        transformers keeps them), from the weights sorted once per step."""
+        ws = w.sort(-1, descending=True).values
+        v = ws.shape[-1]
+        floor = ws[:, -1:]
         if "top_k" in self.filters:
             k = self.top_k[rows][:, None]
-            kth = xs.gather(-1, (k - 1).clamp(0, x.shape[-1] - 1))
-            keep = (k == 0) | (xs >= kth)  # ties with the k-th stay, as transformers keeps them
+            floor = torch.where(k > 0, ws.gather(-1, (k - 1).clamp(0, v - 1)), floor)
+            ws = torch.where(ws >= floor, ws, 0.0)  # top-p then counts what top-k kept
         if "top_p" in self.filters:
-            probs = torch.softmax(torch.where(keep, xs, torch.finfo(xs.dtype).min), -1)
-            before = probs.cumsum(-1) - probs  # what the more likely tokens already hold
-            top_p = self.top_p[rows][:, None]
-            keep = keep & ((before < top_p) | (top_p >= 1))  # 1 keeps all, even where the sum rounds past 1
-        return torch.zeros_like(keep).scatter_(-1, order, keep)
+            top_p = self.top_p[rows]
+            # The last token of the smallest prefix holding top_p of the mass; 1 keeps every token.
+            last = self._reaching(ws, top_p)
+            floor = torch.where((top_p < 1)[:, None], ws.gather(-1, last[:, None]), floor)
+        return floor
+
+    def _reaching(self, w: torch.Tensor, fraction: torch.Tensor) -> torch.Tensor:
+        """Per row, the first index whose cumulative weight reaches ``fraction`` of the row's
+        (> 0 for some index; never an index of weight 0): an inverse CDF in two levels, over
+        chunks of ``self.chunk`` and within the chunk found, so no scan spans the vocabulary."""
+        n, v = w.shape
+        b = self.chunk
+        if v % b:
+            w = torch.nn.functional.pad(w, (0, b - v % b))
+        chunks = w.view(n, -1, b)
+        cum = chunks.sum(-1).cumsum(-1)  # [rows, chunks]
+        target = fraction[:, None] * cum[:, -1:]
+        j = torch.searchsorted(cum, target.contiguous()).clamp_max(cum.shape[-1] - 1)  # [rows, 1]
+        before = torch.where(j > 0, cum.gather(-1, (j - 1).clamp_min(0)), 0.0)
+        inner = chunks.gather(1, j[:, :, None].expand(n, 1, b))[:, 0].cumsum(-1)  # [rows, chunk]
+        # Rounding may leave the remainder at or past the chunk's total, or at 0: clamp it inside.
+        rest = (target - before).clamp(min=torch.finfo(w.dtype).tiny).minimum(inner[:, -1:])
+        i = torch.searchsorted(inner, rest.contiguous())[:, 0].clamp_max(b - 1)
+        return (j[:, 0] * b + i).clamp_max(v - 1)

@@ -178,3 +178,18 @@ def test_sampling_is_one_params_for_all_or_one_per_prompt():
         check_sampling([p], 2)
     with pytest.raises(InputTypeError, match="SamplingParams"):
         check_sampling({"temperature": 1.0}, 1)
+
+
+def test_a_vocabulary_of_several_chunks_draws_its_softmax():
+    vocab = 768  # three chunks of 256: the two-level search crosses chunk edges
+    logits = torch.randn(vocab, generator=torch.Generator().manual_seed(2)) * 2
+    s = Sampler("cpu", 4000, vocab)
+    assert s.chunk == 256
+    s.set_rows([s.admit(SamplingParams(temperature=1.0), i, []) for i in range(4000)])
+    got = s.sample(logits.expand(4000, vocab).clone(), torch.full((4000,), 3))
+    probs = torch.softmax(logits.double(), -1)
+    counts = torch.bincount(got, minlength=vocab).double()
+    rare = probs * 4000 < 5
+    stat, df = chi2(torch.cat([counts[~rare], counts[rare].sum()[None]]),
+                    torch.cat([probs[~rare], probs[rare].sum()[None]]))
+    assert stat < critical(df)

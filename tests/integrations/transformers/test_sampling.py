@@ -6,7 +6,7 @@ time to first token and step times measured as their names say."""
 from __future__ import annotations
 
 import functools
-import math
+import itertools
 import time
 
 import pytest
@@ -143,4 +143,5 @@ def test_time_to_first_token_and_step_times_are_what_their_names_say(monkeypatch
     assert len(dec) == 3  # four decode steps of one row
     assert all(STEP_S * 1e3 <= d < 2 * STEP_S * 1e3 for d in dec), dec
     assert STEP_S <= rep.first_token_s[0] < 2 * STEP_S
-    assert math.isclose(sum(dec) / 1e3 + rep.first_token_s[0], rep.steps[-1].read_s, rel_tol=0.2)
+    done = [s.read_s for s in rep.steps]
+    assert all(b - a >= STEP_S for a, b in itertools.pairwise(done)) and done[-1] <= rep.seconds
