@@ -15,6 +15,7 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 import torch
 
@@ -115,11 +116,16 @@ def request_seed(params: SamplingParams) -> int:
 
 
 _MASK32 = 0xFFFFFFFF
-_MUL = 0x45D9F3B  # odd and < 2**31: a 32-bit value times it stays inside int64 (no signed overflow)
+# Odd and < 2**31: a 32-bit value times either stays inside int64 (no signed overflow).
+_MUL = 0x45D9F3B
+_STEP = 0x61C88647  # 2**32 / golden ratio, less 2**31: positions spread over the key space
+
+_T = TypeVar("_T", int, torch.Tensor)
 
 
-def _mix32(h: torch.Tensor) -> torch.Tensor:
-    """A 32-bit integer hash of int64 values in 0..2**32-1 (xor-shift-multiply rounds)."""
+def _mix32(h: _T) -> _T:
+    """A 32-bit integer hash of values in 0..2**32-1 (xor-shift-multiply rounds; on int64
+    tensors and on Python ints alike)."""
     h = h ^ (h >> 16)
     h = (h * _MUL) & _MASK32
     h = h ^ (h >> 16)
@@ -127,15 +133,15 @@ def _mix32(h: torch.Tensor) -> torch.Tensor:
     return h ^ (h >> 16)
 
 
-def _fold_seed(seed: int) -> int:
-    """A 63-bit seed folded to the 32-bit key the hash takes."""
-    return (seed ^ (seed >> 32)) & _MASK32
+def request_key(seed: int) -> int:
+    """A 63-bit seed as the 32-bit key the per-step hash takes (hashed once, on the host)."""
+    return _mix32((seed ^ (seed >> 32)) & _MASK32)
 
 
 def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-    """One float32 in (0, 1) per row from its key and the position it draws at: the same pair
-    gives the same value on every device and in any batch."""
-    h = _mix32(keys ^ _mix32(positions.long() & _MASK32))
+    """One float32 in (0, 1) per row from its key (:func:`request_key`) and the position it
+    draws at: the same pair gives the same value on every device and in any batch."""
+    h = _mix32((keys + (positions.long() & _MASK32) * _STEP) & _MASK32)
     return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
 
 
@@ -170,12 +176,10 @@ class Sampler:
         slots = max_rows + 1  # the last is the padding rows'
         self.pad = max_rows
         dev = self.device
-        self.temperature = torch.zeros(slots, device=dev)
-        self.top_k = torch.zeros(slots, dtype=torch.long, device=dev)
-        self.top_p = torch.ones(slots, device=dev)
-        self.min_p = torch.zeros(slots, device=dev)
-        self.penalty = torch.ones(slots, device=dev)
-        self.keys = torch.zeros(slots, dtype=torch.long, device=dev)
+        # Per slot, one row of each table, so a step gathers its rows' parameters in two reads:
+        # (sampled 1/0, 1/temperature, top_p, min_p, penalty) and (top_k, key).
+        self.params = torch.tensor([[0.0, 1.0, 1.0, 0.0, 1.0]] * slots, device=dev)
+        self.ints = torch.zeros(slots, 2, dtype=torch.long, device=dev)
         penalize = "repetition_penalty" in self.filters
         self.seen = torch.zeros(slots if penalize else 0, vocab, dtype=torch.bool, device=dev)
         self.rows = torch.full((max_rows,), self.pad, dtype=torch.long, device=dev)
@@ -197,16 +201,10 @@ class Sampler:
         if not self._free:
             raise StateError(f"Sampler: all {self.pad} slots are held (release finished requests first)")
         slot = self._free.pop()
-        i = torch.tensor([slot], device=self.device)
-        values = [params.temperature, params.top_p, params.min_p, params.repetition_penalty]
-        t, p, m, r = _host_to(values, torch.float32, self.device).unbind()
-        self.temperature.index_copy_(0, i, t[None])
-        self.top_p.index_copy_(0, i, p[None])
-        self.min_p.index_copy_(0, i, m[None])
-        self.penalty.index_copy_(0, i, r[None])
-        k, key = _host_to([params.top_k, _fold_seed(seed)], torch.long, self.device).unbind()
-        self.top_k.index_copy_(0, i, k[None])
-        self.keys.index_copy_(0, i, key[None])
+        t = params.temperature
+        values = [float(t > 0), 1.0 / t if t > 0 else 1.0, params.top_p, params.min_p, params.repetition_penalty]
+        self.params[slot].copy_(_host_to(values, torch.float32, self.device), non_blocking=True)
+        self.ints[slot].copy_(_host_to([params.top_k, request_key(seed)], torch.long, self.device), non_blocking=True)
         if self.seen.numel():
             self.seen[slot] = False
             ids = [t for t in context if 0 <= t < self.vocab]
@@ -236,41 +234,39 @@ class Sampler:
         position of each row's last input token (what makes each draw of a request distinct)."""
         n = logits.shape[0]
         rows = self.rows[:n]
+        f, ints = self.params[rows], self.ints[rows]
         x = logits
         if "repetition_penalty" in self.filters:
             x = x.float()
-            p = self.penalty[rows][:, None]
+            p = f[:, 4:5]
             x = torch.where(self.seen[rows], torch.where(x > 0, x / p, x * p), x)
         top, greedy = x.max(-1)
-        t = self.temperature[rows]
-        inv_t = torch.where(t > 0, t, 1.0).reciprocal()[:, None]
+        inv_t = f[:, 1:2]
         # Each token's weight exp((x - max) / T): the softmax unnormalised (the most likely is 1).
-        w = torch.addcmul(-(top.float()[:, None] * inv_t), x, inv_t).exp_()
+        w = torch.addcmul(-(top[:, None] * inv_t), x, inv_t).exp_()
         if self.filters & {"top_k", "top_p"}:
-            w = torch.where(w >= self._ranked_floor(w, rows), w, 0.0)
+            w = torch.where(w >= self._ranked_floor(w, ints[:, 0:1], f[:, 2]), w, 0.0)
         if "min_p" in self.filters:  # after top-p, as transformers orders them (the most likely stays)
-            w = torch.where(w >= self.min_p[rows][:, None], w, 0.0)
+            w = torch.where(w >= f[:, 3:4], w, 0.0)
         # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
         # which filters its batch-mates needed.
-        picked = self._reaching(w, uniforms(self.keys[rows], positions))
-        tokens = torch.where(t > 0, picked, greedy)
+        picked = self._reaching(w, uniforms(ints[:, 1], positions))
+        tokens = torch.where(f[:, 0] > 0, picked, greedy)
         if "repetition_penalty" in self.filters:
             # A device value: a Python True would be copied from the host, which a capture refuses.
             self.seen.index_put_((rows, tokens), self._true)
         return tokens
 
-    def _ranked_floor(self, w: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    def _ranked_floor(self, w: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The least weight top-k and top-p keep, per row ``[rows, 1]`` (ties with it stay, as
         transformers keeps them), from the weights sorted once per step."""
         ws = w.sort(-1, descending=True).values
         v = ws.shape[-1]
         floor = ws[:, -1:]
         if "top_k" in self.filters:
-            k = self.top_k[rows][:, None]
             floor = torch.where(k > 0, ws.gather(-1, (k - 1).clamp(0, v - 1)), floor)
             ws = torch.where(ws >= floor, ws, 0.0)  # top-p then counts what top-k kept
         if "top_p" in self.filters:
-            top_p = self.top_p[rows]
             # The last token of the smallest prefix holding top_p of the mass; 1 keeps every token.
             last = self._reaching(ws, top_p)
             floor = torch.where((top_p < 1)[:, None], ws.gather(-1, last[:, None]), floor)
