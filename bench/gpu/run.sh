@@ -37,7 +37,7 @@
 #                       warm: the call that brings the last part joins and checks it into /tmp/smollm2
 #   compiled            as transformers (on that machine for SmolLM2): compiled steps' GPU tests and
 #                       bench/compiled_decode.py (MODELS=smollm2,llama1b by default; SmolLM2 where /tmp/smollm2 holds it)
-#   sampling            as transformers: the sampler's GPU tests and bench/sampled_decode.py (sampled against
+#   sampling            as transformers: the sampler's and compiled steps' GPU tests, bench/sampled_decode.py (sampled against
 #                       greedy decode steps inside graphs)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
@@ -199,7 +199,7 @@ compiled)
   flashinfer_modules_out "$FI" ;;
 sampling)
   flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
-  gpu_tests 150 tests tests/sampling
+  gpu_tests 200 tests tests/sampling tests/compiling
   T 420 sampled_decode python3 bench/sampled_decode.py --out "$R"
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
