@@ -6,8 +6,9 @@ Models: a random-weight model of SmolLM2-135M's shape (vocabulary 49152) and of 
 (vocabulary 128256: the widest sort), bf16, FlashInfer. Per model, one engine per sampler (its
 filters decide what each step computes: top-k and top-p sort the vocabulary) beside a greedy one:
 
-- ``temperature`` (T 0.8), ``min_p_penalty`` (T 0.8, min-p 0.05, repetition penalty 1.1), ``top_p`` (T 0.8, top-p 0.95), ``top_k_top_p`` (T 0.7, top-k 50,
-  top-p 0.9), ``all`` (T 0.8, top-k 50, top-p 0.9, min-p 0.05, repetition penalty 1.1);
+- ``temperature`` (T 0.8), ``min_p_penalty`` (T 0.8, min-p 0.05, repetition penalty 1.1),
+  ``top_p`` (T 0.8, top-p 0.95), ``top_k_top_p`` (T 0.7, top-k 50, top-p 0.9), ``all`` (T 0.8,
+  top-k 50, top-p 0.9, min-p 0.05, repetition penalty 1.1);
 - the decode step: the median wall interval between consecutive 64-row decode steps of a run
   (context 64 + up to 128 new tokens), for greedy and each sampler;
 - the bucket-64 graph's GPU time, greedy and sampled replayed in alternating rounds
@@ -95,7 +96,9 @@ def against_greedy(model, a, prompts, greedy: Engine, base: dict, config: str, c
 
 def measure(name: str, model, a, prompts: list[list[int]]) -> dict:
     r: dict = {}
-    modes = [("eager", False, list(CONFIGS))] + ([("compiled", True, ["temperature", "min_p_penalty", "all"])] if a.compiled else [])
+    modes = [("eager", False, list(CONFIGS))]
+    if a.compiled:
+        modes.append(("compiled", True, ["temperature", "min_p_penalty", "all"]))
     for mode, compile_, configs in modes:
         with engine(model, a, None, compile_) as greedy:
             base = step_ms(greedy, prompts, a.new, None)

@@ -92,18 +92,10 @@ def encode_all(prompts: list[Prompt], tokenizer: Any, source: Any, chat: bool, s
 
 def check_fits(prompts: list[Prompt], ids: list[list[int]], config: Any, max_new: int) -> None:
     """Ids inside the vocabulary, and each prompt plus ``--max-new-tokens`` inside the model's
-    positions (``max_position_embeddings``)."""
+    positions: ``generate``'s own checks, run on the config before the weights load."""
+    from mstar_core.integrations.transformers.prompts import check_length, check_prompts
+
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
-    vocab = getattr(text_config, "vocab_size", None)
-    positions = getattr(text_config, "max_position_embeddings", None)
-    for p, row in zip(prompts, ids, strict=True):
-        bad = [t for t in row if t < 0 or (vocab is not None and t >= vocab)]
-        if bad:
-            inside = "the token ids (>= 0)" if vocab is None else f"the model's vocabulary (ids 0..{vocab - 1})"
-            raise InputError(f"generate: {p.where}: token ids {bad[:5]} outside {inside}")
-        if isinstance(positions, int) and len(row) + max_new > positions:
-            room = positions - len(row)
-            fix = f"lower --max-new-tokens to {room} or less" if room >= 1 else "shorten the prompt"
-            raise InputError(f"generate: {p.where} is {len(row)} tokens; with --max-new-tokens {max_new} that is "
-                             f"{len(row) + max_new} positions, more than the model's max_position_embeddings "
-                             f"{positions}: {fix}")
+    names = [p.where for p in prompts]
+    check_prompts(ids, getattr(text_config, "vocab_size", None), names)
+    check_length(ids, max_new, text_config, names, "--max-new-tokens")

@@ -14,9 +14,11 @@ from mstar_core.errors import InputError, InputTypeError
 from mstar_core.step import elements, is_int
 
 
-def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[list[int]]:
+def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None,
+                  names: Sequence[str] | None = None) -> list[list[int]]:
     """Plain lists of ints; a tensor or numpy array (a 2-D one for every prompt, or one per
-    prompt) is read with ``tolist``, so its dtype decides whether the ids are ints."""
+    prompt) is read with ``tolist``, so its dtype decides whether the ids are ints. ``names``:
+    what messages call each prompt (default ``prompts[i]``; the CLI names flags and lines)."""
     prompts = elements(prompts)
     if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence) or not prompts:
         raise InputError(f"generate: prompts must be a non-empty list of token-id lists, got {prompts!r:.60}")
@@ -31,24 +33,27 @@ def check_prompts(prompts: Sequence[Sequence[int]], vocab: int | None) -> list[l
         ids = [int(t) for t in p]  # a numpy integer becomes a plain int
         bad = [t for t in ids if t < 0 or (vocab is not None and t >= vocab)]
         if bad:
-            raise InputError(f"generate: prompts[{i}] has token ids {bad[:5]} outside {_vocab(vocab)}")
+            raise InputError(f"generate: {_name(names, i)} has token ids {bad[:5]} outside {_vocab(vocab)}")
         out.append(ids)
     return out
 
 
-def check_length(prompts: list[list[int]], max_new_tokens: int, config: object) -> None:
+def check_length(prompts: list[list[int]], max_new_tokens: int, config: object,
+                 names: Sequence[str] | None = None, option: str = "max_new_tokens") -> None:
     """Every prompt and its new tokens within the model's ``max_position_embeddings`` (the longest
-    sequence it was built for), refused before any cache is sized for it."""
-    limit = getattr(config, "max_position_embeddings", None)
+    sequence it was built for), refused before any cache is sized for it. ``option``: what the
+    message calls ``max_new_tokens``."""
+    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    limit = getattr(text, "max_position_embeddings", None)
     if not is_int(limit) or limit < 1:
         return
     longest = max(range(len(prompts)), key=lambda i: len(prompts[i]))
-    need = len(prompts[longest]) + max_new_tokens
-    if need > limit:
-        raise InputError(f"generate: prompts[{longest}] ({len(prompts[longest])} tokens) + max_new_tokens "
-                         f"{max_new_tokens} = {need} positions, more than the model's max_position_embeddings "
-                         f"{limit}; lower max_new_tokens to at most {max(limit - len(prompts[longest]), 0)}"
-                         " or shorten the prompt")
+    n = len(prompts[longest])
+    if n + max_new_tokens > limit:
+        fix = f"lower {option} to at most {limit - n}" if n < limit else "shorten the prompt"
+        raise InputError(f"generate: {_name(names, longest)} ({n} tokens) + {option} {max_new_tokens} = "
+                         f"{n + max_new_tokens} positions, more than the model's max_position_embeddings {limit}: "
+                         f"{fix}")
 
 
 def check_stop(stop: object) -> None:
@@ -104,6 +109,8 @@ def check_on_step(on_step: object) -> None:
         raise InputTypeError(f"generate: on_step must be a callable on_step(done, total) or None, got {on_step!r:.60}")
 
 
+def _name(names: Sequence[str] | None, i: int) -> str:
+    return f"prompts[{i}]" if names is None else names[i]
 
 
 def _vocab(vocab: int | None) -> str:

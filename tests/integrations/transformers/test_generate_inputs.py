@@ -143,7 +143,7 @@ def test_new_tokens_past_the_models_positions_are_refused_naming_the_bound(monke
     built = []
     monkeypatch.setattr(Engine, "__init__", lambda *a, **k: built.append(1))  # must not be reached
     with pytest.raises(ValueError, match=rf"prompts\[1\] \(3 tokens\) \+ max_new_tokens {limit} = {limit + 3} "
-                                         rf"positions, more than the model's max_position_embeddings {limit}; "
+                                         rf"positions, more than the model's max_position_embeddings {limit}: "
                                          rf"lower max_new_tokens to at most {limit - 3}"):
         generate(model, [[1, 2], [1, 2, 3]], limit, backend="reference")
     assert built == []

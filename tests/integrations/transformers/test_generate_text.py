@@ -213,13 +213,13 @@ def _no_weights(monkeypatch):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--ids", "--prompt", "1,128"], "--prompt 1: token ids [128] outside the model's vocabulary (ids 0..127)"),
-    (["--ids", "--prompt", "3 -1"], "--prompt 1: token ids [-1] outside the model's vocabulary (ids 0..127)"),
+    (["--ids", "--prompt", "1,128"], "--prompt 1 has token ids [128] outside the vocabulary (ids 0..127)"),
+    (["--ids", "--prompt", "3 -1"], "--prompt 1 has token ids [-1] outside the vocabulary (ids 0..127)"),
     (["--ids", "--prompt", "1,x"], "--prompt 1: 'x' is not a token id (with --ids a prompt is ids"),
     (["--ids", "--prompt", " , "], "--prompt 1: no token ids"),
     (["--prompt", "the cat sat", "--max-new-tokens", "2047"],
-     "--prompt 1 is 4 tokens; with --max-new-tokens 2047 that is 2051 positions, more than the model's "
-     "max_position_embeddings 2048: lower --max-new-tokens to 2044 or less"),
+     "--prompt 1 (4 tokens) + --max-new-tokens 2047 = 2051 positions, more than the model's "
+     "max_position_embeddings 2048: lower --max-new-tokens to at most 2044"),
     (["--chat", "--prompt", "x", "--ids"], "--chat puts text prompts through the chat template, --ids says"),
     (["--system", "be brief", "--prompt", "x"], "--system is a chat's system message: give --chat with it"),
     (["--prompt", "x", "--top-p", "1.5"], "--top-p 1.5: top_p must be in (0, 1]"),

@@ -77,8 +77,8 @@ def test_checks_on_a_gguf_come_before_its_weights_load(written, capsys, monkeypa
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
     err = fails(capsys, str(path), "--ids", "--prompt", "1,2", "--max-new-tokens", "2047")
-    assert "more than the model's max_position_embeddings 2048: lower --max-new-tokens to 2046 or less" in err
-    assert "outside the model's vocabulary (ids 0..127)" in fails(capsys, str(path), "--ids", "--prompt", "200")
+    assert "more than the model's max_position_embeddings 2048: lower --max-new-tokens to at most 2046" in err
+    assert "outside the vocabulary (ids 0..127)" in fails(capsys, str(path), "--ids", "--prompt", "200")
 
 
 def test_a_damaged_gguf_file_is_named(tmp_path, capsys):
