@@ -43,7 +43,8 @@ def check_length(prompts: list[list[int]], max_new_tokens: int, config: object,
     """Every prompt and its new tokens within the model's ``max_position_embeddings`` (the longest
     sequence it was built for), refused before any cache is sized for it. ``option``: what the
     message calls ``max_new_tokens``."""
-    text = config.get_text_config() if callable(getattr(config, "get_text_config", None)) else config
+    get_text = getattr(config, "get_text_config", None)
+    text = get_text() if callable(get_text) else config  # a multimodal config keeps its text model's
     limit = getattr(text, "max_position_embeddings", None)
     if not is_int(limit) or limit < 1:
         return
