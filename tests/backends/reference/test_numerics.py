@@ -249,22 +249,30 @@ TINY, MEDIUM = 200, 3000  # floor here is Hq * (max_k + D) = 4 * (23 + 16) = 156
 
 
 class MatmulSpy:
-    """While entered, records the element count of every ``torch.matmul`` result."""
+    """While entered, records the element count of every ``torch.matmul`` result and the scores
+    of every SDPA call (queries x keys, which its unfused fallback materialises)."""
 
     def __enter__(self):
         self.sizes: list[int] = []
         self._real = real = torch.matmul
+        self._sdpa = sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def spy(*a, **kw):
             r = real(*a, **kw)
             self.sizes.append(r.numel())
             return r
 
+        def sdpa_spy(q, k, *a, **kw):
+            self.sizes.append(q.shape[:-1].numel() * k.shape[-2])
+            return sdpa(q, k, *a, **kw)
+
         torch.matmul = spy
+        torch.nn.functional.scaled_dot_product_attention = sdpa_spy
         return self
 
     def __exit__(self, *exc):
         torch.matmul = self._real
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa
 
 
 def _paged_wrapper(cls, case, data):
