@@ -21,6 +21,8 @@ On a CPU (no soft-cap, no sinks) each block is one ``scaled_dot_product_attentio
 padding slots of the gathered K/V are zeroed, and one sum per chunk tells whether any input is
 non-finite; only then are those values zeroed and the queries that see them set to NaN, so the
 common case pays no per-element check and every other query's result is the same, bit for bit.
+(Its softmax is accumulated unnormalised: V values within a factor of the row's key count of
+the dtype's largest finite value may overflow there where the materialised path stays finite.)
 
 Memory: :func:`build_padding` splits the rows into consecutive chunks and, where one row is
 too long, its queries into blocks, so that one block's scores (``rows x Hq x queries x keys``)
