@@ -69,6 +69,7 @@ class Chunk:
     qi: torch.Tensor  # [1, max_q, 1] int64 arange
     kj: torch.Tensor  # [1, 1, max_k] int64 arange
     pad_slots: torch.Tensor  # [slots] int64: row * max_k + j of each key slot j >= its row's kv_len
+    full: bool  # every query sees every one of the max_k (>= 1) keys: no mask needed
 
     @property
     def rows(self) -> int:
@@ -161,9 +162,13 @@ def build_padding(
             c_row_of, c_within = row_of[t0:t1] - r0, within[t0:t1]
         kj = torch.arange(k, device=device)[None, None, :]
         c_kv_lens = kv_lens[r0:r1, None, None]
+        pad_slots = (kj >= c_kv_lens).view(-1).nonzero()[:, 0]
+        # one query per row sits at its last key (causal), and a window that long reaches key 0
+        full = (k > 0 and not pad_slots.numel() and (not causal or m == 1)
+                and (window_left < 0 or window_left >= k - 1))
         chunks.append(Chunk(
             r0, r1, t0, t1, m, k, step, c_row_of, c_within, c_kv_lens, q_start[r0:r1, None, None],
-            torch.arange(m, device=device)[None, :, None], kj, (kj >= c_kv_lens).view(-1).nonzero()[:, 0],
+            torch.arange(m, device=device)[None, :, None], kj, pad_slots, full,
         ))
     return Padding(row_of, within, q_lens, kv_lens, rows, max_q, max_k, causal, window_left,
                    (num_qo_heads, num_kv_heads, head_dim), tuple(chunks))
@@ -243,14 +248,16 @@ def attend_padded(
             o_c = None
         for a in range(0, m, c.q_step):
             b = min(m, a + c.q_step)
-            mask = _block_mask(c, a, b, pad.causal, pad.window_left)
             q_blk = q_c[:, a:b].to(acc)
             if fused:
-                clean = bool(torch.isfinite(kv_sum + q_blk.sum()))
+                clean = math.isfinite(float(kv_sum + q_blk.sum()))
+                mask = None if c.full and clean else _block_mask(c, a, b, pad.causal, pad.window_left)
                 o = _sdpa_block(q_blk, k_c, v_c, mask, scale, clean)
             else:
+                mask = _block_mask(c, a, b, pad.causal, pad.window_left)
                 o = _scores_block(q_blk, k_c, v_c, mask, scale, extras)
-            o = o.masked_fill_(~mask.any(-1)[:, :, None, None], 0.0)  # a query that sees no key
+            if mask is not None and not c.full:
+                o = o.masked_fill_(~mask.any(-1)[:, :, None, None], 0.0)  # a query that sees no key
             if o_c is not None:
                 o_c[:, a:b] = o
             else:
@@ -276,9 +283,10 @@ def _poison(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: tor
     return poison | (torch.matmul(mask.to(k_c.dtype), bad_kv) > 0)[..., None]
 
 
-def _sdpa_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor, scale: float,
-                clean: bool) -> torch.Tensor:
-    """One query block through ``scaled_dot_product_attention``, ``[rows, qb, Hq, D]``. Unless
+def _sdpa_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, clean: bool) -> torch.Tensor:
+    """One query block through ``scaled_dot_product_attention``, ``[rows, qb, Hq, D]``; ``mask``
+    None: every query sees every key. Unless
     ``clean`` (no non-finite value in the block's queries or the chunk's keys), the non-finite
     values are zeroed first and the queries that see them set to NaN after, so every other
     query's result is the same, bit for bit, as without them."""
@@ -290,11 +298,12 @@ def _sdpa_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask:
         qs, ks, vs = (torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in (q_blk, k_c, v_c))
     # query head h reads kv head h // G: the G heads of a kv head become G * qb query rows
     qh = qs.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * qb, d)
-    mh = mask[:, None, None].expand(n, 1, g, qb, kl).reshape(n, 1, g * qb, kl)
+    mh = None if mask is None else mask[:, None, None].expand(n, 1, g, qb, kl).reshape(n, 1, g * qb, kl)
     o = torch.nn.functional.scaled_dot_product_attention(
         qh, ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mh, scale=scale)
     o = o.view(n, hkv, g, qb, d).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
     if not clean:
+        assert mask is not None  # the caller passes it wherever an input is non-finite
         o = o.masked_fill(_poison(q_blk, k_c, v_c, mask)[..., None], float("nan"))
     return o.reshape(n, qb, hq, d)
 
