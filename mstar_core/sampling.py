@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError, StateError
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.step import is_int
 
 __all__ = ["FILTERS", "SamplingParams", "check_sampling"]
