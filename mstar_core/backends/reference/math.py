@@ -286,10 +286,9 @@ def _poison(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: tor
 def _sdpa_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor | None,
                 scale: float, clean: bool) -> torch.Tensor:
     """One query block through ``scaled_dot_product_attention``, ``[rows, qb, Hq, D]``; ``mask``
-    None: every query sees every key. Unless
-    ``clean`` (no non-finite value in the block's queries or the chunk's keys), the non-finite
-    values are zeroed first and the queries that see them set to NaN after, so every other
-    query's result is the same, bit for bit, as without them."""
+    None: every query sees every key. Unless ``clean`` (no non-finite value in the block's
+    queries or the chunk's keys), the non-finite values are zeroed first and the queries that see
+    them set to NaN after, so every other query's result is the same, bit for bit, as without them."""
     n, qb, hq, d = q_blk.shape
     hkv, g, kl = k_c.shape[2], hq // k_c.shape[2], k_c.shape[1]
     if clean:
