@@ -54,3 +54,12 @@ def test_every_bench_script_imports(name, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     mod = importlib.import_module(name)
     assert name in ("paged", "report") or callable(getattr(mod, "main", None))
+
+
+def test_cpu_generate_bench_runs_small(tmp_path, monkeypatch):
+    monkeypatch.syspath_prepend(str(BENCH))
+    bench = importlib.import_module("cpu_generate")
+    assert bench.main(["--smoke", "--out", str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "cpu_generate-random.json").read_text())
+    assert doc["greedy_ids_identical"] and doc["threads"] == 1
+    assert set(doc["targets"]) == {"mstar tokens/s / transformers generate (sdpa)", "greedy ids identical"}

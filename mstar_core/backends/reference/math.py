@@ -17,6 +17,13 @@ Non-finite values (the rule every reference caller gets):
   the product, and the queries that see a non-finite K/V, or hold a non-finite value, are then
   set to NaN explicitly.)
 
+On a CPU (no soft-cap, no sinks) each block is one ``scaled_dot_product_attention`` call: the
+padding slots of the gathered K/V are zeroed, and one sum per chunk tells whether any input is
+non-finite; only then are those values zeroed and the queries that see them set to NaN, so the
+common case pays no per-element check and every other query's result is the same, bit for bit.
+(Its softmax is accumulated unnormalised: V values within a factor of the row's key count of
+the dtype's largest finite value may overflow there where the materialised path stays finite.)
+
 Memory: :func:`build_padding` splits the rows into consecutive chunks and, where one row is
 too long, its queries into blocks, so that one block's scores (``rows x Hq x queries x keys``)
 plus its padded queries/outputs hold at most ``SCORES_BUDGET`` elements (each lives in a few
@@ -61,6 +68,8 @@ class Chunk:
     q_start: torch.Tensor  # [rows, 1, 1] int64: position of each row's query 0 (kv_len - q_len)
     qi: torch.Tensor  # [1, max_q, 1] int64 arange
     kj: torch.Tensor  # [1, 1, max_k] int64 arange
+    pad_slots: torch.Tensor  # [slots] int64: row * max_k + j of each key slot j >= its row's kv_len
+    full: bool  # every query sees every one of the max_k (>= 1) keys: no mask needed
 
     @property
     def rows(self) -> int:
@@ -151,10 +160,15 @@ def build_padding(
             c_row_of, c_within = row_of, within
         else:
             c_row_of, c_within = row_of[t0:t1] - r0, within[t0:t1]
+        kj = torch.arange(k, device=device)[None, None, :]
+        c_kv_lens = kv_lens[r0:r1, None, None]
+        pad_slots = (kj >= c_kv_lens).view(-1).nonzero()[:, 0]
+        # one query per row sits at its last key (causal), and a window that long reaches key 0
+        full = (k > 0 and not pad_slots.numel() and (not causal or m == 1)
+                and (window_left < 0 or window_left >= k - 1))
         chunks.append(Chunk(
-            r0, r1, t0, t1, m, k, step, c_row_of, c_within,
-            kv_lens[r0:r1, None, None], q_start[r0:r1, None, None],
-            torch.arange(m, device=device)[None, :, None], torch.arange(k, device=device)[None, None, :],
+            r0, r1, t0, t1, m, k, step, c_row_of, c_within, c_kv_lens, q_start[r0:r1, None, None],
+            torch.arange(m, device=device)[None, :, None], kj, pad_slots, full,
         ))
     return Padding(row_of, within, q_lens, kv_lens, rows, max_q, max_k, causal, window_left,
                    (num_qo_heads, num_kv_heads, head_dim), tuple(chunks))
@@ -193,32 +207,38 @@ def attend_padded(
     """``q`` packed ``[tokens, Hq, D]``. Keys: with ``slots`` None, ``k``/``v`` are padded
     ``[rows, >= max_k, Hkv, D]``; otherwise ``k[slots[i]]`` / ``v[slots[i]]`` is chunk i's
     ``[chunk rows, chunk max_k, Hkv, D]`` (see :func:`gather_paged_slots`,
-    :func:`gather_ragged_slots`). Returns ``[tokens, Hq, D]`` in ``q``'s dtype; a query that sees
-    no key gets zeros; non-finite values follow the module docstring's rule."""
+    :func:`gather_ragged_slots`, :func:`flat_slots`). Returns ``[tokens, Hq, D]`` in ``q``'s
+    dtype; a query that sees no key gets zeros; non-finite values follow the module docstring's
+    rule. On a CPU without soft-cap or sinks each block is one fused SDPA call (see
+    :func:`_sdpa_block`); elsewhere scores are materialised (see :func:`_scores_block`)."""
     tokens, hq, d = q.shape
     hkv = k.shape[-2]
-    g = hq // hkv
     if (hq, hkv, d) != pad.heads:
         raise InputError(f"attend_padded: q/k give (Hq, Hkv, D) = {(hq, hkv, d)}, the plan was built for {pad.heads}")
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
+    # a CPU reads the finiteness check's answer for free; on an accelerator it would sync per layer
+    fused = q.device.type == "cpu" and extras.soft_cap is None and extras.sinks is None
     out = torch.empty((tokens, hq, d), dtype=q.dtype, device=q.device)
     for i, c in enumerate(pad.chunks):
         n, m = c.rows, c.max_q
         if slots is None:
             k_c, v_c = k[c.r0:c.r1, :c.max_k], v[c.r0:c.r1, :c.max_k]
         else:
-            k_c, v_c = k[slots[i]], v[slots[i]]
+            k_c, v_c = _gather(k, slots[i]), _gather(v, slots[i])
         k_c, v_c = k_c.to(acc), v_c.to(acc)
         if extras.k_scale is not None:  # not in place: k_c may be the caller's tensor
             k_c = k_c * extras.k_scale
         if extras.v_scale is not None:
             v_c = v_c * extras.v_scale
-        # [rows, K, Hkv]: keys whose K or V holds a NaN/inf; V zeroed there so that probability 0
-        # times it stays 0, the queries that see them are set to NaN below.
-        bad_kv = (~(torch.isfinite(k_c).all(-1) & torch.isfinite(v_c).all(-1))).to(acc)
-        kh = k_c.permute(0, 2, 3, 1)[:, :, None]  # [rows, Hkv, 1, D, K]
-        vh = torch.nan_to_num(v_c, nan=0.0, posinf=0.0, neginf=0.0).permute(0, 2, 1, 3)[:, :, None]
+        if fused:
+            if c.pad_slots.numel():
+                if slots is None:  # slices of the caller's tensors: not ours to zero
+                    k_c, v_c = k_c.clone(), v_c.clone()
+                # padding slots zeroed: under SDPA's additive mask a NaN or huge key there would leak
+                k_c.view(n * c.max_k, -1).index_fill_(0, c.pad_slots, 0.0)
+                v_c.view(n * c.max_k, -1).index_fill_(0, c.pad_slots, 0.0)
+            kv_sum = k_c.sum() + v_c.sum()  # non-finite iff some key is (or the sum overflows)
         if c.row_of is None:
             q_c = q[c.t0:c.t1].view(n, m, hq, d)
             o_c = out[c.t0:c.t1].view(n, m, hq, d)
@@ -228,34 +248,91 @@ def attend_padded(
             o_c = None
         for a in range(0, m, c.q_step):
             b = min(m, a + c.q_step)
-            qb = b - a
             q_blk = q_c[:, a:b].to(acc)
-            mask = _block_mask(c, a, b, pad.causal, pad.window_left)
-            # [rows, Hkv, G, qb, D] x [rows, Hkv, 1, D, K]: query head h reads kv head h // G.
-            qh = q_blk.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4)
-            scores = torch.matmul(qh, kh).mul_(scale)
-            if extras.soft_cap is not None:
-                scores = scores.div_(extras.soft_cap).tanh_().mul_(extras.soft_cap)
-            scores.masked_fill_(~mask[:, None, None], float("-inf"))
-            if extras.sinks is not None:
-                # one more "key" per head: the sink logit, with a zero value
-                sink = extras.sinks.to(acc).view(1, hkv, g, 1, 1).expand(n, hkv, g, qb, 1)
-                probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+            if fused:
+                clean = math.isfinite(float(kv_sum + q_blk.sum()))
+                mask = None if c.full and clean else _block_mask(c, a, b, pad.causal, pad.window_left)
+                o = _sdpa_block(q_blk, k_c, v_c, mask, scale, clean)
             else:
-                probs = torch.softmax(scores, dim=-1)
-            del scores
-            o = torch.matmul(probs, vh).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
-            del probs
-            seen = mask.any(-1)  # [rows, qb]
-            poison = ~torch.isfinite(q_blk).all(-1).view(n, qb, hkv, g)
-            poison |= (torch.matmul(mask.to(acc), bad_kv) > 0)[..., None]  # sees a bad key
-            o = o.masked_fill(poison[..., None], float("nan"))
-            o = o.masked_fill(~seen[:, :, None, None, None], 0.0).reshape(n, qb, hq, d)
+                mask = _block_mask(c, a, b, pad.causal, pad.window_left)
+                o = _scores_block(q_blk, k_c, v_c, mask, scale, extras)
+            if mask is not None and not c.full:
+                o = o.masked_fill_(~mask.any(-1)[:, :, None, None], 0.0)  # a query that sees no key
             if o_c is not None:
                 o_c[:, a:b] = o
             else:
                 out[c.t0:c.t1] = o[c.row_of, c.within]
     return out
+
+
+def _gather(x: torch.Tensor, slot: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """``x[slot]``; one flat index through ``index_select``, several times faster on a CPU."""
+    if len(slot) == 1:
+        (idx,) = slot
+        return x.index_select(0, idx.reshape(-1)).view(*idx.shape, *x.shape[1:])
+    return x[slot]
+
+
+def _poison(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``[rows, qb, Hkv, G]`` bool: the query heads that hold a non-finite value or see a key whose
+    K or V does (they must come out NaN)."""
+    n, qb, hq, d = q_blk.shape
+    hkv = k_c.shape[2]
+    bad_kv = (~(torch.isfinite(k_c).all(-1) & torch.isfinite(v_c).all(-1))).to(k_c.dtype)  # [rows, K, Hkv]
+    poison = ~torch.isfinite(q_blk).all(-1).view(n, qb, hkv, hq // hkv)
+    return poison | (torch.matmul(mask.to(k_c.dtype), bad_kv) > 0)[..., None]
+
+
+def _sdpa_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor | None,
+                scale: float, clean: bool) -> torch.Tensor:
+    """One query block through ``scaled_dot_product_attention``, ``[rows, qb, Hq, D]``; ``mask``
+    None: every query sees every key. Unless ``clean`` (no non-finite value in the block's
+    queries or the chunk's keys), the non-finite values are zeroed first and the queries that see
+    them set to NaN after, so every other query's result is the same, bit for bit, as without them."""
+    n, qb, hq, d = q_blk.shape
+    hkv, g, kl = k_c.shape[2], hq // k_c.shape[2], k_c.shape[1]
+    if clean:
+        qs, ks, vs = q_blk, k_c, v_c
+    else:
+        qs, ks, vs = (torch.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0) for x in (q_blk, k_c, v_c))
+    # query head h reads kv head h // G: the G heads of a kv head become G * qb query rows
+    qh = qs.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(n, hkv, g * qb, d)
+    mh = None if mask is None else mask[:, None, None].expand(n, 1, g, qb, kl).reshape(n, 1, g * qb, kl)
+    o = torch.nn.functional.scaled_dot_product_attention(
+        qh, ks.transpose(1, 2), vs.transpose(1, 2), attn_mask=mh, scale=scale)
+    o = o.view(n, hkv, g, qb, d).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
+    if not clean:
+        assert mask is not None  # the caller passes it wherever an input is non-finite
+        o = o.masked_fill(_poison(q_blk, k_c, v_c, mask)[..., None], float("nan"))
+    return o.reshape(n, qb, hq, d)
+
+
+def _scores_block(q_blk: torch.Tensor, k_c: torch.Tensor, v_c: torch.Tensor, mask: torch.Tensor, scale: float,
+                  extras: Extras) -> torch.Tensor:
+    """One query block with its scores materialised (soft-cap, sinks, any device), ``[rows, qb, Hq, D]``.
+    Masked scores are -inf, non-finite V is zeroed so that probability 0 times it stays 0, and
+    the poisoned queries are set to NaN after."""
+    n, qb, hq, d = q_blk.shape
+    hkv, g = k_c.shape[2], hq // k_c.shape[2]
+    kh = k_c.permute(0, 2, 3, 1)[:, :, None]  # [rows, Hkv, 1, D, K]
+    vh = torch.nan_to_num(v_c, nan=0.0, posinf=0.0, neginf=0.0).permute(0, 2, 1, 3)[:, :, None]
+    # [rows, Hkv, G, qb, D] x [rows, Hkv, 1, D, K]: query head h reads kv head h // G.
+    qh = q_blk.view(n, qb, hkv, g, d).permute(0, 2, 3, 1, 4)
+    scores = torch.matmul(qh, kh).mul_(scale)
+    if extras.soft_cap is not None:
+        scores = scores.div_(extras.soft_cap).tanh_().mul_(extras.soft_cap)
+    scores.masked_fill_(~mask[:, None, None], float("-inf"))
+    if extras.sinks is not None:
+        # one more "key" per head: the sink logit, with a zero value
+        sink = extras.sinks.to(scores.dtype).view(1, hkv, g, 1, 1).expand(n, hkv, g, qb, 1)
+        probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    del scores
+    o = torch.matmul(probs, vh).permute(0, 3, 1, 2, 4)  # [rows, qb, Hkv, G, D]
+    del probs
+    o = o.masked_fill(_poison(q_blk, k_c, v_c, mask)[..., None], float("nan"))
+    return o.reshape(n, qb, hq, d)
 
 
 def gather_paged_slots(
@@ -279,6 +356,15 @@ def gather_paged_slots(
             pages = torch.zeros((c.rows, c.max_k), dtype=torch.int64, device=device)
         out.append((pages, j % page_size))
     return tuple(out)
+
+
+def flat_slots(slots: tuple[tuple[torch.Tensor, torch.Tensor], ...], page_rows: int
+               ) -> tuple[tuple[torch.Tensor], ...]:
+    """:func:`gather_paged_slots`' slots as one index each into a ``[pages * page_rows, Hkv, D]``
+    view of the cache (``page_rows`` rows from one page to the next: ``2 * page_size`` for a
+    ``[pages, 2, page_size, Hkv, D]`` layer, whose V view is then that view from row
+    ``page_size`` on): a gather through ``index_select``."""
+    return tuple(((pages * page_rows + offset),) for pages, offset in slots)
 
 
 def gather_ragged_slots(pad: Padding, cu_k: torch.Tensor) -> tuple[tuple[torch.Tensor], ...]:

@@ -19,6 +19,7 @@ from mstar_core.backends.reference.math import (
     Padding,
     attend_padded,
     build_padding,
+    flat_slots,
     gather_paged_slots,
 )
 from mstar_core.errors import InputError, InputTypeError, StateError
@@ -82,6 +83,7 @@ class ReferencePrefillWrapper:
         self._static_q = max_total_tokens if max_total_tokens is not None else batch_size
         self._pad: Padding | None = None
         self._slots: tuple[tuple[torch.Tensor, torch.Tensor], ...] | None = None
+        self._flat: tuple[tuple[torch.Tensor], ...] | None = None  # the slots into a flat layer view
         self._planned: tuple | None = None  # plan's per-row arrays and index tensors
         self._sm_scale: float | None = None
         self._soft_cap: float | None = None
@@ -116,7 +118,7 @@ class ReferencePrefillWrapper:
         # The padding (row chunks, each key's page slot) is built at the first run, not here: it
         # grows with the keys, and a plan's host work stays O(rows) (the paged manager plans while
         # the previous step runs). Every layer's run reuses it.
-        self._pad, self._slots = None, None
+        self._pad, self._slots, self._flat = None, None, None
         self._planned = (q_lens, lens, causal, window_left, indptr, paged_kv_indices)
         self._sm_scale, self._soft_cap, self._kv_dtype = sm_scale, soft_cap, kv_dtype
         self._total = total
@@ -128,6 +130,7 @@ class ReferencePrefillWrapper:
             self._pad = build_padding(q_lens, lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
                                       num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
             self._slots = gather_paged_slots(self._pad, indptr, indices, self.page_size)
+            self._flat = flat_slots(self._slots, 2 * self.page_size)
         return self._pad, self._slots
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
@@ -156,6 +159,10 @@ class ReferencePrefillWrapper:
         extras = run_extras(type(self).__name__, self._kv_dtype, kv_cache_layer.dtype, self.num_qo_heads, q.device,
                             self._soft_cap, sinks, k_scale, v_scale)
         pad, slots = self._padding()
+        if kv_cache_layer.is_contiguous() and self._flat is not None:
+            # [pages * 2 * page_size, Hkv, D]: K at page * 2 * page_size + offset, V page_size rows on
+            flat = kv_cache_layer.view(-1, self.num_kv_heads, self.head_dim)
+            return attend_padded(q, flat, flat[self.page_size:], pad, self._sm_scale, self._flat, extras)
         # [pages, page_size, Hkv, D] views; each chunk gathers its own keys through its slots
         return attend_padded(q, kv_cache_layer[:, 0], kv_cache_layer[:, 1], pad, self._sm_scale, slots, extras)
 

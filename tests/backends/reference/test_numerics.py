@@ -249,22 +249,30 @@ TINY, MEDIUM = 200, 3000  # floor here is Hq * (max_k + D) = 4 * (23 + 16) = 156
 
 
 class MatmulSpy:
-    """While entered, records the element count of every ``torch.matmul`` result."""
+    """While entered, records the element count of every ``torch.matmul`` result and the scores
+    of every SDPA call (queries x keys, which its unfused fallback materialises)."""
 
     def __enter__(self):
         self.sizes: list[int] = []
         self._real = real = torch.matmul
+        self._sdpa = sdpa = torch.nn.functional.scaled_dot_product_attention
 
         def spy(*a, **kw):
             r = real(*a, **kw)
             self.sizes.append(r.numel())
             return r
 
+        def sdpa_spy(q, k, *a, **kw):
+            self.sizes.append(q.shape[:-1].numel() * k.shape[-2])
+            return sdpa(q, k, *a, **kw)
+
         torch.matmul = spy
+        torch.nn.functional.scaled_dot_product_attention = sdpa_spy
         return self
 
     def __exit__(self, *exc):
         torch.matmul = self._real
+        torch.nn.functional.scaled_dot_product_attention = self._sdpa
 
 
 def _paged_wrapper(cls, case, data):
@@ -374,3 +382,59 @@ def test_a_batch_over_8_gib_of_keys_plans_within_budget():
         assert c.rows * hq * c.q_step * (c.max_k + d) <= budget
         assert c.rows * c.max_k * 2 * hkv * d <= budget or c.rows == 1
     assert max(t.numel() for t in _tensors(pad)) <= rows * n
+
+
+# -- 4. the fused CPU path (one SDPA call per block) ------------------------------------------------
+
+
+def test_huge_finite_padding_never_reaches_a_row():
+    """Padding slots holding finite values whose scores overflow (q . k = inf) change nothing:
+    a masked score of inf - inf would be NaN under SDPA's additive mask, so they are zeroed."""
+    rows = [(1, 5, 2), (3, 9, 3), (1, 2, 1)]
+    clean = make_batch(rows, seed=8)
+    dirty = clean.clone()
+    for r, n in enumerate(clean.kv_lens):
+        for j in range(n, len(clean.own[r]) * PS):
+            p, o = clean.key_slot(r, j)
+            dirty.layer[p, :, o] = 1e30
+    for wrapper in (R.ReferencePrefillWrapper, R.ReferenceDecodeWrapper):
+        if wrapper is R.ReferenceDecodeWrapper:
+            clean.q, dirty.q, clean.qo, dirty.qo = clean.q[:3], dirty.q[:3], [0, 1, 2, 3], [0, 1, 2, 3]
+        assert torch.equal(run_paged(dirty, wrapper=wrapper), run_paged(clean, wrapper=wrapper))
+
+
+def test_overflowing_sum_of_finite_inputs_stays_exact():
+    """Finite values large enough that the per-chunk sum overflows take the per-element path:
+    nothing is set to NaN, and the result matches the float64 oracle."""
+    b = make_batch([(2, 6, 2), (1, 3, 1)], seed=9)
+    for j in (1, 2):  # V of row 0's keys 1 and 2: finite, their sum is inf
+        p, o = b.key_slot(0, j)
+        b.layer[p, 1, o] = 2e37
+    out = run_paged(b)
+    assert torch.isfinite(out).all()
+    assert rel_error(out, oracle(b)) < C.TOLERANCE[torch.float32]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64], ids=str)
+def test_fused_path_matches_the_scores_path(dtype):
+    """Where soft-cap is on, the block's scores are materialised: with a cap far above every
+    score (tanh's identity range) both paths give the same attention, in every dtype."""
+    b = make_batch([(1, 7, 2), (4, 9, 3), (2, 2, 1)], seed=10, dtype=dtype)
+    fused = run_paged(b)
+    pad = RM.build_padding(torch.tensor([1, 4, 2]), torch.tensor(b.kv_lens), True, -1, torch.device("cpu"),
+                           num_qo_heads=HQ, num_kv_heads=HKV, head_dim=D)
+    slots = RM.gather_paged_slots(pad, torch.tensor(b.indptr), torch.tensor(b.indices), PS)
+    scored = RM.attend_padded(b.q, b.layer[:, 0], b.layer[:, 1], pad, None, slots, RM.Extras(soft_cap=1e30))
+    torch.testing.assert_close(fused, scored, rtol=1e-12 if dtype == torch.float64 else 1e-2, atol=1e-5)
+    assert rel_error(fused, oracle(b)) <= C.TOLERANCE[dtype]
+
+
+def test_non_contiguous_layer_is_read_as_given():
+    """A layer view that is not contiguous (no flat view of it) gives the same output."""
+    b = make_batch([(1, 7, 2), (3, 9, 3)], seed=11)
+    wide = torch.zeros((*b.layer.shape[:-1], 2 * D))
+    wide[..., :D] = b.layer
+    ref = run_paged(b)
+    b.layer = wide[..., :D]
+    assert not b.layer.is_contiguous()
+    assert torch.equal(run_paged(b), ref)
