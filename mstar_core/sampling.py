@@ -19,7 +19,7 @@ from typing import TypeVar
 
 import torch
 
-from mstar_core.errors import InputError, InputTypeError
+from mstar_core.errors import InputError, InputTypeError, StateError
 from mstar_core.step import is_int
 
 __all__ = ["FILTERS", "Sampler", "SamplingParams", "check_sampling"]
