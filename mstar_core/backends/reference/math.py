@@ -250,7 +250,7 @@ def attend_padded(
             b = min(m, a + c.q_step)
             q_blk = q_c[:, a:b].to(acc)
             if fused:
-                clean = math.isfinite(float(kv_sum + q_blk.sum()))
+                clean = math.isfinite((kv_sum + q_blk.sum()).item())
                 mask = None if c.full and clean else _block_mask(c, a, b, pad.causal, pad.window_left)
                 o = _sdpa_block(q_blk, k_c, v_c, mask, scale, clean)
             else:
