@@ -14,6 +14,7 @@ from mstar_core.cli import main
 from mstar_core.testing.hf_models import build
 
 from ...helpers import hf_greedy
+from .cli_runs import fails, run_json
 
 WORDS = ["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "the", "cat", "sat", "on", "mat"]
 UNK, BOS, EOS, USER, ASSISTANT, SYSTEM, THE, CAT, SAT, ON, MAT = range(len(WORDS))
@@ -47,21 +48,9 @@ def saved(tmp_path_factory):
     return d, model
 
 
-def run_json(capsys, d, *argv: str) -> dict:
-    assert main(["generate", str(d), *argv, "--json"]) == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
-
-
-def fails(capsys, *argv: str) -> str:
-    assert main(["generate", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
-
-
 def test_plain_text_gets_the_tokenizers_bos_and_digits_stay_text(saved, capsys):
     d, model = saved
-    out = run_json(capsys, d, "--prompt", "the cat sat", "--prompt", "2024", "--prompt", "1 2 3",
+    out = run_json(capsys, str(d), "--prompt", "the cat sat", "--prompt", "2024", "--prompt", "1 2 3",
                    "--max-new-tokens", "5")
     assert [p["ids"] for p in out["prompts"]] == [[BOS, THE, CAT, SAT], [BOS, UNK], [BOS, UNK, UNK, UNK]]
     assert out["ids"][0] == hf_greedy(model, [BOS, THE, CAT, SAT], 5)
@@ -69,7 +58,7 @@ def test_plain_text_gets_the_tokenizers_bos_and_digits_stay_text(saved, capsys):
 
 def test_ids_are_taken_as_given(saved, capsys):
     d, model = saved
-    out = run_json(capsys, d, "--ids", "--prompt", "6 7 8", "--prompt", "9,10", "--max-new-tokens", "4")
+    out = run_json(capsys, str(d), "--ids", "--prompt", "6 7 8", "--prompt", "9,10", "--max-new-tokens", "4")
     assert [p["ids"] for p in out["prompts"]] == [[THE, CAT, SAT], [ON, MAT]]
     assert [p["text"] for p in out["prompts"]] == [None, None]
     assert out["ids"] == [hf_greedy(model, [THE, CAT, SAT], 4), hf_greedy(model, [ON, MAT], 4)]
@@ -77,7 +66,7 @@ def test_ids_are_taken_as_given(saved, capsys):
 
 def test_chat_applies_the_template_with_one_bos(saved, capsys):
     d, model = saved
-    out = run_json(capsys, d, "--chat", "--prompt", "the cat", "--max-new-tokens", "3")
+    out = run_json(capsys, str(d), "--chat", "--prompt", "the cat", "--max-new-tokens", "3")
     ids = out["prompts"][0]["ids"]
     assert ids == [BOS, USER, THE, CAT, ASSISTANT] and ids.count(BOS) == 1
     assert out["ids"] == [hf_greedy(model, ids, 3)]
@@ -85,7 +74,7 @@ def test_chat_applies_the_template_with_one_bos(saved, capsys):
 
 def test_system_comes_before_the_user_message(saved, capsys):
     d, _ = saved
-    out = run_json(capsys, d, "--chat", "--system", "on the mat", "--prompt", "the cat", "--max-new-tokens", "2")
+    out = run_json(capsys, str(d), "--chat", "--system", "on the mat", "--prompt", "the cat", "--max-new-tokens", "2")
     assert out["prompts"][0]["ids"] == [BOS, SYSTEM, ON, THE, MAT, USER, THE, CAT, ASSISTANT]
 
 
@@ -93,13 +82,13 @@ def test_prompt_file_one_prompt_a_line_blank_lines_skipped(saved, tmp_path, caps
     d, _ = saved
     f = tmp_path / "prompts.txt"
     f.write_text("the cat\n\n   \non the mat\n")
-    out = run_json(capsys, d, "--prompt", "sat", "--prompt-file", str(f), "--max-new-tokens", "2")
+    out = run_json(capsys, str(d), "--prompt", "sat", "--prompt-file", str(f), "--max-new-tokens", "2")
     rows = out["prompts"]
     assert [r["text"] for r in rows] == ["sat", "the cat", "on the mat"]
     assert [r["source"] for r in rows] == ["--prompt 1", f"--prompt-file {str(f)!r} line 1",
                                            f"--prompt-file {str(f)!r} line 4"]
     f.write_text("6 7\n8,9\n")
-    out = run_json(capsys, d, "--ids", "--prompt-file", str(f), "--max-new-tokens", "2")
+    out = run_json(capsys, str(d), "--ids", "--prompt-file", str(f), "--max-new-tokens", "2")
     assert [r["ids"] for r in out["prompts"]] == [[THE, CAT], [SAT, ON]]
 
 
@@ -110,7 +99,7 @@ def test_jsonl_prompt_messages_and_ids(saved, tmp_path, capsys):
              {"messages": [{"role": "system", "content": "cat"}, {"role": "user", "content": "mat"}]},
              {"ids": [6, 7]}]
     f.write_text("\n".join(json.dumps(x) for x in lines) + "\n\n")
-    out = run_json(capsys, d, "--prompt-file", str(f), "--max-new-tokens", "2")
+    out = run_json(capsys, str(d), "--prompt-file", str(f), "--max-new-tokens", "2")
     assert [r["ids"] for r in out["prompts"]] == [
         [BOS, THE, CAT],  # "prompt" is plain text without --chat
         [BOS, USER, THE, MAT, ASSISTANT],  # "messages" always take the template
@@ -118,7 +107,7 @@ def test_jsonl_prompt_messages_and_ids(saved, tmp_path, capsys):
         [THE, CAT],
     ]
     assert out["prompts"][1]["messages"] == lines[1]["messages"]
-    out = run_json(capsys, d, "--prompt-file", str(f), "--chat", "--system", "on", "--max-new-tokens", "2")
+    out = run_json(capsys, str(d), "--prompt-file", str(f), "--chat", "--system", "on", "--max-new-tokens", "2")
     assert [r["ids"][:3] for r in out["prompts"][:3]] == [[BOS, SYSTEM, ON], [BOS, SYSTEM, ON], [BOS, SYSTEM, CAT]]
 
 
@@ -146,15 +135,15 @@ def test_ignore_eos_runs_past_the_end_of_sequence_token(saved, tmp_path, capsys)
     shutil.copytree(d, d2)
     cfg = json.loads((d2 / "generation_config.json").read_text()) if (d2 / "generation_config.json").exists() else {}
     (d2 / "generation_config.json").write_text(json.dumps({**cfg, "eos_token_id": first}))
-    out = run_json(capsys, d2, "--prompt", "the", "--max-new-tokens", "6")
+    out = run_json(capsys, str(d2), "--prompt", "the", "--max-new-tokens", "6")
     assert out["ids"] == [[first]] and out["prompts"][0]["finish"] == "eos"
-    out = run_json(capsys, d2, "--prompt", "the", "--max-new-tokens", "6", "--ignore-eos")
+    out = run_json(capsys, str(d2), "--prompt", "the", "--max-new-tokens", "6", "--ignore-eos")
     assert out["ids"] == [hf_greedy(model, [BOS, THE], 6)] and out["prompts"][0]["finish"] == "length"
 
 
 def test_json_fields_and_the_text_report(saved, capsys):
     d, model = saved
-    out = run_json(capsys, d, "--prompt", "the cat", "--prompt", "on", "--max-new-tokens", "3")
+    out = run_json(capsys, str(d), "--prompt", "the cat", "--prompt", "on", "--max-new-tokens", "3")
     assert out["load_seconds"] > 0 and out["first_token_s_median"] > 0
     for key in ("model", "architecture", "weights", "backend", "device", "dtype", "steps", "waits", "new_tokens",
                 "seconds", "tokens_per_s", "compiled", "ids", "texts", "prompts"):
@@ -174,19 +163,19 @@ def test_json_fields_and_the_text_report(saved, capsys):
 def test_engine_sizes_change_nothing_in_the_ids(saved, capsys):
     d, _ = saved
     argv = ["--prompt", "the cat", "--prompt", "on the mat sat", "--max-new-tokens", "5"]
-    base = run_json(capsys, d, *argv)["ids"]
-    small = run_json(capsys, d, *argv, "--batch-size", "1", "--page-size", "2", "--max-pages", "8")
+    base = run_json(capsys, str(d), *argv)["ids"]
+    small = run_json(capsys, str(d), *argv, "--batch-size", "1", "--page-size", "2", "--max-pages", "8")
     assert small["ids"] == base and small["steps"]["mixed"] == 0  # one request a step: never prefill with decode
 
 
 def test_stop_ends_at_the_token_completing_it_and_cuts_the_text(saved, capsys):
     d, _ = saved
     argv = ["--prompt", "the cat", "--max-new-tokens", "12", "--ignore-eos"]
-    full = run_json(capsys, d, *argv)["prompts"][0]
+    full = run_json(capsys, str(d), *argv)["prompts"][0]
     words = full["generated_text"].split()
     # the first word after the first that the text before it does not hold (the cut is at the first match)
     k = next(i for i in range(1, len(words)) if words[i] not in " ".join(words[:i]))
-    out = run_json(capsys, d, *argv, "--stop", words[k], "--stop", "never-said")
+    out = run_json(capsys, str(d), *argv, "--stop", words[k], "--stop", "never-said")
     row = out["prompts"][0]
     assert row["generated_ids"] == full["generated_ids"][: k + 1] and row["finish"] == "stop"
     assert row["generated_text"] == " ".join(words[:k]) + " "
@@ -196,9 +185,10 @@ def test_sampling_seeds_are_per_prompt(saved, capsys):
     d, _ = saved
     flags = ["--temperature", "1.5", "--top-k", "50", "--top-p", "0.95", "--min-p", "0.01",
              "--repetition-penalty", "1.1", "--max-new-tokens", "8"]
-    both = run_json(capsys, d, "--prompt", "the cat", "--prompt", "on the mat", *flags, "--sampling-seed", "5")
-    again = run_json(capsys, d, "--prompt", "the cat", "--prompt", "on the mat", *flags, "--sampling-seed", "5")
-    alone = run_json(capsys, d, "--prompt", "on the mat", *flags, "--sampling-seed", "6")  # prompt 1 draws with 5+1
+    both = run_json(capsys, str(d), "--prompt", "the cat", "--prompt", "on the mat", *flags, "--sampling-seed", "5")
+    again = run_json(capsys, str(d), "--prompt", "the cat", "--prompt", "on the mat", *flags, "--sampling-seed", "5")
+    # prompt 1 drew with seed 5 + 1
+    alone = run_json(capsys, str(d), "--prompt", "on the mat", *flags, "--sampling-seed", "6")
     assert both["ids"] == again["ids"] and alone["ids"] == [both["ids"][1]]
 
 

@@ -5,15 +5,14 @@ files, and what is refused before the weights load."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import shutil
 
 import pytest
 
-from mstar_core.cli import main
 from mstar_core.testing.hf_models import build
 
 from ...helpers import hf_greedy
+from .cli_runs import fails, run_json
 from .gguf_files import BOS, write_llama_gguf
 
 USER, ASSISTANT = 2, 4  # <|user|>, <|assistant|> in gguf_files.SPECIAL
@@ -24,18 +23,6 @@ def written(tmp_path_factory):
     d = tmp_path_factory.mktemp("gguf")
     model = build("llama", seed=4)
     return write_llama_gguf(model, d / "tiny.gguf"), model
-
-
-def run_json(capsys, *argv: str) -> dict:
-    assert main(["generate", *argv, "--json"]) == 0, capsys.readouterr().err
-    return json.loads(capsys.readouterr().out)
-
-
-def fails(capsys, *argv: str) -> str:
-    assert main(["generate", *argv]) == 2
-    err = capsys.readouterr().err
-    assert "Traceback" not in err
-    return err.strip().splitlines()[-1]
 
 
 def test_a_gguf_file_generates_the_ids_of_the_model_it_holds(written, capsys):
