@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from mstar_core.errors import InputError
+from mstar_core.text_files import read_text
 
 JSONL_KEYS = ("prompt", "messages", "ids")  # exactly one per line
 
@@ -83,12 +84,7 @@ def read_prompt_file(path: str, ids: bool) -> list[Prompt]:
     ``{"ids": [...]}``); any other file: one prompt a line (token ids with ``--ids``). Blank lines
     are skipped; a line's own spaces are kept."""
     p = Path(path)
-    try:
-        text = p.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"generate: --prompt-file {path!r} is not UTF-8 text (byte offset {e.start})") from None
-    except OSError as e:
-        raise InputError(f"generate: --prompt-file {path!r} cannot be read ({e.strerror or e})") from None
+    text = read_text(p, f"generate: --prompt-file {path!r}")
     jsonl = p.suffix.lower() == ".jsonl"
     out = []
     for n, line in enumerate(text.splitlines(), 1):

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from mstar_core.errors import InputError, StateError
+from mstar_core.text_files import read_text
 
 log = logging.getLogger(__name__)
 
@@ -42,13 +43,7 @@ def _where(d: Path) -> str:
 def read_json(d: Path, name: str) -> Any:
     """``d / name`` parsed; an unreadable, non-UTF-8 or invalid file is an :class:`InputError`
     naming the directory, the file and (invalid JSON) the line and column."""
-    path = d / name
-    try:
-        text = path.read_bytes().decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise InputError(f"{_where(d)}: {name} is not UTF-8 text (byte offset {e.start}: {e.reason})") from None
-    except OSError as e:
-        raise InputError(f"{_where(d)}: {name} cannot be read ({type(e).__name__}: {e.strerror or e})") from None
+    text = read_text(d / name, f"{_where(d)}: {name}")
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
