@@ -243,9 +243,13 @@ class Sampler:
         top, greedy = x.max(-1)
         inv_t = f[:, 1:2]
         # Each token's weight exp((x - max) / T): the softmax unnormalised (the most likely is 1).
-        w = torch.addcmul(-(top[:, None] * inv_t), x, inv_t).exp_()
+        shift = -(top[:, None] * inv_t)
+        w = torch.addcmul(shift, x, inv_t).exp_()
         if self.filters & {"top_k", "top_p"}:
-            w = torch.where(w >= self._ranked_floor(w, ints[:, 0:1], f[:, 2]), w, 0.0)
+            # The weights are monotone in the logits: sorting the logits (bf16 keys on a GPU, half
+            # a float32 sort's passes) and weighing them sorted gives the sorted weights, bit for bit.
+            ws = torch.addcmul(shift, x.sort(-1, descending=True).values, inv_t).exp_()
+            w = torch.where(w >= self._ranked_floor(ws, ints[:, 0:1], f[:, 2]), w, 0.0)
         if "min_p" in self.filters:  # after top-p, as transformers orders them (the most likely stays)
             w = torch.where(w >= f[:, 3:4], w, 0.0)
         # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
@@ -257,10 +261,9 @@ class Sampler:
             self.seen.index_put_((rows, tokens), self._true)
         return tokens
 
-    def _ranked_floor(self, w: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    def _ranked_floor(self, ws: torch.Tensor, k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
         """The least weight top-k and top-p keep, per row ``[rows, 1]`` (ties with it stay, as
-        transformers keeps them), from the weights sorted once per step."""
-        ws = w.sort(-1, descending=True).values
+        transformers keeps them), from the weights sorted in descending order."""
         v = ws.shape[-1]
         floor = ws[:, -1:]
         if "top_k" in self.filters:

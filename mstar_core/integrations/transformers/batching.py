@@ -94,9 +94,9 @@ def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     or one per prompt; the engine needs a sampler for it: ``EngineOptions(sampler=...)``).
     ``arrivals[i]``: the step at which prompt ``i`` joins (default all at step 0).
     ``on_step(done, total)`` is called after each step with the tokens produced so far;
-    ``stop(i, ids)`` after each new token of prompt ``i`` (``ids``: its new tokens so far), True
-    ending that request there. Whatever happens, every request is removed from the engine's
-    resources on return."""
+    ``stop(i, ids)`` after each new token of prompt ``i`` (``ids``: its new tokens so far, the
+    run's own list: read it, never change it), True ending that request there. Whatever happens,
+    every request is removed from the engine's resources on return."""
     engine.check_open()
     vocab = getattr(engine.model.config, "vocab_size", None)
     check_max_new(max_new_tokens)
@@ -315,7 +315,7 @@ class _Loop:
             self.produced += 1
             if r.first_token_s is None:
                 r.first_token_s = max(done_s - (r.joined_at - self.t0), 0.0)
-            if t in self.eos or (self.stop is not None and self.stop(r.index, list(r.generated))):
+            if t in self.eos or (self.stop is not None and self.stop(r.index, r.generated)):
                 r.stopped = True
 
     def _leave(self, launched_rows: list[_Request]) -> None:
