@@ -79,6 +79,11 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    @property
+    def needs_sampler(self) -> bool:
+        """Whether the step must do more than an argmax for this request."""
+        return not self.greedy or self.repetition_penalty != 1.0
+
     def filters(self) -> set[str]:
         """The filters this request needs from the sampler (none for plain greedy)."""
         out = set()
@@ -194,7 +199,7 @@ class Sampler:
         """A slot for a request drawing with ``params`` and ``seed``; ``context`` (its prompt) is
         what the repetition penalty counts as seen. Refused, naming the option, when this sampler
         lacks a filter the request needs."""
-        missing = sorted(params.filters() - self.filters)
+        missing = self.missing(params)
         if missing:
             raise InputError(f"the engine's sampler was built without {missing} (filters {sorted(self.filters)}); "
                              f"build it with EngineOptions(sampler=...) including them")
@@ -211,6 +216,10 @@ class Sampler:
             if ids:
                 self.seen[slot, _host_to(ids, torch.long, self.device)] = True
         return slot
+
+    def missing(self, params: SamplingParams) -> list[str]:
+        """The filters ``params`` needs that this sampler does not apply."""
+        return sorted(params.filters() - self.filters)
 
     def release(self, slot: int) -> None:
         if slot not in self._free and 0 <= slot < self.pad:

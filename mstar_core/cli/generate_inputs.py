@@ -98,4 +98,4 @@ def check_fits(prompts: list[Prompt], ids: list[list[int]], config: Any, max_new
     text_config = config.get_text_config() if hasattr(config, "get_text_config") else config
     names = [p.where for p in prompts]
     check_prompts(ids, getattr(text_config, "vocab_size", None), names)
-    check_length(ids, max_new, text_config, names, "--max-new-tokens")
+    check_length(ids, max_new, config, names, "--max-new-tokens")  # it reads the text config itself

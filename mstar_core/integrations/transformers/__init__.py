@@ -100,7 +100,7 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
 
 def _filters(sampling: list[SamplingParams]) -> tuple[str, ...] | None:
     """The sampler these requests need: None where every one is plain greedy (an argmax)."""
-    if all(p == SamplingParams(seed=p.seed) for p in sampling):
+    if not any(p.needs_sampler for p in sampling):
         return None
     return tuple(sorted(set().union(*(p.filters() for p in sampling))))
 

@@ -118,13 +118,13 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, a
     o, ps = engine.options, engine.options.page_size
     params = sampling or [SamplingParams()] * len(prompts)
     if engine.sampler is None:
-        drawn = [i for i, p in enumerate(params) if p != SamplingParams(seed=p.seed)]
+        drawn = [i for i, p in enumerate(params) if p.needs_sampler]
         if drawn:
             raise InputError(f"generate: prompts {drawn[:5]} sample (temperature or repetition penalty), but the "
                              "engine was built without a sampler: build it with EngineOptions(sampler=(...filters))")
     else:
         for i, p in enumerate(params):
-            missing = sorted(p.filters() - engine.sampler.filters)
+            missing = engine.sampler.missing(p)
             if missing:
                 raise InputError(f"generate: prompt {i} needs the sampler's filters {missing}; the engine's has "
                                  f"{sorted(engine.sampler.filters)} (EngineOptions(sampler=...))")
