@@ -179,6 +179,21 @@ class Node:
         self._steps += 1
         return StepResult(outcome, ctx, output)
 
+    def prefix_root(self, model: str | bytes) -> bytes:
+        """What a prefix cache keys this node's pages under (``KVManager.admit_prefix``'s
+        ``root``): every resource's fingerprint, in order, and ``model``, the caller's identity of
+        the weights. Pages are never found under another root."""
+        if isinstance(model, str):
+            model = model.encode()
+        if not isinstance(model, bytes) or not model:
+            raise InputError(f"prefix_root: model must be a non-empty str or bytes naming the weights, got {model!r}")
+        parts = [model]
+        for r in self.resources:
+            fp = r.fingerprint()
+            if fp is not None:
+                parts.append(r.name.encode() + b"=" + fp)
+        return b"\0".join(parts)
+
     def post_warmup_validate(self) -> None:
         for r in self.resources:
             r.post_warmup_validate()

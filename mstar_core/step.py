@@ -237,10 +237,13 @@ class Shortage:
 
 @dataclass(frozen=True)
 class AdmitOutcome:
-    """The answer of ``admit``: admitted, or refused with what is short. Never an exception."""
+    """The answer of ``admit``: admitted, or refused with what is short. Never an exception.
+    ``cached_tokens``: what :meth:`~mstar_core.kv.KVManager.admit_prefix` found in the prefix
+    cache (0 elsewhere)."""
 
     admitted: bool
     shortages: tuple[Shortage, ...] = ()
+    cached_tokens: int = 0
 
     @classmethod
     def ok(cls) -> AdmitOutcome:

@@ -5,6 +5,10 @@ a free-page pool, streams per ``(request_id, label)``.
 (pages, ``length``, ``to_compute``, packing order, FlashInfer-style index arrays, write
 locations), ``commit`` advances the committed length of ``commit=True`` spans and releases the
 pages held only for ``commit=False`` tokens.
+
+With ``prefix_cache=True`` the pool is a :class:`~mstar_core.kv.prefix.PrefixCache`: a stream
+started with :meth:`KVManager.admit_prefix` takes the longest run of cached full pages its token
+ids begin with (shared, read-only), and its full pages are published as they commit.
 """
 
 from __future__ import annotations
@@ -27,6 +31,7 @@ from mstar_core.kv.layout import RowBatch, build_layout, row_state
 from mstar_core.kv.page_table import PageTable
 from mstar_core.kv.plan import TOKEN_ARRAYS, KVPlan, LabelLayout, token_arrays
 from mstar_core.kv.pool import PagePool
+from mstar_core.kv.prefix import PrefixCache, PrefixChain, PrefixStats
 from mstar_core.kv.streams import CacheStream, StreamMap
 from mstar_core.resource import BuildInfo, Resource, as_dtype, spec_required
 from mstar_core.step import AdmitOutcome, KVSpan, Shortage, Step, StepContext, is_int
@@ -83,7 +88,10 @@ class KVManager(Resource):
         name: str = "kv",
         features: AttentionFeatures = PLAIN,
         tp: TensorParallel | None = None,
+        prefix_cache: bool = False,
     ) -> None:
+        if not isinstance(prefix_cache, bool):
+            raise InputTypeError(f"KVManager: prefix_cache must be a bool, got {prefix_cache!r}")
         if not isinstance(features, AttentionFeatures):
             raise InputTypeError(f"KVManager: features must be an AttentionFeatures, got {type(features).__name__}")
         features.check_layers(config.num_layers, "KVManager")
@@ -103,7 +111,10 @@ class KVManager(Resource):
         self.tp = tp
         self.storage = torch.zeros(config.shape, dtype=self.kv_dtype, device=self.device)
         self.op_handle = ops.register(self)  # what a compiled graph names this cache by
-        self.pool = PagePool(config.max_pages)
+        self.prefix_cache = prefix_cache
+        self.pool = self._new_pool()
+        # Streams whose known tokens reach past their keyed pages: what a commit may publish (by id).
+        self._publishing: dict[int, CacheStream] = {}
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
         self.streams = StreamMap()
@@ -142,7 +153,18 @@ class KVManager(Resource):
             num_qo_heads=info.num_qo_heads,
         )
         return cls(cfg, info.device, as_dtype(spec.get("dtype", info.dtype)), name=spec.get("name", "kv"),
-                   features=info.features)
+                   features=info.features, prefix_cache=spec.get("prefix_cache", False))
+
+    def _new_pool(self) -> PagePool:
+        n = self.config.max_pages
+        return PrefixCache(n, self.config.page_size) if self.prefix_cache else PagePool(n)
+
+    def fingerprint(self) -> bytes:
+        # What a page holds depends on the geometry, the stored dtype and FP8 scales, and the
+        # features (windows and sinks change deeper layers' K/V through the attention outputs).
+        c = self.config
+        return (f"kv.paged:{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.page_size}:{self.dtype}:{self.kv_dtype}:"
+                f"{self._scales}:{self.features!r}").encode()
 
     # -- requests ----------------------------------------------------------------------------
     @property
@@ -162,6 +184,7 @@ class KVManager(Resource):
     def _free_streams(self, rid: str) -> None:
         for key in [k for k in self.streams if k[0] == rid]:
             old = self.streams[key]
+            self._publishing.pop(id(old), None)  # its tokens no longer say what its pages will hold
             if old.in_flight:
                 # A step admitted on it may still write its pages (a replayed graph writes without
                 # the host seeing it): they stay out of the pool until that step lands.
@@ -224,18 +247,143 @@ class KVManager(Resource):
                               f"ingested: {sorted(self._requests)}")
         if (dst_rid, label) in self.streams:
             raise InputError(f"fork: request {dst_rid!r} already has a {label!r} stream")
-        # Only the committed tokens' pages: a step in flight on the source may hold more.
+        # Only the committed tokens' pages: a step in flight on the source may hold more. With the
+        # prefix cache the full ones are shared (no step writes a full committed page again).
         n = pages_for(src.length, self.config.page_size)
-        if n > self.pool.num_free:
-            return AdmitOutcome.refuse(Shortage(self.name, "pages", n, self.pool.num_free, dst_rid))
-        pages = self.pool.take(n)
-        if n:
-            self.storage[:, pages] = self.storage[:, src.pages[:n]]
+        shared = src.pages[: src.length // self.config.page_size] if isinstance(self.pool, PrefixCache) else []
+        k = n - len(shared)
+        if k > self.pool.num_free:
+            return AdmitOutcome.refuse(Shortage(self.name, "pages", k, self.pool.num_free, dst_rid))
+        pages = self.pool.take(k)
+        if k:
+            self.storage[:, pages] = self.storage[:, src.pages[len(shared): n]]
+        if shared:
+            self.pool.share(shared)  # type: ignore[attr-defined]  # a PrefixCache
         dst = CacheStream(dst_rid, label, [], src.length, next(self._generations))
-        self._append(dst, pages)
+        self._append(dst, [*shared, *pages])
+        if src.chain is not None:
+            dst.chain = src.chain.copy(src.length)
+            self._track(dst)
         self.streams[(dst_rid, label)] = dst
         src.generation = next(self._generations)
         return AdmitOutcome.ok()
+
+    # -- prefix cache ------------------------------------------------------------------------
+    def _cache(self, who: str) -> PrefixCache:
+        if not isinstance(self.pool, PrefixCache):
+            raise StateError(f"{self.name}: {who} needs the prefix cache, which is off; build "
+                             "KVManager(..., prefix_cache=True)")
+        return self.pool
+
+    def _root(self, cache: PrefixCache, root: bytes, label: str) -> int:
+        if not isinstance(root, bytes):
+            raise InputTypeError(f"{self.name}: root must be bytes (Node.prefix_root(model)), got "
+                                 f"{type(root).__name__}")
+        return cache.root((self.fingerprint(), root, label))
+
+    def _check_ids(self, token_ids: Sequence[int], who: str) -> list[int]:
+        if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
+            raise InputTypeError(f"{who}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
+        ids = list(token_ids)
+        if not all(is_int(t) for t in ids):
+            bad = next(t for t in ids if not is_int(t))
+            raise InputTypeError(f"{who}: token_ids must be ints, got {bad!r} ({type(bad).__name__})")
+        return ids
+
+    def match_prefix(self, token_ids: Sequence[int], root: bytes = b"", label: str = "") -> int:
+        """How many tokens :meth:`admit_prefix` would find cached for ``token_ids`` now (full
+        pages, at most ``len - 1`` tokens); changes nothing."""
+        cache = self._cache("match_prefix")
+        ids = self._check_ids(token_ids, f"{self.name}.match_prefix")
+        pages, _ = cache.lookup(self._root(cache, root, label), ids, (len(ids) - 1) // self.config.page_size)
+        return len(pages) * self.config.page_size
+
+    def admit_prefix(self, rid: str, label: str, token_ids: Sequence[int], root: bytes = b"") -> AdmitOutcome:
+        """Start stream ``(rid, label)`` (ingested, with no tokens yet) from the longest run of
+        cached full pages ``token_ids`` begins with under ``root`` (:meth:`Node.prefix_root`: the
+        resources' fingerprints and the model's identity; this cache adds its own and the
+        label). At most ``len(token_ids) - 1`` tokens are found: the last one is always
+        computed. The pages are shared and read-only; ``token_ids`` are remembered, so the full
+        pages this stream's steps commit are published. Returns the outcome with
+        ``cached_tokens``: the stream's first step computes ``token_ids[cached_tokens:]``."""
+        cache = self._cache("admit_prefix")
+        who = f"{self.name}.admit_prefix({rid!r}, {label!r})"
+        ids = self._check_ids(token_ids, who)
+        if not ids:
+            raise InputError(f"{who}: token_ids is empty")
+        if rid not in self._requests:
+            raise UnknownName(f"{who}: request {rid!r} was never ingested; ingested: {sorted(self._requests)}")
+        key = (rid, label)
+        st = self.streams.get(key)
+        if st is not None and (st.length or st.pages or st.in_flight or st.chain is not None):
+            raise StateError(f"{who}: the stream already holds {st.length} tokens (or a step in flight); a stream "
+                             "starts from the cache once, before its first step (reset_request to start over)")
+        ps = self.config.page_size
+        node = self._root(cache, root, label)
+        pages, last = cache.lookup(node, ids, (len(ids) - 1) // ps)
+        self._epoch += 1
+        if st is None:
+            st = self.streams[key] = CacheStream(rid, label, generation=next(self._generations))
+        if pages:
+            cache.share(pages)
+            self._append(st, pages)
+            st.length = len(pages) * ps
+        st.chain = PrefixChain(node, ids, len(pages), last)
+        self._track(st)
+        s = cache.stats
+        s.lookups += 1
+        s.lookup_tokens += len(ids)
+        s.hit_tokens += st.length
+        log.debug("%s: %d of %d tokens found cached", who, st.length, len(ids))
+        return AdmitOutcome(True, cached_tokens=st.length)
+
+    def extend_tokens(self, rid: str, label: str, token_ids: Sequence[int]) -> None:
+        """Tokens that follow what ``(rid, label)``'s chain knows (its prompt): e.g. the tokens it
+        generated, so a later prompt that repeats them (a chat's next turn) finds their pages.
+        Pages already committed are published now, later ones as they commit."""
+        who = f"{self.name}.extend_tokens({rid!r}, {label!r})"
+        self._cache("extend_tokens")
+        ids = self._check_ids(token_ids, who)
+        st = self.stream(rid, label)
+        if st.chain is None:
+            raise StateError(f"{who}: the stream was not started with admit_prefix, so its tokens are unknown")
+        st.chain.tokens.extend(ids)
+        self._track(st)
+        self._publish()
+
+    def _track(self, st: CacheStream) -> None:
+        """Watch ``st`` at commits while its known tokens reach past its keyed pages."""
+        ch = st.chain
+        if ch is not None and len(ch.tokens) // self.config.page_size > ch.keyed:
+            self._publishing[id(st)] = st
+
+    def _publish(self) -> None:
+        """Publish the full pages the watched streams have committed (cost: the watched streams,
+        none in a decode loop whose prompts are published)."""
+        cache = self.pool
+        assert isinstance(cache, PrefixCache)
+        ps = self.config.page_size
+        for sid, st in list(self._publishing.items()):
+            ch = st.chain
+            assert ch is not None
+            upto = min(st.length, len(ch.tokens)) // ps
+            if upto > ch.keyed:
+                cache.publish(ch, st.pages, upto)
+            if ch.keyed >= len(ch.tokens) // ps:
+                del self._publishing[sid]
+
+    @property
+    def prefix_stats(self) -> PrefixStats:
+        """The prefix cache's counters (lookups, tokens found, pages published and evicted)."""
+        return self._cache("prefix_stats").stats
+
+    def clear_prefix_cache(self) -> int:
+        """Evict every cached page no stream holds (e.g. after the model's weights changed; a new
+        model identity in the root does the same for new streams). Returns how many."""
+        cache = self._cache("clear_prefix_cache")
+        n = cache.idle
+        cache.clear()
+        return n
 
     def invalidate_stream(self, rid: str, label: str) -> int:
         """Declare that what ``(rid, label)``'s pages hold changed outside a step (a page-table
@@ -660,6 +808,8 @@ class KVManager(Resource):
         self._epoch += 1
         if b is not None and n is not None and kvs.all_commit:
             self._commit_kept(b, n)
+            if self._publishing:
+                self._publish()
             return
         order, current = self._admitted_streams(rec, step)
         trim: list[CacheStream] = []
@@ -691,6 +841,8 @@ class KVManager(Resource):
             # .source) and stay readable. A C-level copy of the kept entries, and only on this
             # path (tokens held without commit).
             st.pages = st.pages[:keep]
+        if self._publishing:
+            self._publish()  # only committed tokens: a step rolled back never gets here
 
     def _commit_kept(self, b: RowBatch, n: int) -> None:
         """``commit`` of the kept rows' step, every span keeping its ``n`` tokens: the streams and
@@ -802,7 +954,9 @@ class KVManager(Resource):
         owned = [p for s in (*self.streams.values(), *self._parked.values()) for p in s.pages]
         if self._sink_page is not None:
             owned.append(self._sink_page)
-        if len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
+        if isinstance(self.pool, PrefixCache):
+            self.pool.check(owned)  # shared pages are owned once per holder
+        elif len(owned) != len(set(owned)) or set(owned) != set(self.pool.used):
             raise StateError(
                 f"KVManager page accounting broken: {len(owned)} owned by streams "
                 f"({len(set(owned))} distinct), {len(self.pool.used)} marked used"
@@ -812,15 +966,19 @@ class KVManager(Resource):
         if short:
             raise StateError(f"KVManager: streams hold fewer pages than their length needs (pages, length): {short}")
         if self.tp is not None:
-            self.tp.check_same(self.name, {"free pages": self.pool.num_free, "streams": len(self.streams),
-                                           "tokens": sum(s.length for s in self.streams.values())})
+            same = {"free pages": self.pool.num_free, "streams": len(self.streams),
+                    "tokens": sum(s.length for s in self.streams.values())}
+            if isinstance(self.pool, PrefixCache):  # every rank must find the same prefixes
+                same.update({"cached pages": self.pool.cached, "tokens found cached": self.pool.stats.hit_tokens})
+            self.tp.check_same(self.name, same)
 
     def cleanup(self) -> None:
         self._epoch += 1
         self.streams.clear()
         self._parked.clear()
         self._requests.clear()
-        self.pool = PagePool(self.config.max_pages)
+        self._publishing.clear()
+        self.pool = self._new_pool()
         self.storage = self.storage.new_empty(0)
         self._current = None
         self._live_plans.clear()

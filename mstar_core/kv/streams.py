@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
+from mstar_core.kv.prefix import PrefixChain
+
 
 @dataclass
 class CacheStream:
@@ -25,6 +27,8 @@ class CacheStream:
     in_flight: bool = False
     # Its row in the manager's device page table (page_table.py); -1 until it first gets pages.
     table_row: int = -1
+    # Its place in the prefix cache (None: the cache is off, or the stream never gave its tokens).
+    chain: PrefixChain | None = None
 
 
 class StreamMap(dict[tuple[str, str], CacheStream]):
