@@ -5,6 +5,8 @@
 backend = "flashinfer"          # a backend name, or "auto"
 [attention.pins]                # which distribution serves a name that several register
 fast = "fast-kernels"
+[kv]
+prefix_cache = true             # requests that share a prefix share its pages (default false)
 ```
 
 An unknown table or key is an error that names it, where it is, and the closest known key: a
@@ -24,18 +26,19 @@ from typing import Any
 
 from mstar_core.errors import ConfigError
 
-CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}}'
+CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}, "kv": {"prefix_cache": BOOL}}'
 
 # Every table and the keys it takes.
-SCHEMA: dict[str, tuple[str, ...]] = {"attention": ("backend", "pins")}
+SCHEMA: dict[str, tuple[str, ...]] = {"attention": ("backend", "pins"), "kv": ("prefix_cache",)}
 
 @dataclass(frozen=True)
 class Config:
-    """What a config asks of mstar: ``backend`` (None: not set) and ``pins`` (backend name ->
-    distribution that serves it)."""
+    """What a config asks of mstar: ``backend`` (None: not set), ``pins`` (backend name ->
+    distribution that serves it) and ``prefix_cache`` (None: not set, i.e. off)."""
 
     backend: str | None = None
     pins: Mapping[str, str] = field(default_factory=dict)
+    prefix_cache: bool | None = None
 
 
 # What every ``config=`` argument takes: a Config already loaded, a mapping, a TOML file's path.
@@ -131,4 +134,7 @@ def load_config(config: ConfigSource) -> Config:
     if backend is not None and not isinstance(backend, str):
         raise ConfigError(f"{where}: attention.backend must be a string, got {backend!r} (a backend name or 'auto')")
     pins = check_pins(attention.get("pins", {}), f"{where}: attention.pins")
-    return Config(backend, pins)
+    prefix_cache = config.get("kv", {}).get("prefix_cache")
+    if prefix_cache is not None and not isinstance(prefix_cache, bool):
+        raise ConfigError(f"{where}: kv.prefix_cache must be true or false, got {short(prefix_cache)}")
+    return Config(backend, pins, prefix_cache)

@@ -80,6 +80,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     eng.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=None,
                      help="replay decode steps from CUDA graphs (default: on for CUDA); on a CPU the graph path "
                      "runs without CUDA graphs, each replay re-running the forward")
+    eng.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=None,
+                     help="prompts that share a prefix share its KV pages, computed once (default: the config's "
+                     "[kv] prefix_cache, else off); the report gives the tokens found")
     add_compile(eng, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
@@ -109,6 +112,8 @@ def _options(args: argparse.Namespace, config: Any, count: int, tokenizer: Any) 
             options[name] = getattr(args, flag)
     if args.graphs is not None:
         options["graphs"] = args.graphs
+    if args.prefix_cache is not None:
+        options["prefix_cache"] = args.prefix_cache
     if args.compile:
         options.update(compile=True, compile_backend=args.compile_backend)
     if args.ignore_eos:
@@ -131,7 +136,8 @@ def _results(prompts: list[Prompt], ids: list[list[int]], rep: Any, tokenizer: A
     from mstar_core.integrations.transformers.text import decode
 
     out = []
-    for p, prompt_ids, new, ttft in zip(prompts, ids, rep.ids, rep.first_token_s, strict=True):
+    cached = rep.cached_tokens or (None,) * len(ids)
+    for p, prompt_ids, new, ttft, hit in zip(prompts, ids, rep.ids, rep.first_token_s, cached, strict=True):
         text, stopped = (decode(tokenizer, new), False) if tokenizer is not None else (None, False)
         if stop is not None and text is not None:
             text, stopped = stop.cut(text)
@@ -139,7 +145,8 @@ def _results(prompts: list[Prompt], ids: list[list[int]], rep: Any, tokenizer: A
         finish = "eos" if not stopped and new and new[-1] in eos else \
             "length" if not stopped and len(new) >= max_new else "stop"
         row: dict[str, Any] = {"source": p.where, "text": p.text, "ids": prompt_ids, "generated_ids": new,
-                               "generated_text": text, "finish": finish, "first_token_s": ttft}
+                               "generated_text": text, "finish": finish, "first_token_s": ttft,
+                               "cached_tokens": hit}
         if p.messages is not None:
             row["messages"] = p.messages
         out.append(row)
@@ -179,7 +186,8 @@ def run(args: argparse.Namespace) -> int:
             "backend": rep.backend, "device": str(device), "dtype": dtype_name, "load_seconds": load_s,
             "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
             "tokens_per_s": rep.tokens_per_s, "first_token_s_median": ttft[len(ttft) // 2],
-            "compiled": rep.compiled, "ids": rep.ids, "prompts": rows,
+            "compiled": rep.compiled, "prefix_hit_rate": rep.prefix_hit_rate, "prefill_tokens": rep.prefill_tokens,
+            "ids": rep.ids, "prompts": rows,
         }
         if tokenizer is not None:
             out["texts"] = [r["generated_text"] for r in rows]

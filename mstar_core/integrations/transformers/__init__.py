@@ -61,7 +61,9 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
 
     ``options``: :class:`EngineOptions` fields (``page_size``, ``max_pages`` (default: room for
     every prompt at once), ``max_batch_size``, ``max_prefill_tokens``, ``graphs``, ``buckets``,
-    ``kv_dtype``, ``compile``, ``sampler`` filters (default: what the requests need)) and
+    ``kv_dtype``, ``compile``, ``sampler`` filters (default: what the requests need),
+    ``prefix_cache`` (prompts that share a prefix share its pages; the report's
+    ``cached_tokens`` and ``prefix_hit_rate`` say what was found)) and
     ``sampling`` (a :class:`~mstar_core.sampling.SamplingParams`, or one per prompt),
     ``arrivals`` (the step each prompt joins at), ``eos_token_id`` (default the model's
     generation config's; None to never stop early), ``on_step(done, total)``,

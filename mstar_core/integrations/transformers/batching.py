@@ -5,6 +5,11 @@ Requests join at their arrival step and leave when done; a prompt waits while th
 need (prompt + new tokens) are not free, or while the step's prompt-token budget is spent. Each
 step packs every running request's next token and the joining prompts into one forward.
 
+With the engine's prefix cache a joining prompt starts from the cached pages its tokens begin
+with and computes only the rest; one whose prefix another prompt of the same step is about to
+compute waits a step for it when that saves at least half of its own prefill. A request that
+leaves gives its generated tokens to the cache, so a prompt that repeats them finds them.
+
 On CUDA the host never waits for a step before launching the next: the next step's input tokens
 are gathered on the device from the previous step's tokens, and a step's token ids are read (the
 only synchronisation) after the following step is launched. So with graphs the host plans step
@@ -58,6 +63,11 @@ class _Request:
     stopped: bool = False  # produced an end-of-sequence token
     joined_at: float = 0.0
     first_token_s: float | None = None
+    cached: int = 0  # its prompt's leading tokens found in the prefix cache
+
+    @property
+    def to_prefill(self) -> int:
+        return len(self.prompt) - self.cached
 
     @property
     def rid(self) -> str:
@@ -200,7 +210,9 @@ class _Loop:
         seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
                           tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device),
-                          None if e.runner.compiler is None else e.runner.compiler.describe())
+                          None if e.runner.compiler is None else e.runner.compiler.describe(),
+                          None if e.prefix_root is None else tuple(r.cached for r in self.reqs),
+                          sum(len(r.prompt) for r in self.reqs))
 
     def _arrive(self, step_no: int) -> None:
         while self.pending and self.pending[0].arrives <= step_no:
@@ -221,6 +233,8 @@ class _Loop:
                 if r.rid not in self.ingested:
                     self.ingested.add(r.rid)  # first: removal is idempotent, a missed one leaks
                     e.node.ingest_request(r.rid)
+                    if e.prefix_root is not None:
+                        r.cached = e.kv.admit_prefix(r.rid, LABEL, r.prompt, e.prefix_root).cached_tokens
                 if e.sampler is not None and r.slot is None:
                     r.slot = e.sampler.admit(r.params, r.seed, r.prompt)
             step, kind = self._step(rows)
@@ -256,7 +270,7 @@ class _Loop:
         reused (its spans are 64 validated objects per step otherwise)."""
         key = [r.index if r.launched else ~r.index for r in rows]
         if key != self._last_key:
-            spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else len(r.prompt)) for r in rows)
+            spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else r.to_prefill) for r in rows)
             kind = STEP_KINDS[paged_step_capability(tuple(s.num_tokens for s in spans))]
             self._last_key, self._last = key, (Step(KVStep(spans), self.e.step_attn), kind)
         assert self._last is not None
@@ -269,20 +283,51 @@ class _Loop:
         assert o.max_pages is not None
         held = sum(r.pages for r in self.active if r.launched)
         budget, rows = o.max_prefill_tokens, len(decode)
-        out = []
+        out: list[_Request] = []
         for r in self.active:
             if r.launched:
                 continue
-            if held + r.pages > o.max_pages or len(r.prompt) > budget or rows >= o.max_batch_size:
+            cached = self._cached(r)
+            if held + r.pages > o.max_pages or len(r.prompt) - cached > budget or rows >= o.max_batch_size:
                 self.waits += 1
                 log.debug("request %s waits (pages held %d + %d of %d, prompt budget %d)", r.rid, held, r.pages,
                           o.max_pages, budget)
                 break  # first come, first served: later prompts do not overtake it
+            if self._waits_for_prefix(r, cached, out):
+                self.waits += 1
+                continue  # it joins next step, from the pages this step publishes
             out.append(r)
             held += r.pages
-            budget -= len(r.prompt)
+            budget -= len(r.prompt) - cached
             rows += 1
         return out
+
+    def _cached(self, r: _Request) -> int:
+        """The tokens ``r`` finds (or found, once started) in the prefix cache; 0 without it."""
+        e = self.e
+        if e.prefix_root is None or r.rid in self.ingested:
+            return r.cached
+        return e.kv.match_prefix(r.prompt, e.prefix_root, LABEL)
+
+    def _waits_for_prefix(self, r: _Request, cached: int, joining: list[_Request]) -> bool:
+        """Whether ``r`` should wait for pages a prompt joining this step will publish: when the
+        full pages it shares with one of them past ``cached`` are at least half of what it would
+        compute now."""
+        if self.e.prefix_root is None or r.rid in self.ingested:
+            return False
+        ps, p = self.e.options.page_size, r.prompt
+        most = (len(p) - 1) // ps * ps  # what r can find at most: its last token is computed
+        best = cached
+        for j in joining:
+            q = j.prompt
+            n, top = cached, min(most, len(q) // ps * ps)  # j publishes its prompt's full pages
+            while n + ps <= top and p[n: n + ps] == q[n: n + ps]:
+                n += ps
+            best = max(best, n)
+        if 2 * (best - cached) < len(p) - cached:
+            return False
+        log.debug("request %s waits a step for %d prompt tokens another joining prompt computes", r.rid, best - cached)
+        return True
 
     def _tokens(self, decode: list[_Request], joining: list[_Request], inflight: _Launched | None) -> torch.Tensor:
         """The step's input ids on the device: decode rows' last tokens gathered from the previous
@@ -297,7 +342,7 @@ class _Loop:
                 where = {id(r): i for i, r in enumerate(inflight.rows)}
                 parts.append(inflight.toks[torch.tensor([where[id(r)] for r in decode], device=dev)])
         if joining:
-            parts.append(torch.tensor([t for r in joining for t in r.prompt], device=dev))
+            parts.append(torch.tensor([t for r in joining for t in r.prompt[r.cached:]], device=dev))
         return parts[0] if len(parts) == 1 else torch.cat(parts)
 
     def _read(self, step: _Launched) -> None:
@@ -323,6 +368,8 @@ class _Loop:
         unread = {id(r) for r in launched_rows}
         for r in [r for r in self.active if r.launched and not r.running and id(r) not in unread]:
             self.active.remove(r)
+            if self.e.prefix_root is not None:
+                self.e.kv.extend_tokens(r.rid, LABEL, r.generated)  # its committed full pages are published
             self.e.node.remove_request(r.rid)
             self.ingested.discard(r.rid)
             self._release(r)

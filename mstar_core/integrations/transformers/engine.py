@@ -21,6 +21,7 @@ import torch
 from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
 from mstar_core.capabilities import PAGED
 from mstar_core.compiling import CompiledForward, compile_options
+from mstar_core.config import load_config
 from mstar_core.errors import CompileError, InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner, check_buckets
 from mstar_core.integrations.transformers.attention import BINDING_KWARG, NAME, bound, register
@@ -63,6 +64,9 @@ class EngineOptions:
     # Tokens drawn on the device inside each step (:class:`~mstar_core.sampling.Sampler`) with these
     # filters of FILTERS (an empty tuple: temperature only); None: greedy argmax, no sampler.
     sampler: tuple[str, ...] | None = None
+    # Requests that share a prompt prefix share its KV pages (KVManager(prefix_cache=True)); None:
+    # as the config's [kv] prefix_cache says, off when it says nothing.
+    prefix_cache: bool | None = None
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
@@ -83,6 +87,9 @@ class EngineOptions:
                 raise InputError(f"mstar generate: sampler must be None (greedy) or filters from {list(FILTERS)}, "
                                  f"got {self.sampler!r}")
             object.__setattr__(self, "sampler", tuple(sorted(self.sampler)))
+        if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
+            raise InputTypeError(f"mstar generate: prefix_cache must be a bool or None (the config's), got "
+                                 f"{self.prefix_cache!r}")
         if self.compile is not False and self.graphs is False:
             raise InputError("mstar generate: compile compiles the graph steps (one graph per bucket), but graphs is "
                              "False; leave graphs at None (compile turns the graph path on) or True")
@@ -122,6 +129,12 @@ def _output_width(model: Any) -> int:
     head = model.get_output_embeddings() if callable(getattr(model, "get_output_embeddings", None)) else None
     weight = getattr(head, "weight", None)
     return int(weight.shape[0]) if isinstance(weight, torch.Tensor) else int(model.config.vocab_size)
+
+
+def model_identity(model: Any, dtype: torch.dtype) -> str:
+    """What names the weights in the prefix cache's root: the class, where they came from, dtype."""
+    c = type(model)
+    return f"{c.__module__}.{c.__qualname__}:{getattr(model.config, '_name_or_path', '') or '?'}:{dtype}"
 
 
 def check_model(model: Any) -> None:
@@ -221,7 +234,8 @@ class Engine:
                        f"Engine: the KV cache of max_pages {o.max_pages} x page_size {o.page_size} tokens "
                        f"({len(a.layers)} layers, {a.kv_heads} KV heads of {a.head_dim}; generate sizes max_pages "
                        "for its prompts and max_new_tokens)")
-            self.kv = KVManager(kvc, self.device, self.dtype, features=features)
+            prefix = o.prefix_cache if o.prefix_cache is not None else bool(load_config(o.config).prefix_cache)
+            self.kv = KVManager(kvc, self.device, self.dtype, features=features, prefix_cache=prefix)
             compiling = compile_options(o.compile, o.compile_backend, "mstar generate")
             graphs = (graphs_default(self.device) or compiling is not None) if o.graphs is None else o.graphs
             widest = max(o.graph_buckets())
@@ -243,6 +257,9 @@ class Engine:
                 max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features, backend_name=sel.name)
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
+            # What the prefix cache keys this engine's pages under (None: the cache is off): the
+            # resources' fingerprints and the model's class, source and dtype.
+            self.prefix_root = self.node.prefix_root(model_identity(model, self.dtype)) if prefix else None
             self.sampler = None if o.sampler is None else Sampler(
                 self.device, o.max_batch_size, _output_width(model), o.sampler)
             # One sm_scale for every layer (the probe refuses a model whose layers differ).

@@ -30,6 +30,21 @@ class Generation:
     first_token_s: tuple[float, ...]  # per prompt: from joining to its first token on the host
     device: str  # where it ran: says how graph steps ran
     compiled: str | None = None  # what torch.compile compiled at warm-up, and how long it took (None: nothing)
+    # per prompt: its tokens found in the prefix cache (None: the cache was off)
+    cached_tokens: tuple[int, ...] | None = None
+    prompt_tokens: int = 0
+
+    @property
+    def prefix_hit_rate(self) -> float | None:
+        """Prompt tokens found in the prefix cache, of all prompt tokens (None: the cache was off)."""
+        if self.cached_tokens is None:
+            return None
+        return sum(self.cached_tokens) / max(self.prompt_tokens, 1)
+
+    @property
+    def prefill_tokens(self) -> int:
+        """Prompt tokens the model computed (those not found in the prefix cache)."""
+        return self.prompt_tokens - sum(self.cached_tokens or ())
 
     @property
     def kinds(self) -> dict[str, int]:
@@ -71,6 +86,9 @@ class Generation:
         ]
         if dec:
             lines.append(f"decode step: median {dec[len(dec) // 2]:.3f} ms over {len(dec)} steady steps")
+        if self.cached_tokens is not None:
+            lines.append(f"prefix cache: {sum(self.cached_tokens)} of {self.prompt_tokens} prompt tokens found "
+                         f"({self.prefix_hit_rate:.1%}); {self.prefill_tokens} computed")
         if self.compiled:
             lines.append(f"graph steps {self.compiled} (at warm-up)")
         return lines
