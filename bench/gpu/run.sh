@@ -39,10 +39,12 @@
 #                       bench/compiled_decode.py (MODELS=smollm2,llama1b by default; SmolLM2 where /tmp/smollm2 holds it)
 #   sampling            as transformers: the sampler's and compiled steps' GPU tests, bench/sampled_decode.py (sampled against
 #                       greedy decode steps inside graphs)
+#   prefix              as transformers (on the smollm2 machine for SmolLM2's own weights; .gpu/flashinfer may stay behind
+#                       where an earlier call on that machine installed it): bench/prefix_cache.py (MODELS=smollm2,smollm2_shape)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -201,6 +203,12 @@ sampling)
   flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
   gpu_tests 200 tests tests/sampling tests/compiling
   T 420 sampled_decode python3 bench/sampled_decode.py --out "$R"
+  flashinfer_modules_out "$FI" ;;
+prefix)
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-gguf
+  smol=(); [ -f /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && smol=(--smol /tmp/smollm2)
+  T 540 prefix_cache python3 bench/prefix_cache.py --out "$R" --models "${MODELS:-smollm2,smollm2_shape}" "${smol[@]}"
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac

@@ -13,6 +13,7 @@ ids begin with (shared, read-only), and its full pages are published as they com
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 from collections.abc import Mapping, Sequence
@@ -166,6 +167,10 @@ class KVManager(Resource):
         return (f"kv.paged:{c.num_layers}x{c.num_kv_heads}x{c.head_dim}/{c.page_size}:{self.dtype}:{self.kv_dtype}:"
                 f"{self._scales}:{self.features!r}").encode()
 
+    @functools.cached_property
+    def _fingerprint(self) -> bytes:
+        return self.fingerprint()  # what it is made of is fixed at construction
+
     # -- requests ----------------------------------------------------------------------------
     @property
     def requests(self) -> tuple[str, ...]:
@@ -279,13 +284,13 @@ class KVManager(Resource):
         if not isinstance(root, bytes):
             raise InputTypeError(f"{self.name}: root must be bytes (Node.prefix_root(model)), got "
                                  f"{type(root).__name__}")
-        return cache.root((self.fingerprint(), root, label))
+        return cache.root((self._fingerprint, root, label))
 
     def _check_ids(self, token_ids: Sequence[int], who: str) -> list[int]:
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
             raise InputTypeError(f"{who}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
         ids = list(token_ids)
-        if not all(is_int(t) for t in ids):
+        if not all(type(t) is int for t in ids) and not all(is_int(t) for t in ids):  # the common case first
             bad = next(t for t in ids if not is_int(t))
             raise InputTypeError(f"{who}: token_ids must be ints, got {bad!r} ({type(bad).__name__})")
         return ids
