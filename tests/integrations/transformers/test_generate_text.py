@@ -146,10 +146,12 @@ def test_json_fields_and_the_text_report(saved, capsys):
     out = run_json(capsys, str(d), "--prompt", "the cat", "--prompt", "on", "--max-new-tokens", "3")
     assert out["load_seconds"] > 0 and out["first_token_s_median"] > 0
     for key in ("model", "architecture", "weights", "backend", "device", "dtype", "steps", "waits", "new_tokens",
-                "seconds", "tokens_per_s", "compiled", "ids", "texts", "prompts"):
+                "seconds", "tokens_per_s", "compiled", "prefix_hit_rate", "prefill_tokens", "ids", "texts", "prompts"):
         assert key in out
     row = out["prompts"][0]
-    assert set(row) == {"source", "text", "ids", "generated_ids", "generated_text", "finish", "first_token_s"}
+    assert set(row) == {"source", "text", "ids", "generated_ids", "generated_text", "finish", "first_token_s",
+                        "cached_tokens"}
+    assert row["cached_tokens"] is None and out["prefix_hit_rate"] is None  # the prefix cache is off by default
     assert row["text"] == "the cat" and row["generated_ids"] == out["ids"][0] == hf_greedy(model, row["ids"], 3)
     assert row["generated_text"] == " ".join(WORDS[i] if i < len(WORDS) else f"w{i}" for i in row["generated_ids"]
                                              if i not in (BOS, EOS, USER, ASSISTANT, SYSTEM))
