@@ -8,7 +8,7 @@ from mstar_core.cli.options import add_config, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.errors import InputError
 
-WORKLOADS = ("text", "denoise")
+WORKLOADS = ("text", "denoise", "shared-prefix")
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -20,7 +20,9 @@ def register(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--workload", choices=WORKLOADS, default="text",
                    help="text: continuous batching (prefill, mixed, decode steps); "
-                        "denoise: a frozen prefix and commit=False denoise steps on the dense path")
+                        "denoise: a frozen prefix and commit=False denoise steps on the dense path; "
+                        "shared-prefix: requests that share system prompts through the paged KV manager's "
+                        "prefix cache (hits, evictions), served with the cache and without")
     p.add_argument("--backend", default=None,
                    help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
@@ -44,13 +46,14 @@ def run(args: argparse.Namespace) -> int:
     check_seed(args.seed)
     check_device(args.device, "demo")
     config = config_from(args)
-    if args.workload == "denoise":
-        from mstar_core.demo import denoise
+    if args.workload != "text":
+        from mstar_core.demo import denoise, shared_prefix
 
         if args.tp != 1:
-            raise InputError("demo --tp: tensor parallelism runs the text workload "
-                             "(the denoise workload runs on one rank)")
-        return denoise.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
+            raise InputError(f"demo --tp: tensor parallelism runs the text workload "
+                             f"(the {args.workload} workload runs on one rank)")
+        workload = denoise if args.workload == "denoise" else shared_prefix
+        return workload.main(backend=args.backend, device=args.device, seed=args.seed, config=config)
     from mstar_core.demo import TinyDecoderConfig, text
     from mstar_core.distributed import check_shardable
 
