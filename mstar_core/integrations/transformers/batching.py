@@ -245,8 +245,14 @@ class _Loop:
                 raise StateError(f"generate: a decode step of {len(decode)} requests was refused "
                                    f"({prep.outcome.reason()}); the cache ({o.max_pages} pages) is too small")
             log.info("request %s waits: %s", joining[-1].rid, prep.outcome.reason())
-            joining.pop()
+            r = joining.pop()
             self.waits += 1
+            if e.prefix_root is not None:
+                # The cached pages it took would be held while it waits, counted by nobody: it
+                # gives them back and looks its prefix up again when it joins.
+                e.node.remove_request(r.rid)
+                self.ingested.discard(r.rid)
+                r.cached = 0
         tokens = self._tokens(decode, joining, inflight)
         if e.sampler is not None:
             e.sampler.set_rows([r.slot for r in rows if r.slot is not None])

@@ -137,3 +137,39 @@ def test_cli_reports_tokens_found(tmp_path, capsys):
     plain = run_json(capsys, str(tmp_path), "--ids", "--prompt", f"{shared} 40", "--prompt", f"{shared} 41 42",
                      "--max-new-tokens", "3", "--page-size", "8")
     assert plain["ids"] == out["ids"] and plain["prefix_hit_rate"] is None
+
+
+def test_a_joining_prompt_refused_by_the_step_gives_its_cached_pages_back(monkeypatch):
+    """A step refused with prompts joining drops the last of them; it must not keep the cached
+    pages it took while it waits (nobody counts them), and finds them again when it joins."""
+    from mstar_core.graphs import Prepared
+    from mstar_core.step import AdmitOutcome, Shortage
+
+    model = build("llama")
+    system = list(range(1, 33))
+    ps = [system + [40], system + [41, 42], system + [43]]
+    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE, prefix_cache=True)) as e:
+        real = e.runner.prepare
+        held: list[tuple[int, int]] = []
+
+        def refuse_the_first_step_of_three(step):
+            if held and len(held) == 1:  # the retry without hf2: it holds nothing meanwhile
+                held.append((("hf2", "text") in e.kv.streams, len(step.kv.spans)))
+            prep = real(step)
+            if len(step.kv.spans) == 3 and not held:
+                held.append((e.kv.stream("hf2", "text").length, e.kv.pool.num_free))
+                e.runner.discard(prep)
+                return Prepared(step, prep.ctx, prep.rows, outcome=AdmitOutcome.refuse(Shortage("kv", "pages", 9, 0)))
+            return prep
+
+        run(e, [ps[0]], 2, eos_token_id=None)  # publishes the system prompt's 4 pages
+        monkeypatch.setattr(e.runner, "prepare", refuse_the_first_step_of_three)
+        free_before = e.kv.pool.num_free
+        got = run(e, ps, 3, eos_token_id=None)
+        assert held[0][0] == 32  # hf2 had taken the cached pages when the step was refused
+        assert held[1] == (False, 2)  # and gave them back for the retry without it
+        assert got.cached_tokens == (32, 32, 32)  # and found them again when it joined
+        assert e.kv.pool.num_free == free_before
+        e.node.post_warmup_validate()
+    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE)) as plain:
+        assert run(plain, ps, 3, eos_token_id=None).ids == got.ids
