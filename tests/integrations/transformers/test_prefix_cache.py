@@ -173,3 +173,18 @@ def test_a_joining_prompt_refused_by_the_step_gives_its_cached_pages_back(monkey
         e.node.post_warmup_validate()
     with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE)) as plain:
         assert run(plain, ps, 3, eos_token_id=None).ids == got.ids
+
+
+@pytest.mark.parametrize("kw", [{"graphs": True}, {"kv_dtype": "fp8_e4m3"}, {"graphs": True, "kv_dtype": "fp8_e5m2"}],
+                         ids=["graph-path", "fp8", "graph-path-fp8"])
+def test_graph_steps_and_fp8_pages_give_the_ids_of_the_run_without_the_cache(kw):
+    """Decode steps through the graph path (static per-slot buffers over shared pages) and FP8
+    pages (quantised once by the prompt that computed them, read by every prompt that finds them)."""
+    model = build("qwen3")
+    ps = prompts(model.config.vocab_size)
+    off = generate_report(model, ps, 8, "reference", page_size=PAGE, eos_token_id=None, **kw)
+    on = generate_report(model, ps, 8, "reference", page_size=PAGE, eos_token_id=None, prefix_cache=True, **kw)
+    assert on.ids == off.ids
+    assert sum(on.cached_tokens or ()) == 192
+    if kw.get("graphs"):
+        assert any(s.graph for s in on.steps)
