@@ -12,6 +12,21 @@ so a fork, a reset or a page-table move invalidates it. Hazard: the key is only 
 generation; a resource driving the KV manager must send this manager the same lifecycle hooks
 (``reset_request``/``remove_request``), which drop the request's gathered prefixes outright.
 
+With the KV manager's prefix cache on (``KVManager(..., prefix_cache=True)``), streams whose
+prefix begins with the same cached pages (started by ``admit_prefix``: e.g. many requests with
+one prompt) share those pages' gathered K/V: one entry per layer under the shared key ``(node,
+tokens, pages)``, the node id the last of those pages is keyed under, their tokens and the pages
+themselves; a stream's own entry holds only the rest of its prefix (nothing where the cached
+pages cover it). A stream shares only the leading keyed pages that the prefix cache's lookup of
+its tokens finds to be these very pages (a page computed again while another page published its
+key stays the stream's own, although its chain goes on under that page's node). The shared key
+is that of the stream's whole run of such pages: a stream that published full pages of its own
+after the ones it found cached has a key of its own, and shares nothing with the streams that
+have only the cached ones. A shared entry does not follow one stream's generation: a fork bumps
+its source's, which rebuilds the source's own entry and re-checks its pages, not the shared one,
+whose pages are published and never written. Dropping a request drops a shared entry only with
+its last user.
+
 Step declaration: fresh tokens are ordinary ``commit=False`` spans of the ``KVStep``, exactly
 as for the paged backend, so query lengths arrive as the KV plan's ``to_compute`` and the
 prefix as ``length - to_compute``. The same declaration runs under either backend. Spans with
@@ -37,13 +52,14 @@ import torch
 
 from mstar_core import ops
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats
+from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats, SharedKey, StreamId
 from mstar_core.attention.protocols import PrefixedPrefillWrapper
 from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
 from mstar_core.kv.config import KVConfig
 from mstar_core.kv.fp8 import dequantize
 from mstar_core.kv.paged import KVManager
-from mstar_core.kv.plan import KVPlan, LabelLayout
+from mstar_core.kv.plan import KVPlan, LabelLayout, SpanLayout
+from mstar_core.kv.prefix import PrefixCache
 from mstar_core.resource import BuildInfo
 from mstar_core.step import Step, StepContext
 
@@ -55,7 +71,9 @@ DENSE_CAPABILITY = "prefixed_ragged"
 @dataclass(frozen=True)
 class DenseSegment:
     """(request, label) of a dense plan: ``prefix_len`` frozen tokens read from ``pages`` (the
-    pages that hold them, in order) and ``q_len`` fresh tokens computed this step."""
+    pages that hold them, in order) and ``q_len`` fresh tokens computed this step. ``shared``:
+    the leading pages it shares with other streams through the KV manager's prefix cache, as
+    ``(node, tokens, pages)`` (see the module docstring), or None."""
 
     request_id: str
     label: str
@@ -63,6 +81,7 @@ class DenseSegment:
     prefix_len: int
     q_len: int
     generation: int
+    shared: SharedKey | None = None
 
     @property
     def k_len(self) -> int:
@@ -165,6 +184,11 @@ class DenseAttentionManager(AttentionManager):
         self.flashinfer_backend = flashinfer_backend
         self.max_cached_tokens = max_cached_tokens
         self.prefixes = GatheredPrefixCache(max_cached_tokens)
+        # Per stream: (generation, pages checked, those pages) and the shared key found for them.
+        self._sharing: dict[StreamId, tuple[tuple[int, int, tuple[int, ...]], SharedKey | None]] = {}
+        # The KV manager's page pool the shared keys were found in: a new one (its cleanup)
+        # numbers its nodes from the start again.
+        self._pool = kv_cache.pool
         self._requests: dict[str, dict[str, Any]] = {}
         # One wrapper per (label, slot); consecutive plans alternate slots, so a step planned
         # ahead (prepare(N+1) before launch(N)) never re-plans the wrapper the running one reads.
@@ -226,15 +250,23 @@ class DenseAttentionManager(AttentionManager):
         self._requests.setdefault(rid, dict(overrides or {}))
 
     def reset_request(self, rid: str, free: bool = False) -> None:
-        """Drop ``rid``'s gathered prefixes (its pages are being reset); ``free`` also forgets it."""
+        """Drop ``rid``'s gathered prefixes (its pages are being reset); ``free`` also forgets it.
+        A prefix it shares with streams of other requests stays theirs."""
+        self._forget_sharing(rid)
         self.prefixes.drop_request(rid)
         if free:
             self._requests.pop(rid, None)
 
     def remove_request(self, rid: str) -> None:
-        """Drop ``rid``'s gathered prefixes and forget it; unknown ``rid`` is a no-op."""
+        """Drop ``rid``'s gathered prefixes and forget it; unknown ``rid`` is a no-op. A prefix it
+        shares with streams of other requests stays theirs."""
+        self._forget_sharing(rid)
         self.prefixes.drop_request(rid)
         self._requests.pop(rid, None)
+
+    def _forget_sharing(self, rid: str) -> None:
+        for sid in [k for k in self._sharing if k[0] == rid]:
+            del self._sharing[sid]
 
     @property
     def stats(self) -> PrefixCacheStats:
@@ -243,7 +275,8 @@ class DenseAttentionManager(AttentionManager):
 
     @property
     def cached_prefix_tokens(self) -> int:
-        """Prefix tokens held by the gathered-prefix cache, summed over (stream, layer) entries."""
+        """Prefix tokens held by the gathered-prefix cache, summed over its entries (a prefix
+        shared by several streams counted once)."""
         return self.prefixes.tokens
 
     def cached_streams(self) -> set[tuple[str, str]]:
@@ -262,6 +295,10 @@ class DenseAttentionManager(AttentionManager):
             raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         commits = {(s.request_id, s.label): s.commit for s in step.kv.spans}
+        if self.kv.pool is not self._pool:
+            self._pool = self.kv.pool
+            self._sharing.clear()
+            self.prefixes.clear()
         self._serial += 1
         runs = tuple(self._plan_label(label, lay, commits, a.causal, a.window_left, a.sm_scale)
                      for label, lay in kv_plan.labels)
@@ -279,10 +316,15 @@ class DenseAttentionManager(AttentionManager):
                 continue  # no query: nothing to attend for this stream
             prefix = s.prefix_len
             pages = tuple(s.source[: -(-prefix // ps)])  # the prefix's pages only
-            segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation))
+            shared = self._shared_key(s, label, pages)
+            segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation, shared))
             starts.append(s.q_start)
             # Free a stream's stale layers now rather than as each layer misses.
-            self.prefixes.validate((s.request_id, label), (s.generation, prefix, pages))
+            sid, skey = (s.request_id, label), (s.generation, prefix, pages)
+            if shared is None:
+                self.prefixes.validate(sid, skey)
+            else:
+                self.prefixes.validate(sid, skey, shared)
         cu_q = (0, *itertools.accumulate(g.q_len for g in segs))
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)
@@ -328,6 +370,35 @@ class DenseAttentionManager(AttentionManager):
         log.debug("dense plan %r: %d segments, %d queries, %d keys, write %s", label, len(segs), cu_q[-1], cu_k[-1],
                   write)
         return _LabelRun(label, plan, tuple(starts), write, rows, self._serial, tuple(plans))
+
+    def _shared_key(self, span: SpanLayout, label: str, pages: tuple[int, ...]) -> SharedKey | None:
+        """The leading full pages of ``span``'s prefix that other streams may share: those of its
+        keyed pages that the prefix cache's lookup of its tokens finds to be these very pages, as
+        ``(node, tokens, pages)``; None where there are none (or the prefix cache is off). Looked
+        up once per (stream generation, pages), not per step."""
+        cache = self.kv.pool
+        if not isinstance(cache, PrefixCache):
+            return None
+        sid = (span.request_id, label)
+        st = self.kv.streams.get(sid)
+        chain = st.chain if st is not None and st.generation == span.generation else None
+        ps = self.kv_config.page_size
+        most = 0 if chain is None else min(chain.keyed, span.prefix_len // ps)
+        if chain is None or most == 0:
+            self._sharing.pop(sid, None)
+            return None
+        checked = (span.generation, most, pages[:most])
+        known = self._sharing.get(sid)
+        if known is not None and known[0] == checked:
+            return known[1]
+        # Rule: share only the pages lookup finds under the node: published (read-only), held, nodes never reused.
+        found, node = cache.lookup(chain.root, chain.tokens, most)
+        n = next((i for i, p in enumerate(found) if p != pages[i]), len(found))  # found: at most `most` pages
+        if 0 < n < len(found):
+            _, node = cache.lookup(chain.root, chain.tokens, n)
+        shared = (node, n * ps, pages[:n]) if n else None
+        self._sharing[sid] = (checked, shared)
+        return shared
 
     def run(
         self,
@@ -421,12 +492,15 @@ class DenseAttentionManager(AttentionManager):
         rows = lr.write_rows
         self.kv.store(layer_idx, lay.write_pages[rows], lay.write_offsets[rows], k[rows], v[rows], storage)
 
-    def _gather(self, seg: DenseSegment, layer: torch.Tensor, layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """The segment's prefix K/V out of its pages: one indexed read for K and V together; an
-        FP8 cache's are dequantised here, once per (stream, layer) -- the prefix cache keeps them."""
-        pages = torch.tensor(seg.pages, dtype=torch.long, device=layer.device)
-        blk = layer[pages]  # [n_pages, 2, page_size, H_kv, D]
-        kv = blk.transpose(0, 1).reshape(2, len(seg.pages) * layer.shape[2], *layer.shape[3:])[:, : seg.prefix_len]
+    def _gather(self, pages: tuple[int, ...], first: int, tokens: int, layer: torch.Tensor,
+                layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The K/V of the ``tokens`` tokens from page ``pages[first]`` on: one indexed read for K and
+        V together; an FP8 cache's are dequantised here, once per (entry, layer) -- the gathered-prefix
+        cache keeps them."""
+        ps = layer.shape[2]
+        ids = pages[first: first - (-tokens // ps)]
+        blk = layer[torch.tensor(ids, dtype=torch.long, device=layer.device)]  # [n_pages, 2, page_size, H_kv, D]
+        kv = blk.transpose(0, 1).reshape(2, len(ids) * ps, *layer.shape[3:])[:, :tokens]
         if self.features.quantized:
             k_scale, v_scale = self.kv.scales(layer_idx)
             assert k_scale is not None and v_scale is not None  # an FP8 cache has its scales
@@ -435,7 +509,8 @@ class DenseAttentionManager(AttentionManager):
 
     def _assemble(self, lr: _LabelRun, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor,
                   layer_idx: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[prefix_0 | fresh_0 | prefix_1 | fresh_1 ...]`` in one concatenation each."""
+        """``[prefix_0 | fresh_0 | prefix_1 | fresh_1 ...]`` in one concatenation each; a prefix
+        with shared pages is their shared K/V, then the stream's own rest."""
         segs = lr.plan.segments
         if all(s.prefix_len == 0 for s in segs):
             return k, v  # no prefix anywhere: the fresh K/V already are the keys
@@ -443,17 +518,26 @@ class DenseAttentionManager(AttentionManager):
         vs: list[torch.Tensor] = []
         for seg, start in zip(segs, lr.q_starts, strict=True):
             if seg.prefix_len:
-                pk, pv = self.prefixes.get((seg.request_id, seg.label), layer_idx,
-                                           (seg.generation, seg.prefix_len, seg.pages),
-                                           functools.partial(self._gather, seg, layer, layer_idx))
-                ks.append(pk)
-                vs.append(pv)
+                sid, key, shared = (seg.request_id, seg.label), (seg.generation, seg.prefix_len, seg.pages), seg.shared
+                own, first = seg.prefix_len, 0
+                if shared is not None:
+                    pk, pv = self.prefixes.get_shared(sid, layer_idx, key, shared, functools.partial(
+                        self._gather, shared[2], 0, shared[1], layer, layer_idx))
+                    ks.append(pk)
+                    vs.append(pv)
+                    own, first = own - shared[1], len(shared[2])
+                if own:
+                    pk, pv = self.prefixes.get(sid, layer_idx, key, functools.partial(
+                        self._gather, seg.pages, first, own, layer, layer_idx), shared)
+                    ks.append(pk)
+                    vs.append(pv)
             ks.append(k[start:start + seg.q_len])
             vs.append(v[start:start + seg.q_len])
         return torch.cat(ks), torch.cat(vs)
 
     def cleanup(self) -> None:
         self.prefixes.clear()
+        self._sharing.clear()
         self._wrappers.clear()
         self._planned.clear()
         self._current = None
