@@ -320,11 +320,7 @@ class DenseAttentionManager(AttentionManager):
             segs.append(DenseSegment(s.request_id, label, pages, prefix, s.to_compute, s.generation, shared))
             starts.append(s.q_start)
             # Free a stream's stale layers now rather than as each layer misses.
-            sid, skey = (s.request_id, label), (s.generation, prefix, pages)
-            if shared is None:
-                self.prefixes.validate(sid, skey)
-            else:
-                self.prefixes.validate(sid, skey, shared)
+            self.prefixes.validate((s.request_id, label), (s.generation, prefix, pages), shared)
         cu_q = (0, *itertools.accumulate(g.q_len for g in segs))
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)

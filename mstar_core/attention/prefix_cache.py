@@ -93,14 +93,14 @@ class GatheredPrefixCache:
             shared: SharedKey | None = None) -> KV:
         """The stream's own prefix K/V at ``layer`` (with ``shared``: the part after the shared
         pages), gathering it on a miss."""
-        self._validate(stream, key, shared)
+        self.validate(stream, key, shared)
         return self._get(stream, layer, key[1] - (shared[1] if shared is not None else 0), gather)
 
     def get_shared(self, stream: StreamId, layer: int, key: StreamKey, shared: SharedKey,
                    gather: Callable[[], KV]) -> KV:
         """The K/V of ``stream``'s shared pages at ``layer``, gathering it on a miss (once for
         every stream using ``shared``)."""
-        self._validate(stream, key, shared)
+        self.validate(stream, key, shared)
         return self._get(shared, layer, shared[1], gather)
 
     def drop_request(self, rid: str) -> None:
@@ -119,13 +119,6 @@ class GatheredPrefixCache:
         self._keys.clear()
         self._shared_of.clear()
         self._users.clear()
-
-    def _validate(self, stream: StreamId, key: StreamKey, shared: SharedKey | None) -> None:
-        # validate's two-argument form where nothing is shared, for callers that know only that one
-        if shared is None:
-            self.validate(stream, key)
-        else:
-            self.validate(stream, key, shared)
 
     def _get(self, owner: Owner, layer: int, tokens: int, gather: Callable[[], KV]) -> KV:
         ek = (owner, layer)

@@ -41,7 +41,8 @@ def test_a_stale_cache_is_caught(monkeypatch):
     from mstar_core.attention import prefix_cache as P
 
     monkeypatch.setattr(D.DenseAttentionManager, "reset_request", lambda self, rid, free=False: None)
-    monkeypatch.setattr(P.GatheredPrefixCache, "validate", lambda self, stream, key: self._keys.setdefault(stream, key))
+    monkeypatch.setattr(P.GatheredPrefixCache, "validate",
+                        lambda self, stream, key, shared=None: self._keys.setdefault(stream, key))
     s = denoise.DenoiseShape(reset=("b", 32))  # same length after the reset: only the generation differs
     rep = denoise.run_denoise(denoise_ref(), "reference", shape=s)
     assert not rep.ok and rep.max_error > 1e-2
