@@ -192,7 +192,7 @@ class Node:
             fp = r.fingerprint()
             if fp is not None:
                 parts.append(r.name.encode() + b"=" + fp)
-        return b"\0".join(parts)
+        return b"".join(len(p).to_bytes(4, "big") + p for p in parts)  # length-prefixed: no two lists alike
 
     def post_warmup_validate(self) -> None:
         for r in self.resources:

@@ -295,7 +295,7 @@ class KVManager(Resource):
             raise InputTypeError(f"{who}: token_ids must be ints, got {bad!r} ({type(bad).__name__})")
         return ids
 
-    def match_prefix(self, token_ids: Sequence[int], root: bytes = b"", label: str = "") -> int:
+    def match_prefix(self, token_ids: Sequence[int], root: bytes, label: str) -> int:
         """How many tokens :meth:`admit_prefix` would find cached for ``token_ids`` now (full
         pages, at most ``len - 1`` tokens); changes nothing."""
         cache = self._cache("match_prefix")
@@ -373,7 +373,15 @@ class KVManager(Resource):
             assert ch is not None
             upto = min(st.length, len(ch.tokens)) // ps
             if upto > ch.keyed:
-                cache.publish(ch, st.pages, upto)
+                adopted = cache.publish(ch, st.pages, upto)
+                if adopted:
+                    st.pages = list(st.pages)  # a new list: plans made before read the old one
+                    for i, page in adopted:
+                        st.pages[i] = page
+                        self.table.write(st.table_row, i, [page])
+                    self._epoch += 1  # the kept rows read the streams' pages again
+                    log.debug("%s: stream (%r, %r) takes %d cached pages in place of its copies", self.name,
+                              st.request_id, st.label, len(adopted))
             if ch.keyed >= len(ch.tokens) // ps:
                 del self._publishing[sid]
 

@@ -7,9 +7,10 @@ page's token ids. Keys are compared exactly (a dict of tuples, no digest), so tw
 alias. A root is the stream's label with the resources' fingerprints and a model identity, so a
 page is never found under another KV dtype, feature set, kernel or model.
 
-A stream's pages are always a chain from its root (pages are appended and cut from the tail), so
-whoever holds a page holds its parent: an unheld page's descendants are unheld too, and since a
-stream's pages go idle deepest first, a child is evicted before its parent.
+A stream's keyed pages are always a chain from its root (pages are appended and cut from the
+tail, and a stream that computed a page another published first takes that one), so whoever holds
+a page holds its parent: an unheld page's descendants are unheld too, and since a stream's pages
+go idle deepest first, a child is evicted before its parent.
 """
 
 from __future__ import annotations
@@ -166,10 +167,13 @@ class PrefixCache(PagePool):
             node = e.node
         return pages, node
 
-    def publish(self, chain: PrefixChain, pages: Sequence[int], upto: int) -> None:
+    def publish(self, chain: PrefixChain, pages: Sequence[int], upto: int) -> list[tuple[int, int]]:
         """Key the chain's pages ``chain.keyed .. upto - 1`` (full, committed, tokens known): each
-        one is published, unless another page already holds its key (then it stays private and
-        the chain goes on under that page's node)."""
+        one is published, unless another page already holds its key (two streams computed it at
+        once): then the stream takes that page instead and its own copy goes back, so whoever
+        holds a page holds its parent. Returns those ``(index, page)`` for the caller to put in
+        the stream's page list."""
+        adopted: list[tuple[int, int]] = []
         for i in range(chain.keyed, upto):
             key = self._page_key(chain.node, chain.tokens, i)
             e = self._index.get(key)
@@ -182,8 +186,13 @@ class PrefixCache(PagePool):
                 self._by_page[page] = e
                 self._refs[page] = self._refs.get(page, 1)
                 self.stats.published += 1
+            elif e.page != pages[i]:
+                self.share([e.page])
+                self.give_back([pages[i]])
+                adopted.append((i, e.page))
             chain.node = e.node
             chain.keyed = i + 1
+        return adopted
 
     # -- accounting ------------------------------------------------------------------------------
     def check(self, owned: Sequence[int]) -> None:

@@ -1,7 +1,7 @@
 """The dense path over a KV manager with the prefix cache on: streams started from the same cached
 pages share one gathered entry per layer (keyed by the prefix cache's node and the pages); the
-outputs are those of the same steps without the prefix cache; a prefix past the cached pages, or
-pages computed again rather than found cached, stay the stream's own."""
+outputs are those of the same steps without the prefix cache; a prefix past the cached pages stays
+the stream's own, and a stream that computed cached pages again shares them once it took them."""
 
 from __future__ import annotations
 
@@ -82,7 +82,16 @@ def test_streams_from_one_cached_prefix_gather_it_once_per_layer():
     assert st.invalidations == st.evictions == st.dropped == 0
 
 
-def test_a_prefix_that_is_not_all_shared_keeps_the_rest_as_its_own():
+def adopt(h: CachedHarness, rid: str, source: str, n: int) -> None:
+    """``rid`` computed its first ``n`` tokens again and took ``source``'s published pages for
+    them: from now on it reads ``source``'s K/V there (the same tokens' K/V, in a real model)."""
+    for layer in range(h.cfg.num_layers):
+        k, v = h.truth[(rid, LABEL, layer)]
+        sk, sv = h.truth[(source, LABEL, layer)]
+        h.truth[(rid, LABEL, layer)] = (torch.cat([sk[:n], k[n:]]), torch.cat([sv[:n], v[n:]]))
+
+
+def test_a_stream_that_computed_cached_pages_again_shares_them_and_the_rest_stays_its_own():
     h = CachedHarness()
     layers = h.cfg.num_layers
     h.admit("a", PROMPT)
@@ -90,50 +99,47 @@ def test_a_prefix_that_is_not_all_shared_keeps_the_rest_as_its_own():
     h.ingest("f")  # no tokens given: no place in the prefix cache
     err, _ = h.step([("a", 32, True), ("g", 32, True), ("f", 20, True)])
     assert err < F32
-    a, g = h.kv.stream("a", LABEL), h.kv.stream("g", LABEL)
-    # g's pages stay private (a published the key first), yet its chain goes on under a's node:
-    # sharing by node alone would serve it a's K/V, which its pages do not hold
-    assert g.chain.node == a.chain.node and set(g.pages).isdisjoint(a.pages)
+    a, g, f = (h.kv.stream(r, LABEL) for r in "agf")
+    assert g.pages == a.pages and not set(f.pages) & set(a.pages)  # g took a's pages for its copies
+    adopt(h, "g", "a", 32)
     assert h.admit("d", [*PROMPT, *range(8)], "a") == 32
     st = h.attn.stats
     err, _ = h.step([("d", 8, True)])  # its prefix of 32 tokens: the shared pages, gathered now
     assert err < F32 and st.gathers == layers
     segs = h.segments([("a", 4, False), ("g", 3, False), ("f", 5, False), ("d", 6, False)])
     shared = (a.chain.node, 32, tuple(a.pages))
-    assert segs["a"].shared == segs["d"].shared == shared
-    assert segs["g"].shared is None and segs["f"].shared is None
-    # per layer: the own entries of g (32), f (20) and d's last 8 tokens; a and d hit the shared pages
-    assert st.gathers == 4 * layers
-    assert h.attn.cached_prefix_tokens == layers * (32 + 32 + 20 + 8)
+    assert segs["a"].shared == segs["g"].shared == segs["d"].shared == shared
+    assert segs["f"].shared is None
+    # per layer: the shared pages once, f's own 20 and d's own last 8 tokens
+    assert st.gathers == 3 * layers
+    assert h.attn.cached_prefix_tokens == layers * (32 + 20 + 8)
     err, _ = h.step([("a", 4, False), ("g", 3, False), ("f", 5, False), ("d", 6, False)])
-    assert err < F32  # g reads its own pages, d its own tail after the shared ones
-    assert st.gathers == 4 * layers
+    assert err < F32
+    assert st.gathers == 3 * layers
 
 
-def test_pages_computed_again_are_not_shared_even_once_freed_and_taken_again():
-    """g computes the cached prompt again (private pages under a's node) and is reset behind the
-    dense manager's back (only the KV manager is told); g2, which also computes the prompt again,
-    gets g's freed pages, in the same order, under the same node. Its prefix must come from its
-    own pages, not from anything gathered of g's."""
+def test_the_copies_a_stream_gave_back_serve_another_prompt_correctly():
+    """g computes the cached prompt again and takes a's pages; its copies go back to the pool and
+    are handed to x, with other tokens: x's prefix comes from its own K/V, not anything gathered."""
     h = CachedHarness()
-    for r in ("a", "g", "g2"):
+    for r in ("a", "g"):
         h.admit(r, PROMPT)
-    h.step([("a", 32, True), ("g", 32, True)])
-    h.step([("g", 4, False)])
-    g_pages = list(h.kv.stream("g", LABEL).pages)
-    h.kv.reset_request("g")
-    for layer in range(h.cfg.num_layers):
-        del h.truth[("g", LABEL, layer)]
-    h.step([("g2", 32, True)])
-    g2 = h.kv.stream("g2", LABEL)
-    assert g2.pages == g_pages and g2.chain.node == h.kv.stream("a", LABEL).chain.node
-    err, _ = h.step([("g2", 4, False)])
+    h.step([("a", 32, True)])
+    h.step([("g", 32, True)])
+    adopt(h, "g", "a", 32)
+    err, _ = h.step([("g", 4, False)])
+    assert err < F32
+    h.admit("x", list(range(500, 532)))
+    h.step([("x", 32, True)])
+    assert set(h.kv.stream("x", LABEL).pages).isdisjoint(h.kv.stream("a", LABEL).pages)
+    err, _ = h.step([("x", 4, False), ("g", 4, False)])
     assert err < F32
 
 
 def test_only_the_leading_pages_found_cached_are_shared():
-    """A stream whose first page was found cached but whose second it computed again (its key
-    published meanwhile by another stream) shares the first page only."""
+    """A stream whose first page was found cached and whose second another stream published while
+    both computed it shares both once it took that page; a stream that found only the first page
+    shares the first page only."""
     h = CachedHarness()
     h.admit("a", PROMPT[:16] + [1])  # publishes the first page
     h.step([("a", 17, True)])
@@ -142,11 +148,11 @@ def test_only_the_leading_pages_found_cached_are_shared():
     err, _ = h.step([("b", 16, True), ("c", 16, True)])  # both compute the second page; b publishes it
     assert err < F32
     a, b, c = (h.kv.stream(r, LABEL) for r in "abc")
-    assert c.chain.node == b.chain.node and c.pages[0] == b.pages[0] == a.pages[0] and c.pages[1] != b.pages[1]
+    assert c.pages == b.pages and c.pages[0] == a.pages[0]
+    adopt(h, "c", "b", 32)
     segs = h.segments([("a", 2, False), ("b", 2, False), ("c", 2, False)])
-    assert segs["b"].shared == (b.chain.node, 32, tuple(b.pages))
-    assert segs["c"].shared[1:] == (16, (a.pages[0],)) and segs["c"].shared[0] != b.chain.node
-    assert segs["a"].shared == segs["c"].shared  # a's first page: under the same node as c's
+    assert segs["b"].shared == segs["c"].shared == (b.chain.node, 32, tuple(b.pages))
+    assert segs["a"].shared[1:] == (16, (a.pages[0],)) and segs["a"].shared[0] != b.chain.node
     err, _ = h.step([("a", 2, False), ("b", 2, False), ("c", 2, False)])
     assert err < F32
 

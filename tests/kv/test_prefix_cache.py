@@ -138,24 +138,49 @@ def test_a_prompt_diverging_inside_a_page_finds_only_the_pages_before():
 
 def test_two_streams_computing_the_same_prefix_publish_it_once():
     """Two requests start from the cache before either has committed: both compute the prompt,
-    the first to commit publishes it, the second's copy stays private and its chain goes on under
-    the first's pages (its own next page is found below them)."""
+    the first to commit publishes it, and the second takes those pages in place of its copies
+    (which go back to the pool), so its own next page is published below pages it holds."""
     kv = make_kv(max_pages=12, ps=4)
     for r in "ab":
         kv.ingest_request(r)
     a, b = list(range(1, 10)), list(range(1, 9)) + [60, 61, 62, 63, 64]
     assert kv.admit_prefix("a", "t", a, ROOT).cached_tokens == 0
     assert kv.admit_prefix("b", "t", b, ROOT).cached_tokens == 0
-    run(kv, [("a", 9), ("b", 13)], {"a": a, "b": b})
+    got = begin(kv, [("a", 9), ("b", 13)], {"a": a, "b": b})
+    assert got is not None
+    copies = held(kv, "b")[:2]
+    free = kv.pool.num_free
+    kv.commit(got[0], got[1])
     pa, pb = held(kv, "a"), held(kv, "b")
-    assert not set(pa) & set(pb)
-    assert kv.prefix_stats.published == 3 and kv.pool.cached == 3
-    assert set(pa[:2]) | {pb[2]} == set(kv.pool._by_page)  # b's first two pages are a's keys
-    assert kv.stream("b", "t").chain.keyed == 3
+    assert pb[:2] == pa[:2] and pb[2] not in pa
+    assert kv.pool.num_free == free + 2 and not set(copies) & set(pa + pb)  # b's copies went back
+    assert kv.prefix_stats.published == 3 and set(kv.pool._by_page) == {pa[0], pa[1], pb[2]}
+    assert kv.pool._refs[pa[0]] == 2
+    assert torch.equal(contents(kv, "b"), expected(kv, b))
     kv.ingest_request("c")
     assert start(kv, "c", b[:12] + [70]) == 12
     assert held(kv, "c")[:3] == [pa[0], pa[1], pb[2]]
     assert torch.equal(contents(kv, "c"), expected(kv, b[:12] + [70]))
+    kv.post_warmup_validate()
+
+
+def test_a_page_published_below_a_page_computed_twice_stays_reachable():
+    """The second stream to commit a page another published takes that page: once the first
+    stream is gone and its other pages are evicted, the second's prefix is still found whole."""
+    kv = make_kv(max_pages=6, ps=2, layers=1)
+    for r in "zw":
+        kv.ingest_request(r)
+    kv.admit_prefix("z", "t", [1, 2, 3, 4, 5], ROOT)
+    kv.admit_prefix("w", "t", [1, 2, 9], ROOT)
+    run(kv, [("w", 3)], {"w": [1, 2, 9]})
+    run(kv, [("z", 5)], {"z": [1, 2, 3, 4, 5]})  # z's [1, 2] was computed again: it takes w's
+    kv.remove_request("w")
+    kv.ingest_request("x")
+    run(kv, [("x", 6)], {"x": [7] * 6})  # takes every free and idle page the pool can spare
+    assert kv.match_prefix([1, 2, 3, 4, 5], ROOT, "t") == 4  # z still holds [1, 2] and [3, 4]
+    kv.remove_request("x")
+    kv.remove_request("z")
+    assert kv.match_prefix([1, 2, 3, 4, 5], ROOT, "t") == 4
     kv.post_warmup_validate()
 
 
@@ -384,7 +409,7 @@ def test_the_cache_off_refuses_its_methods_naming_the_flag():
     kv = make_kv(prefix_cache=False)
     kv.ingest_request("a")
     assert not isinstance(kv.pool, PrefixCache)
-    for call in (lambda: kv.admit_prefix("a", "t", [1, 2]), lambda: kv.match_prefix([1, 2]),
+    for call in (lambda: kv.admit_prefix("a", "t", [1, 2]), lambda: kv.match_prefix([1, 2], ROOT, "t"),
                  lambda: kv.extend_tokens("a", "t", [1]), kv.clear_prefix_cache, lambda: kv.prefix_stats):
         with pytest.raises(StateError, match=r"prefix_cache=True"):
             call()
