@@ -374,13 +374,8 @@ def main(argv: list[str] | None = None) -> int:
             res.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:800]
             traceback.print_exc()
         res.setdefault(name, {})["wall_s"] = time.perf_counter() - t0
-    lines = ["# Compiled decode steps: transformers models through mstar under torch.compile", "",
-             report.environment_line(res["env"]), "", *summary(res)]
-    if a.out:
-        report.write(a.out, "compiled_decode", res, lines)
-    else:
-        print("\n".join(lines))
-    return 0
+    return report.finish(a.out, "compiled_decode", res, "Compiled decode steps: transformers models through mstar "
+                         "under torch.compile", summary(res))
 
 
 def summary(res: dict) -> list[str]:

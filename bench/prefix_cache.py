@@ -28,7 +28,6 @@ import json
 import os
 import statistics
 import time
-import traceback
 
 import report
 import torch
@@ -174,28 +173,19 @@ def main(argv: list[str] | None = None) -> int:
                  "workload": {k: getattr(a, k) for k in ("requests", "system", "own", "new", "rounds", "backend")}}
     print(json.dumps(res), flush=True)
     for name in a.models.split(","):
-        t0 = time.perf_counter()
-        try:
-            if name == "smollm2":
-                if not a.smol:
-                    res[name] = {"error": "not run: no --smol folder"}
-                    continue
-                model, tok = load_smollm2(a.smol, dtype, a.device)
-            else:
-                model, tok = random_model(name, a, dtype), None
-            res[name] = measure(name, model, tok, a)
-            del model
-        except Exception as e:
-            res.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:800]
-            traceback.print_exc()
-        res.setdefault(name, {})["wall_s"] = time.perf_counter() - t0
-    lines = ["# Prefix caching: requests sharing a system prompt, with the cache and without", "",
-             report.environment_line(res["env"]), "", *summary(res)]
-    if a.out:
-        report.write(a.out, "prefix_cache", res, lines)
-    else:
-        print("\n".join(lines))
-    return 0
+        if name == "smollm2" and not a.smol:
+            res[name] = {"error": "not run: no --smol folder"}
+            continue
+        report.measured(res, name, lambda name=name: measure(name, *load(name, a, dtype), a))
+    return report.finish(a.out, "prefix_cache", res, "Prefix caching: requests sharing a system prompt, with the "
+                         "cache and without", summary(res))
+
+
+def load(name: str, a, dtype: torch.dtype):
+    """The model and its tokenizer (None for a random-weight model: its prompts are random ids)."""
+    if name == "smollm2":
+        return load_smollm2(a.smol, dtype, a.device)
+    return random_model(name, a, dtype), None
 
 
 def summary(res: dict) -> list[str]:

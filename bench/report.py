@@ -9,7 +9,9 @@ Scripts import this module as ``import report`` (``python3 bench/x.py`` puts ben
 from __future__ import annotations
 
 import json
-from collections.abc import Iterable, Sequence
+import time
+import traceback
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -76,3 +78,26 @@ def write(out: str | Path, name: str, doc: dict, lines: Sequence[str], echo: boo
     if echo:
         print(md, flush=True)
     return md
+
+
+def measured(res: dict, name: str, fn: Callable[[], dict]) -> None:
+    """``res[name] = fn()`` with its wall seconds (``wall_s``); an exception is recorded as
+    ``res[name]["error"]`` (one part's failure is a result: the others still run)."""
+    t0 = time.perf_counter()
+    try:
+        res[name] = fn()
+    except Exception as e:
+        res.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:800]
+        traceback.print_exc()
+    res.setdefault(name, {})["wall_s"] = time.perf_counter() - t0
+
+
+def finish(out: str | Path | None, name: str, doc: dict, title: str, body: Sequence[str]) -> int:
+    """The page (``title``, the environment line, ``body``) written with ``doc`` under ``out``,
+    or printed where there is none; the script's exit status."""
+    lines = [f"# {title}", "", environment_line(doc["env"]), "", *body]
+    if out:
+        write(out, name, doc, lines)
+    else:
+        print("\n".join(lines))
+    return 0

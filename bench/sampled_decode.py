@@ -137,24 +137,15 @@ def main(argv: list[str] | None = None) -> int:
     print(json.dumps(res), flush=True)
     g = torch.Generator().manual_seed(1)
     for name in a.models.split(","):
-        t0 = time.perf_counter()
-        try:
+        def part(name: str = name) -> dict:
             model = random_model(name, a, dtype)
             prompts = [torch.randint(0, model.config.vocab_size, (a.context,), generator=g).tolist()
                        for _ in range(a.batch)]
-            res[name] = measure(name, model, a, prompts)
-            del model
-        except Exception as e:
-            res.setdefault(name, {})["error"] = f"{type(e).__name__}: {e}"[:800]
-            traceback.print_exc()
-        res.setdefault(name, {})["wall_s"] = time.perf_counter() - t0
-    lines = ["# Sampled decode steps against greedy ones (tokens drawn inside the captured step)", "",
-             report.environment_line(res["env"]), "", *summary(res)]
-    if a.out:
-        report.write(a.out, "sampled_decode", res, lines)
-    else:
-        print("\n".join(lines))
-    return 0
+            return measure(name, model, a, prompts)
+
+        report.measured(res, name, part)
+    return report.finish(a.out, "sampled_decode", res, "Sampled decode steps against greedy ones (tokens drawn "
+                         "inside the captured step)", summary(res))
 
 
 def summary(res: dict) -> list[str]:
