@@ -25,6 +25,7 @@ from mstar_core.registry import api
 
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
 CPU, F32 = "cpu", torch.float32
+PAGED = ("paged_prefill", "paged_decode", "mixed")
 
 
 def spec(name: str, **kw) -> BackendSpec:
@@ -105,6 +106,32 @@ def test_a_name_two_distributions_claim_is_served_by_neither(two_fasts):
     assert "MSTAR_BACKEND_PINS=fast=DISTRIBUTION" in msg
     auto = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
     assert auto.name == "fast_extra" and "registered by 2 distributions" in auto.rejected["fast"][0]
+
+
+def test_a_conflicted_name_is_passed_over_only_where_a_claimant_provides_the_capability(
+        two_fasts, fake_module, make_ep, fake_entry_points, monkeypatch, capsys):
+    reg = Registry()
+    assert "fast" in select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg).rejected
+    for caps in (("prefixed_ragged",), ("bounded",), PAGED):  # both claimants provide paged_decode alone
+        sel = select_backend(caps, device=CPU, dtype=F32, registry=reg)
+        assert sel.name == "reference" and "fast" not in sel.rejected, caps
+    with pytest.raises(BackendUnavailable) as e:  # a refusal lists the providers alone too
+        select_backend(("prefixed_ragged",), device=CPU, dtype=torch.int8, registry=reg)
+    assert list(e.value.reasons) == ["reference"]
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    assert main(["backends", "--json", "--device", "cpu"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert [cap for cap, a in auto.items() if "fast" in a["rejected"]] == ["paged_decode"]
+    # claimants that provide different capabilities: listed for each capability one of them provides
+    ragged = {"prefixed_ragged": REFERENCE.provides["prefixed_ragged"]}
+    plugin(fake_module, "ragged_plugin", spec("fast", provides=ragged))
+    plugin(fake_module, "decode_plugin", spec("fast"))
+    fake_entry_points(make_ep("fast", "ragged_plugin", "ragged-kernels", "1.0"),
+                      make_ep("fast", "decode_plugin", "decode-kernels", "1.0"))
+    reg = Registry()
+    for caps, listed in ((("prefixed_ragged",), True), (("paged_decode",), True), (("bounded",), False)):
+        rejected = select_backend(caps, device=CPU, dtype=F32, registry=reg).rejected
+        assert ("fast" in rejected) is listed, caps
 
 
 def test_a_pin_in_env_or_config_picks_one(two_fasts, monkeypatch):

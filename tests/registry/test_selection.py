@@ -189,7 +189,19 @@ def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
 def test_auto_when_nothing_can_run_raises_with_every_reason(reg):
     with pytest.raises(BackendUnavailable, match="no attention backend can run here") as e:
         pick(reg, ("paged_decode",), device="cpu", dtype=torch.int8)
-    assert set(e.value.reasons) == {"flashinfer", "fa3", "reference", "rocm"}
+    # every backend that provides paged_decode, with its reasons; fa3 and rocm do not provide it
+    assert set(e.value.reasons) == {"flashinfer", "reference"}
+    assert "dtype int8 is not supported" in e.value.reasons["reference"][0]
+    assert e.value.known == ["fa3", "flashinfer", "reference", "rocm"]
+
+
+def test_auto_with_no_backend_providing_the_capability_says_so():
+    reg = Registry(discover=False)
+    reg.register(cpu_spec("toy"))  # bounded alone
+    with pytest.raises(BackendUnavailable, match="Reasons: no registered backend provides paged_decode. Known "
+                                                 "backends: toy.") as e:
+        pick(reg, ("paged_decode",), device="cpu", dtype=F32)
+    assert e.value.reasons == {}
 
 
 # -- by name -------------------------------------------------------------------------------------
