@@ -77,3 +77,32 @@ def test_bench_options_are_checked_by_name(capsys):
     assert "bench: batch must be >= 1, got 0" in capsys.readouterr().err
     assert main(["bench", "--qo-heads", "6", "--kv-heads", "4"]) == 2
     assert "qo_heads (6) must be a multiple of kv_heads (4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [("backends", "--device", "cpu"), ("backends", "--device", "cpu", "--json")])
+def test_a_reader_that_closes_stdout_early_ends_it_quietly(args):
+    """`mstar backends | head -1`: the reader goes away before mstar writes; no traceback."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MSTAR_")}
+    p = subprocess.Popen([sys.executable, "-m", "mstar_core.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # before the command has written anything: its first write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "internal error" not in err, err
+    assert err == ""  # and nothing else either
+
+
+
+def test_a_closed_stdout_in_process_is_exit_1_and_nothing_on_stderr(monkeypatch, capsys):
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Closed())  # no file descriptor: nothing to redirect
+    assert main(["backends", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == ""
