@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mstar_core.cli import build_parser, main
 
@@ -106,3 +107,29 @@ def test_a_closed_stdout_in_process_is_exit_1_and_nothing_on_stderr(monkeypatch,
     monkeypatch.setattr(sys, "stdout", Closed())  # no file descriptor: nothing to redirect
     assert main(["backends", "--device", "cpu"]) == 1
     assert capsys.readouterr().err == ""
+
+
+def test_bench_on_a_cpu_runs_what_auto_picks_and_its_help_says_so(monkeypatch, capsys):
+    """A third-party plugin serving the paged path on the CPU outranks the reference under auto,
+    and bench runs it, as its help says (the reference is what auto falls back to)."""
+    from mstar_core import BackendSpec, Registry
+    from mstar_core.backends.reference.plugin import REFERENCE
+
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    paged = {c: REFERENCE.provides[c] for c in ("paged_prefill", "paged_decode", "mixed")}
+    reg.register(BackendSpec(name="cpupaged", provides=paged, devices=("cpu",), dtypes=(torch.float32,)),
+                 distribution="cpupaged-mstar", version="0.1.0")
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    argv = ["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "cpupaged"
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("backend: cpupaged on cpu (float32)")
+    assert main([*argv, "--backend", "reference", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "reference"
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "On a CPU it runs on the reference backend" not in help_text
+    assert ("Under auto, on a CPU, that is the reference unless an installed plugin provides the paged path and "
+            "can run here (device, dtype, head dim): auto tries third-party plugins before the reference") in help_text
