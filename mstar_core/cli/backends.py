@@ -183,7 +183,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "plugins": [{"entry_point": p.entry_point, "distribution": p.distribution, "version": p.version,
                      "backends": list(p.backends)} for p in registry.plugins],
         "failed_plugins": [{"entry_point": f.entry_point, "distribution": f.distribution, "version": f.version,
-                            "stage": f.stage, "error": f.error, "backends": list(f.backends)}
+                            "stage": f.stage, "error": f.error, "backends": list(f.backends), "outcome": f.outcome}
                            for f in registry.failures],
         "allowlist": sorted(registry.allowlist) if registry.allowlist is not None else None,
         # what every selection gets instead of its configured name (auto's picks above are what
@@ -243,7 +243,7 @@ def render(data: dict[str, Any]) -> str:
         for f in data["failed_plugins"]:
             meant = f", meant to register {', '.join(f['backends'])}" if f["backends"] else ""
             lines.append(f"  {f['entry_point']} ({f['distribution']} {f['version']}{meant}) at {f['stage']}: "
-                         f"{f['error']}")
+                         f"{f['error']}; {f['outcome']}")
     return "\n".join(lines)
 
 

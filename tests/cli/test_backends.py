@@ -49,7 +49,8 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
         ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"), "reference")
     assert "flashinfer" in data["auto"]["paged_decode"]["rejected"]
     assert data["failed_plugins"] == [{"entry_point": "broken", "distribution": "mstar-broken", "version": "9.9",
-                                       "stage": "load", "error": data["failed_plugins"][0]["error"], "backends": []}]
+                                       "stage": "load", "error": data["failed_plugins"][0]["error"], "backends": [],
+                                       "outcome": "none of its backends is registered"}]
     assert "mstar_broken_plugin_xyz" in data["failed_plugins"][0]["error"]
 
 
@@ -71,6 +72,7 @@ def test_table(registry, capsys):
     assert "unavailable: runs on cuda, not on cpu; flashinfer is not installed" in out
     assert "paged_decode     reference" in out and "passed over flashinfer:" in out
     assert "broken (mstar-broken 9.9) at load: ModuleNotFoundError" in out
+    assert out.rstrip().endswith("; none of its backends is registered")
 
 
 def test_bad_dtype_is_a_clear_error(registry):
