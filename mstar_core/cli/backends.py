@@ -2,7 +2,8 @@
 what it provides and which attention features per capability, whether it runs here (or why not),
 which one ``auto`` picks per capability -- for plain attention, or for the features asked for with
 ``--kv-dtype``/``--soft-cap``/``--sink-logits``/``--layer-windows``/``--decode-query-tokens``, with
-the reason every other backend was passed over -- and every plugin that failed to load.
+the reason every other backend was passed over and the features not asked of that capability -- and
+every plugin that failed to load.
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.capabilities import FEATURE_REACH
 from mstar_core.cli.options import parse_device, parse_kv_dtype
 from mstar_core.errors import InputError
 from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
@@ -64,6 +66,21 @@ FEATURE_OPTIONS: dict[str, str] = {
     "layer_windows": "--layer-windows W,W,...",
     "multi_token_decode": f"--decode-query-tokens 2..{MAX_DECODE_QUERY_TOKENS}",
 }
+
+
+# Why a requested feature is not asked of a capability (capabilities.FEATURE_REACH), where more
+# can be said than which capabilities it does reach.
+_DEQUANTISED = "the dense manager dequantises an FP8 cache's prefix: its wrappers read K/V in the model dtype"
+NOT_ASKED_WHY: dict[str, dict[str, str]] = {
+    "prefixed_ragged": {"fp8_e4m3": _DEQUANTISED, "fp8_e5m2": _DEQUANTISED},
+}
+
+
+def not_asked(capability: str, features: AttentionFeatures) -> dict[str, str]:
+    """The requested features that do not reach ``capability``'s wrappers, each with why: auto
+    judges no backend on them for it."""
+    return {f: NOT_ASKED_WHY.get(capability, {}).get(f, f"it reaches {', '.join(FEATURE_REACH[f])} only")
+            for f in features.requested() if capability not in FEATURE_REACH[f]}
 
 
 def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
@@ -167,6 +184,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
         except BackendUnavailable as e:
             auto[cap] = {"pick": None, "rejected": e.reasons}
+        # requested features auto did not judge this capability on, and why
+        auto[cap]["not_asked"] = not_asked(cap, features)
     return {
         "device": describe(device),
         "arch": device_arch(device),
@@ -231,6 +250,8 @@ def render(data: dict[str, Any]) -> str:
     lines += ["", f"auto picks (for features {', '.join(asked)}):" if asked else "auto picks:"]
     for cap, a in data["auto"].items():
         lines.append(f"  {cap:<16} {a['pick'] or '(none: no backend can run it here)'}")
+        for f, why in a["not_asked"].items():
+            lines.append(f"  {'':<16}   {f} is not asked of {cap}: {why}")
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
     if data["env_override"]:

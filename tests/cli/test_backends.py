@@ -188,6 +188,24 @@ def test_fp8_soft_cap_and_sink_logits_on_cpu_in_the_table(registry, run_text):
     assert f"{FP8} in prefixed_ragged" not in auto
 
 
+DEQUANTISED = "the dense manager dequantises an FP8 cache's prefix: its wrappers read K/V in the model dtype"
+
+
+def test_features_not_asked_of_a_capability_are_named_with_why(registry, run_json, run_text):
+    auto = run_json("--kv-dtype", "fp8_e5m2", "--decode-query-tokens", "2")["auto"]
+    assert auto["prefixed_ragged"]["not_asked"] == {"fp8_e5m2": DEQUANTISED,
+                                                    "multi_token_decode": "it reaches paged_decode only"}
+    assert auto["paged_decode"]["not_asked"] == {}
+    assert auto["mixed"]["not_asked"] == {"multi_token_decode": "it reaches paged_decode only"}
+    assert auto["bounded"]["not_asked"] == {"multi_token_decode": "it reaches paged_decode only"}
+    assert run_json()["auto"]["prefixed_ragged"]["not_asked"] == {}
+    out = run_text("--kv-dtype", "fp8_e4m3")
+    assert (f"  prefixed_ragged  reference\n"
+            f"                     fp8_e4m3 is not asked of prefixed_ragged: {DEQUANTISED}\n"
+            f"                     passed over flashinfer: ") in out
+    assert out.count("is not asked of") == 1
+
+
 @pytest.fixture
 def toy(registry):
     """A third-party backend: paged decode on CPU in float32, with a soft-cap and nothing else."""
