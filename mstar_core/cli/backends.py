@@ -256,7 +256,7 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
     if data["env_override"]:
         lines += ["", f"{ENV_BACKEND}={data['env_override']}: every selection uses it, overriding config and "
-                      "constructor arguments"]
+                      "the name code gives (select_backend(requested=), a manager spec's \"backend\", --backend)"]
     if data["allowlist"] is not None:
         lines += ["", f"MSTAR_PLUGINS allowlist: {', '.join(data['allowlist']) or '(empty: built-ins only)'}"]
     if data["failed_plugins"]:

@@ -68,8 +68,9 @@ def config_backend(config: ConfigSource) -> str | None:
 def resolve_requested(requested: str | None, config: ConfigSource,
                       honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
-    the constructor argument or config's ``attention.backend`` (both are configuration) -- and
-    the log says what it overrode; without it the argument wins, then config, then "auto"."""
+    ``requested`` (a manager spec's ``"backend"``, ``--backend``) or config's
+    ``attention.backend`` (both are configuration) -- and the log says what it overrode; without
+    it ``requested`` wins, then config, then "auto"."""
     if requested is not None:
         if not isinstance(requested, str):
             raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "

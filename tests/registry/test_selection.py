@@ -268,8 +268,8 @@ def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
         select_backend(PAGED, device="cpu", registry=reg)
 
 
-def test_env_overrides_the_constructor_argument_too(reg, monkeypatch, caplog):
-    """The constructor argument (a manager spec's "backend") counts as config: an
+def test_env_overrides_the_requested_argument_too(reg, monkeypatch, caplog):
+    """``requested`` (what a manager spec's "backend" passes) counts as config: an
     operator's MSTAR_ATTENTION_BACKEND wins over it, and the log says what it overrode."""
     caplog.set_level(logging.INFO, logger="mstar.registry")
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
