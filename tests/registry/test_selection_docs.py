@@ -81,3 +81,22 @@ def test_plugins_md_says_where_code_selects():
                  'spec["backend"]', "ARCHITECTURE.md#from-python"):
         assert name in chosen, name
 
+
+def test_plugins_md_states_the_wrapper_rules_in_one_place():
+    rules = flat(section("docs/PLUGINS.md", "### 4.7 The rules in one place"))
+    for phrase in ("The plan's `dtype` is q's dtype", "the output is in q's dtype",
+                   "`sm_scale`, `k_scale`, `v_scale` and `logits_soft_cap`", "Python floats",
+                   "never returns a view of memory that a later run", "strided views whose last dimension",
+                   "`layer_view(i)`", "never writes into its inputs", "bit-identical", "FP8 KV",
+                   "per path", "`prefixed_ragged` wrappers never get it", "no wrapper protocol yet"):
+        assert phrase in rules, phrase
+
+
+def test_plugins_md_says_what_a_malformed_api_version_costs_as_the_registry_says_it():
+    from mstar_core.registry.discovery import PluginFailure
+
+    versions = flat(section("docs/PLUGINS.md", "## 2. The plugin API version"))
+    assert "**Malformed:**" in versions and "the whole hook fails" in versions
+    assert "None of the plugin's backends is registered, the valid ones included" in versions
+    for stage in ("load", "register"):
+        assert f'"{PluginFailure("ep", "dist", "1.0", stage, "error").outcome}"' in versions
