@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -39,7 +40,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     progress = Progress()
     first_use.add_listener(progress)
     try:
-        return int(args.func(args) or 0)
+        rc = int(args.func(args) or 0)
+        sys.stdout.flush()  # a reader that went away is met here, inside the try, not at exit
+        return rc
+    except BrokenPipeError:
+        # stdout's reader closed it early (`mstar backends | head`): nothing more can be said
+        # there, so exit quietly. Later writes (the interpreter flushes stdout at exit) go to
+        # devnull instead of raising again.
+        try:
+            fd = sys.stdout.fileno()
+        except (AttributeError, OSError, ValueError):  # a stdout with no descriptor (main() embedded)
+            return 1
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, fd)
+        os.close(devnull)
+        return 1
     except MstarError as e:
         # mstar's own errors (bad input, an unknown backend, a plugin failing in strict mode) are
         # the user's to fix: one line, with the notes that say where it came from (the backend

@@ -2,7 +2,8 @@
 what it provides and which attention features per capability, whether it runs here (or why not),
 which one ``auto`` picks per capability -- for plain attention, or for the features asked for with
 ``--kv-dtype``/``--soft-cap``/``--sink-logits``/``--layer-windows``/``--decode-query-tokens``, with
-the reason every other backend was passed over -- and every plugin that failed to load.
+the reason every other backend was passed over and the features not asked of that capability -- and
+every plugin that failed to load.
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.capabilities import FEATURE_REACH
 from mstar_core.cli.options import parse_device, parse_kv_dtype
 from mstar_core.errors import InputError
 from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
@@ -64,6 +66,21 @@ FEATURE_OPTIONS: dict[str, str] = {
     "layer_windows": "--layer-windows W,W,...",
     "multi_token_decode": f"--decode-query-tokens 2..{MAX_DECODE_QUERY_TOKENS}",
 }
+
+
+# Why a requested feature is not asked of a capability (capabilities.FEATURE_REACH), where more
+# can be said than which capabilities it does reach.
+_DEQUANTISED = "the dense manager dequantises an FP8 cache's prefix: its wrappers read K/V in the model dtype"
+NOT_ASKED_WHY: dict[str, dict[str, str]] = {
+    "prefixed_ragged": {"fp8_e4m3": _DEQUANTISED, "fp8_e5m2": _DEQUANTISED},
+}
+
+
+def not_asked(capability: str, features: AttentionFeatures) -> dict[str, str]:
+    """The requested features that do not reach ``capability``'s wrappers, each with why: auto
+    judges no backend on them for it."""
+    return {f: NOT_ASKED_WHY.get(capability, {}).get(f, f"it reaches {', '.join(FEATURE_REACH[f])} only")
+            for f in features.requested() if capability not in FEATURE_REACH[f]}
 
 
 def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
@@ -167,6 +184,8 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
         except BackendUnavailable as e:
             auto[cap] = {"pick": None, "rejected": e.reasons}
+        # requested features auto did not judge this capability on, and why
+        auto[cap]["not_asked"] = not_asked(cap, features)
     return {
         "device": describe(device),
         "arch": device_arch(device),
@@ -183,7 +202,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "plugins": [{"entry_point": p.entry_point, "distribution": p.distribution, "version": p.version,
                      "backends": list(p.backends)} for p in registry.plugins],
         "failed_plugins": [{"entry_point": f.entry_point, "distribution": f.distribution, "version": f.version,
-                            "stage": f.stage, "error": f.error, "backends": list(f.backends)}
+                            "stage": f.stage, "error": f.error, "backends": list(f.backends), "outcome": f.outcome}
                            for f in registry.failures],
         "allowlist": sorted(registry.allowlist) if registry.allowlist is not None else None,
         # what every selection gets instead of its configured name (auto's picks above are what
@@ -231,11 +250,13 @@ def render(data: dict[str, Any]) -> str:
     lines += ["", f"auto picks (for features {', '.join(asked)}):" if asked else "auto picks:"]
     for cap, a in data["auto"].items():
         lines.append(f"  {cap:<16} {a['pick'] or '(none: no backend can run it here)'}")
+        for f, why in a["not_asked"].items():
+            lines.append(f"  {'':<16}   {f} is not asked of {cap}: {why}")
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
     if data["env_override"]:
         lines += ["", f"{ENV_BACKEND}={data['env_override']}: every selection uses it, overriding config and "
-                      "constructor arguments"]
+                      "the name code gives (select_backend(requested=), a manager spec's \"backend\", --backend)"]
     if data["allowlist"] is not None:
         lines += ["", f"MSTAR_PLUGINS allowlist: {', '.join(data['allowlist']) or '(empty: built-ins only)'}"]
     if data["failed_plugins"]:
@@ -243,7 +264,7 @@ def render(data: dict[str, Any]) -> str:
         for f in data["failed_plugins"]:
             meant = f", meant to register {', '.join(f['backends'])}" if f["backends"] else ""
             lines.append(f"  {f['entry_point']} ({f['distribution']} {f['version']}{meant}) at {f['stage']}: "
-                         f"{f['error']}")
+                         f"{f['error']}; {f['outcome']}")
     return "\n".join(lines)
 
 

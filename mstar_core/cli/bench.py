@@ -19,11 +19,14 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="time the decode loop of a tiny decoder on a backend",
         description="Time the decode loop of a tiny decoder with random weights: BATCH requests that already hold "
         "CONTEXT tokens each generate one token per step. Prints the median step time, tokens/s, host time per step "
-        "and (CUDA, with graphs) the GPU time of one step's kernels replayed back to back. On a CPU it runs on the "
-        "reference backend. The KV cache and weights the sizes ask for are estimated first: sizes that do not fit the "
-        "device's free memory are refused, naming the options. With --tp N (launched by torchrun) the model is "
-        "sharded over N ranks and rank 0 prints, "
-        "adding the time of the step's all-reduces alone.",
+        "and (CUDA, with graphs) the GPU time of one step's kernels replayed back to back. The backend is the paged "
+        "path's (paged_prefill, paged_decode and mixed from one backend), chosen as --backend says; the output's first "
+        "line (--json: \"backend\") names the one that ran. Under auto, on a CPU, that is the reference unless an "
+        "installed plugin provides the paged path and can run here (device, dtype, head dim): auto tries third-party "
+        "plugins before the reference (`mstar backends` shows auto's picks). The KV cache and weights the sizes ask "
+        "for are estimated first: sizes that do not fit the device's free memory are refused, naming the options. "
+        "With --tp N (launched by torchrun) the model is sharded over N ranks and rank 0 prints, adding the time of "
+        "the step's all-reduces alone.",
     )
     p.add_argument("--layers", type=int, default=d.layers, help=f"decoder layers (default {d.layers})")
     p.add_argument("--qo-heads", type=int, default=d.qo_heads, help=f"query heads (default {d.qo_heads})")
@@ -36,7 +39,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help=f"tokens each request holds before the loop (default {d.context})")
     p.add_argument("--page-size", type=int, default=d.page_size, help=f"KV page size in tokens (default {d.page_size})")
     p.add_argument("--backend", default=None,
-                   help="backend name or 'auto' (default auto; $MSTAR_ATTENTION_BACKEND, when set, overrides it)")
+                   help="backend name or 'auto' (default: --config's [attention] backend, else auto, which picks the "
+                   "first backend in its order that runs here; $MSTAR_ATTENTION_BACKEND, when set, overrides both)")
     p.add_argument("--graphs", action=argparse.BooleanOptionalAction, default=d.graphs,
                    help="replay decode steps from CUDA graphs captured at warm-up (default off); on a CPU the graph "
                    "path runs without CUDA graphs, each replay re-running the forward")

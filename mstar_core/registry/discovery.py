@@ -58,10 +58,23 @@ class PluginFailure:
     error: str
     backends: tuple[str, ...] = ()
 
+    @property
+    def outcome(self) -> str:
+        """What the failure cost: a plugin that failed at load or register keeps nothing (one
+        malformed ``BackendSpec`` -- a bad ``api_version``, say -- drops every backend of it);
+        one that failed at provides keeps its backend, refused for those capabilities."""
+        if self.stage in WHOLE_PLUGIN_STAGES:
+            return "none of its backends is registered"
+        return "the backend stays registered, refused for the capabilities whose wrappers do not import"
+
     def __str__(self) -> str:
         meant = f", meant to register {', '.join(map(repr, self.backends))}" if self.backends else ""
         return (f"plugin {self.entry_point!r} ({self.distribution} {self.version}{meant}) failed at {self.stage}: "
-                f"{self.error}")
+                f"{self.error}; {self.outcome}")
+
+
+# The stages at which a plugin fails whole: nothing it registers is kept.
+WHOLE_PLUGIN_STAGES: tuple[str, ...] = ("load", "register")
 
 
 @dataclass(frozen=True)

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import warnings
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import replace
 from types import EllipsisType
@@ -103,11 +102,11 @@ class Registry:
                 matched |= hit
             self._load_one(pm, ep, dist, version)
         if self.allowlist:
+            # Said once, through the log like every other discovery problem; with no logging
+            # configured, Python's last-resort handler still prints it on stderr.
             for name in sorted(self.allowlist - matched - set(discovery.BUILTIN)):
-                msg = (f"{discovery.ENV_ALLOWLIST} names {name!r}, but no installed plugin has that entry-point "
-                       f"or distribution name (group {discovery.GROUP!r})")
-                log.warning(msg)
-                warnings.warn(msg, RuntimeWarning, stacklevel=3)
+                log.warning("%s names %r, but no installed plugin has that entry-point or distribution name "
+                            "(group %r)", discovery.ENV_ALLOWLIST, name, discovery.GROUP)
         for name in self.conflicts:  # strict mode refuses them where a selection meets them (view)
             log.warning("%s", self.conflict_reason(name))
         # A pin for a name nobody registers is harmless; view() checks every pin of the registry's

@@ -68,8 +68,9 @@ def config_backend(config: ConfigSource) -> str | None:
 def resolve_requested(requested: str | None, config: ConfigSource,
                       honor_env: bool = True) -> tuple[str, str]:
     """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
-    the constructor argument or config's ``attention.backend`` (both are configuration) -- and
-    the log says what it overrode; without it the argument wins, then config, then "auto"."""
+    ``requested`` (a manager spec's ``"backend"``, ``--backend``) or config's
+    ``attention.backend`` (both are configuration) -- and the log says what it overrode; without
+    it ``requested`` wins, then config, then "auto"."""
     if requested is not None:
         if not isinstance(requested, str):
             raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
@@ -108,7 +109,13 @@ def auto_order(capabilities: Sequence[str], registry: Registry,
     extra = [s for s in backends.values() if s.name not in listed]
     order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
     order.append(FALLBACK)
-    return [n for n in order if (s := backends.get(n)) is not None and all(c in s.provides for c in capabilities)]
+    return [n for n in order if (s := backends.get(n)) is not None and provides_all(s, capabilities)]
+
+
+def provides_all(spec: BackendSpec, capabilities: Sequence[str]) -> bool:
+    """Whether ``spec`` provides every one of ``capabilities`` (only such a backend is a
+    candidate, or is listed among those passed over)."""
+    return all(c in spec.provides for c in capabilities)
 
 
 def format_rejected(rejected: Mapping[str, Sequence[str]]) -> str:
@@ -247,8 +254,12 @@ def _select_auto(registry: Registry, request: Request, source: str, backends: Ma
     where = str(request)
     capabilities = request.capabilities
     rejected: dict[str, list[str]] = {}
-    # Names several distributions claim and no pin settled: never picked, listed with why.
-    unsettled = {n: [registry.conflict_reason(n)] for n in registry.conflicts if n not in backends}
+    # Names several distributions claim and no pin settled: never picked, listed with why where
+    # one of the claimants provides what is asked (the others would not be candidates anyway).
+    unsettled = {n: [registry.conflict_reason(n)] for n, claims in registry.conflicts.items()
+                 if n not in backends and any(provides_all(c, capabilities) for c in claims)}
+    # Every backend that provides the capabilities is in the order: what is rejected below is
+    # every candidate, and a backend that does not provide them is never listed.
     for name in auto_order(capabilities, registry, backends):
         spec = backends[name]
         reasons = request.reasons(registry, spec)
@@ -262,12 +273,9 @@ def _select_auto(registry: Registry, request: Request, source: str, backends: Ma
         passed = format_rejected(rejected) or "none"
         log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
         return Selection(name, spec, classes, rejected, AUTO, source)
-    for n, spec in backends.items():
-        if n not in rejected:
-            rejected[n] = request.reasons(registry, spec) or ["not in the auto order"]
     rejected.update(unsettled)
-    detail = format_rejected(rejected)
+    detail = format_rejected(rejected) or f"no registered backend provides {', '.join(capabilities)}"
     raise BackendUnavailable(
-        f"no attention backend can run here ({where}). Reasons: {detail or 'no backends are registered'}. "
+        f"no attention backend can run here ({where}). Reasons: {detail}. "
         f"Known backends: {', '.join(backends) or 'none'}.",
         requested=AUTO, reasons=rejected, available=[], known=list(backends))

@@ -49,7 +49,8 @@ def test_json_shows_flashinfer_installed_but_unavailable_and_the_reference_picke
         ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"), "reference")
     assert "flashinfer" in data["auto"]["paged_decode"]["rejected"]
     assert data["failed_plugins"] == [{"entry_point": "broken", "distribution": "mstar-broken", "version": "9.9",
-                                       "stage": "load", "error": data["failed_plugins"][0]["error"], "backends": []}]
+                                       "stage": "load", "error": data["failed_plugins"][0]["error"], "backends": [],
+                                       "outcome": "none of its backends is registered"}]
     assert "mstar_broken_plugin_xyz" in data["failed_plugins"][0]["error"]
 
 
@@ -71,6 +72,7 @@ def test_table(registry, capsys):
     assert "unavailable: runs on cuda, not on cpu; flashinfer is not installed" in out
     assert "paged_decode     reference" in out and "passed over flashinfer:" in out
     assert "broken (mstar-broken 9.9) at load: ModuleNotFoundError" in out
+    assert out.rstrip().endswith("; none of its backends is registered")
 
 
 def test_bad_dtype_is_a_clear_error(registry):
@@ -184,6 +186,24 @@ def test_fp8_soft_cap_and_sink_logits_on_cpu_in_the_table(registry, run_text):
            in auto
     assert "  prefixed_ragged  reference\n" in auto
     assert f"{FP8} in prefixed_ragged" not in auto
+
+
+DEQUANTISED = "the dense manager dequantises an FP8 cache's prefix: its wrappers read K/V in the model dtype"
+
+
+def test_features_not_asked_of_a_capability_are_named_with_why(registry, run_json, run_text):
+    auto = run_json("--kv-dtype", "fp8_e5m2", "--decode-query-tokens", "2")["auto"]
+    assert auto["prefixed_ragged"]["not_asked"] == {"fp8_e5m2": DEQUANTISED,
+                                                    "multi_token_decode": "it reaches paged_decode only"}
+    assert auto["paged_decode"]["not_asked"] == {}
+    assert auto["mixed"]["not_asked"] == {"multi_token_decode": "it reaches paged_decode only"}
+    assert auto["bounded"]["not_asked"] == {"multi_token_decode": "it reaches paged_decode only"}
+    assert run_json()["auto"]["prefixed_ragged"]["not_asked"] == {}
+    out = run_text("--kv-dtype", "fp8_e4m3")
+    assert (f"  prefixed_ragged  reference\n"
+            f"                     fp8_e4m3 is not asked of prefixed_ragged: {DEQUANTISED}\n"
+            f"                     passed over flashinfer: ") in out
+    assert out.count("is not asked of") == 1
 
 
 @pytest.fixture

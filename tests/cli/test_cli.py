@@ -5,6 +5,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 from mstar_core.cli import build_parser, main
 
@@ -77,3 +78,58 @@ def test_bench_options_are_checked_by_name(capsys):
     assert "bench: batch must be >= 1, got 0" in capsys.readouterr().err
     assert main(["bench", "--qo-heads", "6", "--kv-heads", "4"]) == 2
     assert "qo_heads (6) must be a multiple of kv_heads (4)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args", [("backends", "--device", "cpu"), ("backends", "--device", "cpu", "--json")])
+def test_a_reader_that_closes_stdout_early_ends_it_quietly(args):
+    """`mstar backends | head -1`: the reader goes away before mstar writes; no traceback."""
+    import os
+
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MSTAR_")}
+    p = subprocess.Popen([sys.executable, "-m", "mstar_core.cli", *args], stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, env=env)
+    p.stdout.close()  # before the command has written anything: its first write meets a closed pipe
+    err = p.stderr.read().decode()
+    assert p.wait(timeout=300) == 1
+    assert "Traceback" not in err and "BrokenPipeError" not in err and "internal error" not in err, err
+    assert err == ""  # and nothing else either
+
+
+
+def test_a_closed_stdout_in_process_is_exit_1_and_nothing_on_stderr(monkeypatch, capsys):
+    class Closed:
+        def write(self, text):
+            raise BrokenPipeError(32, "Broken pipe")
+
+        def flush(self):
+            pass
+
+    monkeypatch.setattr(sys, "stdout", Closed())  # no file descriptor: nothing to redirect
+    assert main(["backends", "--device", "cpu"]) == 1
+    assert capsys.readouterr().err == ""
+
+
+def test_bench_on_a_cpu_runs_what_auto_picks_and_its_help_says_so(monkeypatch, capsys):
+    """A third-party plugin serving the paged path on the CPU outranks the reference under auto,
+    and bench runs it, as its help says (the reference is what auto falls back to)."""
+    from mstar_core import BackendSpec, Registry
+    from mstar_core.backends.reference.plugin import REFERENCE
+
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    paged = {c: REFERENCE.provides[c] for c in ("paged_prefill", "paged_decode", "mixed")}
+    reg.register(BackendSpec(name="cpupaged", provides=paged, devices=("cpu",), dtypes=(torch.float32,)),
+                 distribution="cpupaged-mstar", version="0.1.0")
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    argv = ["bench", "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8"]
+    assert main([*argv, "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "cpupaged"
+    assert main(argv) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("backend: cpupaged on cpu (float32)")
+    assert main([*argv, "--backend", "reference", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["backend"] == "reference"
+
+    help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
+    assert "On a CPU it runs on the reference backend" not in help_text
+    assert ("Under auto, on a CPU, that is the reference unless an installed plugin provides the paged path and "
+            "can run here (device, dtype, head dim): auto tries third-party plugins before the reference") in help_text

@@ -25,6 +25,7 @@ from mstar_core.registry import api
 
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
 CPU, F32 = "cpu", torch.float32
+PAGED = ("paged_prefill", "paged_decode", "mixed")
 
 
 def spec(name: str, **kw) -> BackendSpec:
@@ -54,6 +55,58 @@ def test_api_rule():
     assert "upgrade the plugin" in old
     with pytest.raises(ValueError, match="'MAJOR.MINOR'"):
         BackendSpec(name="x", provides={"paged_decode": DECODE}, api_version="1")
+
+
+def test_a_malformed_api_version_fails_the_whole_hook(fake_module, make_ep, fake_entry_points, monkeypatch, capsys):
+    @hookimpl
+    def hook(register):
+        register(spec("fine"))  # registered first, and dropped with the rest
+        register(spec("sloppy", api_version="1"))
+
+    fake_module("sloppy_plugin", mstar_register_backends=hook)
+    fake_entry_points(make_ep("sloppy", "sloppy_plugin", "sloppy-kernels", "0.1"))
+    reg = Registry()
+    assert "fine" not in reg.names() and "sloppy" not in reg.names()
+    (f,) = reg.failures
+    assert (f.stage, f.backends) == ("register", ("fine",))
+    assert str(f) == ("plugin 'sloppy' (sloppy-kernels 0.1, meant to register 'fine') failed at register: InputError: "
+                      "backend 'sloppy': api_version must be a 'MAJOR.MINOR' string such as '1.0' (the plugin contract "
+                      "version the backend was written for), got '1'; none of its backends is registered")
+    with pytest.raises(BackendUnavailable, match=r"'fine' \(from argument\) is unknown: its plugin failed: .*; none "
+                                                 r"of its backends is registered"):
+        select_backend(("paged_decode",), requested="fine", device=CPU, dtype=F32, registry=reg)
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    assert main(["backends", "--device", "cpu"]) == 0
+    out = capsys.readouterr().out
+    assert "got '1'; none of its backends is registered" in out.split("plugins that failed to load:")[1]
+    monkeypatch.setenv("MSTAR_STRICT_PLUGINS", "1")
+    with pytest.raises(PluginError, match=r"strict mode: .*api_version must be .*; none of its backends is registered"):
+        Registry()
+
+
+def test_a_malformed_api_version_at_import_fails_the_plugin_at_load(tmp_path, make_ep, fake_entry_points):
+    (tmp_path / "sloppy_at_import.py").write_text(textwrap.dedent("""
+        from mstar_core import BackendSpec, hookimpl
+
+        FINE = BackendSpec(name="fine", provides={"paged_decode": "m:c"})
+        SLOPPY = BackendSpec(name="sloppy", provides={"paged_decode": "m:c"}, api_version="v1")
+
+        @hookimpl
+        def mstar_register_backends(register):
+            register(FINE)
+            register(SLOPPY)
+    """))
+    sys.path.insert(0, str(tmp_path))
+    try:
+        fake_entry_points(make_ep("sloppy", "sloppy_at_import", "sloppy-kernels", "0.1"))
+        reg = Registry()
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop("sloppy_at_import", None)
+    (f,) = reg.failures
+    assert (f.stage, f.backends) == ("load", ("fine", "sloppy"))  # the names, read from its source
+    assert "got 'v1'; none of its backends is registered" in str(f)
+    assert reg.names() == ["reference"]
 
 
 def test_an_incompatible_backend_is_listed_never_probed_imported_or_picked(monkeypatch):
@@ -105,6 +158,32 @@ def test_a_name_two_distributions_claim_is_served_by_neither(two_fasts):
     assert "MSTAR_BACKEND_PINS=fast=DISTRIBUTION" in msg
     auto = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
     assert auto.name == "fast_extra" and "registered by 2 distributions" in auto.rejected["fast"][0]
+
+
+def test_a_conflicted_name_is_passed_over_only_where_a_claimant_provides_the_capability(
+        two_fasts, fake_module, make_ep, fake_entry_points, monkeypatch, capsys):
+    reg = Registry()
+    assert "fast" in select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg).rejected
+    for caps in (("prefixed_ragged",), ("bounded",), PAGED):  # both claimants provide paged_decode alone
+        sel = select_backend(caps, device=CPU, dtype=F32, registry=reg)
+        assert sel.name == "reference" and "fast" not in sel.rejected, caps
+    with pytest.raises(BackendUnavailable) as e:  # a refusal lists the providers alone too
+        select_backend(("prefixed_ragged",), device=CPU, dtype=torch.int8, registry=reg)
+    assert list(e.value.reasons) == ["reference"]
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    assert main(["backends", "--json", "--device", "cpu"]) == 0
+    auto = json.loads(capsys.readouterr().out)["auto"]
+    assert [cap for cap, a in auto.items() if "fast" in a["rejected"]] == ["paged_decode"]
+    # claimants that provide different capabilities: listed for each capability one of them provides
+    ragged = {"prefixed_ragged": REFERENCE.provides["prefixed_ragged"]}
+    plugin(fake_module, "ragged_plugin", spec("fast", provides=ragged))
+    plugin(fake_module, "decode_plugin", spec("fast"))
+    fake_entry_points(make_ep("fast", "ragged_plugin", "ragged-kernels", "1.0"),
+                      make_ep("fast", "decode_plugin", "decode-kernels", "1.0"))
+    reg = Registry()
+    for caps, listed in ((("prefixed_ragged",), True), (("paged_decode",), True), (("bounded",), False)):
+        rejected = select_backend(caps, device=CPU, dtype=F32, registry=reg).rejected
+        assert ("fast" in rejected) is listed, caps
 
 
 def test_a_pin_in_env_or_config_picks_one(two_fasts, monkeypatch):

@@ -3,6 +3,9 @@ its distribution, version and error; strict mode re-raises; MSTAR_PLUGINS filter
 
 from __future__ import annotations
 
+import logging
+import os
+import subprocess
 import sys
 
 import pytest
@@ -95,13 +98,26 @@ def test_allowlist_loads_only_named_plugins(plugins, fake_entry_points, monkeypa
     assert reg.failures == []  # broken/raises were never loaded
 
 
-def test_allowlist_warns_for_unknown_names(plugins, fake_entry_points, monkeypatch, caplog):
+def test_allowlist_warns_once_for_each_unknown_name(plugins, fake_entry_points, monkeypatch, caplog, recwarn):
     fake_entry_points(*plugins)
-    monkeypatch.setenv("MSTAR_PLUGINS", "good,not_installed_anywhere")
-    with pytest.warns(RuntimeWarning, match="not_installed_anywhere"):
+    monkeypatch.setenv("MSTAR_PLUGINS", "good,not_installed_anywhere,nor_this")
+    with caplog.at_level(logging.WARNING, logger="mstar.registry"):
         reg = Registry()
     assert reg.names() == ["good", "reference"]
-    assert "not_installed_anywhere" in caplog.text
+    for name in ("not_installed_anywhere", "nor_this"):
+        said = [r for r in caplog.records if repr(name) in r.getMessage()]
+        assert len(said) == 1 and said[0].levelno == logging.WARNING
+        assert "MSTAR_PLUGINS names" in said[0].getMessage()
+    assert [str(w.message) for w in recwarn] == []  # the log line alone, not a warning besides
+
+
+def test_an_unknown_allowlist_name_is_one_line_on_the_command_line():
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MSTAR_")}
+    env["MSTAR_PLUGINS"] = "not_installed_anywhere"
+    r = subprocess.run([sys.executable, "-m", "mstar_core.cli", "backends", "--device", "cpu", "--json"],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.count("not_installed_anywhere") == 1, r.stderr
 
 
 def test_empty_allowlist_loads_no_plugin(plugins, fake_entry_points, monkeypatch):

@@ -189,7 +189,19 @@ def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
 def test_auto_when_nothing_can_run_raises_with_every_reason(reg):
     with pytest.raises(BackendUnavailable, match="no attention backend can run here") as e:
         pick(reg, ("paged_decode",), device="cpu", dtype=torch.int8)
-    assert set(e.value.reasons) == {"flashinfer", "fa3", "reference", "rocm"}
+    # every backend that provides paged_decode, with its reasons; fa3 and rocm do not provide it
+    assert set(e.value.reasons) == {"flashinfer", "reference"}
+    assert "dtype int8 is not supported" in e.value.reasons["reference"][0]
+    assert e.value.known == ["fa3", "flashinfer", "reference", "rocm"]
+
+
+def test_auto_with_no_backend_providing_the_capability_says_so():
+    reg = Registry(discover=False)
+    reg.register(cpu_spec("toy"))  # bounded alone
+    with pytest.raises(BackendUnavailable, match="Reasons: no registered backend provides paged_decode. Known "
+                                                 "backends: toy.") as e:
+        pick(reg, ("paged_decode",), device="cpu", dtype=F32)
+    assert e.value.reasons == {}
 
 
 # -- by name -------------------------------------------------------------------------------------
@@ -256,8 +268,8 @@ def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
         select_backend(PAGED, device="cpu", registry=reg)
 
 
-def test_env_overrides_the_constructor_argument_too(reg, monkeypatch, caplog):
-    """The constructor argument (a manager spec's "backend") counts as config: an
+def test_env_overrides_the_requested_argument_too(reg, monkeypatch, caplog):
+    """``requested`` (what a manager spec's "backend" passes) counts as config: an
     operator's MSTAR_ATTENTION_BACKEND wins over it, and the log says what it overrode."""
     caplog.set_level(logging.INFO, logger="mstar.registry")
     monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
@@ -465,3 +477,51 @@ def test_a_requested_name_with_blanks_around_it_selects_that_backend():
     for requested, want in ((" reference ", "reference"), ("toy\n", "toy")):
         sel = select_backend(("bounded",), requested=requested, device="cpu", dtype=F32, head_dim=64, registry=reg)
         assert sel.name == want and sel.requested == want and sel.source == "argument"
+
+
+# -- the dense path's features --------------------------------------------------------------------
+
+def test_dense_rule_judges_the_features_that_reach_the_dense_path(reg, fake_gpu, fake_installed, fa3_kernel):
+    fake_gpu("sm80")
+    fake_installed(ALL_LIBS)
+    fa3_kernel([])
+    sinks = AttentionFeatures(sink_logits=True)
+    assert dense_selection("cuda", BF16, 128, registry=reg).name == "flashinfer"
+    sel = dense_selection("cuda", BF16, 128, registry=reg, features=sinks)  # cached apart from the plain answer
+    assert sel.name == "reference"
+    assert sel.rejected["flashinfer"] == [f"{SINK_REASON} prefixed_ragged"]
+    assert dense_or_flashinfer("cuda", dtype=BF16, head_dim=128, registry=reg, features=sinks) \
+        is ReferencePrefixedPrefillWrapper
+    fake_gpu("sm90")
+    reg.clear_probe_cache()
+    soft_cap = AttentionFeatures(soft_cap=30.0)
+    assert dense_selection("cuda", BF16, 128, registry=reg).name == "fa3"
+    assert dense_selection("cuda", BF16, 128, registry=reg, features=soft_cap).name == "flashinfer"
+    # An FP8 cache reaches the dense path's wrappers dequantised: it is asked of none of them
+    fp8 = AttentionFeatures(kv_dtype="fp8_e4m3", k_scale=0.5)
+    sel = dense_selection("cuda", BF16, 128, registry=reg, features=fp8)
+    assert sel.name == "fa3" and sel.rejected == {}
+    with pytest.raises(TypeError, match="features must be an AttentionFeatures or None, got dict"):
+        dense_selection("cuda", registry=reg, features={"sink_logits": True})
+
+
+def test_auto_for_the_dense_path_asks_third_party_backends_only_what_reaches_them():
+    """Three CPU backends for the dense path: what each declares for prefixed_ragged decides
+    where a feature that reaches it is asked; FP8 is asked of none (the dense manager hands the
+    wrappers K/V dequantised), whether a backend declares it there or not."""
+    ragged = {"prefixed_ragged": REFERENCE.provides["prefixed_ragged"]}
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0.1.0")
+    for name, declared, priority in (("plain3p", (), 9), ("fp8decl", ("fp8_e4m3",), 5),
+                                     ("sinks3p", ("sink_logits",), 1)):
+        reg.register(BackendSpec(name=name, provides=ragged, devices=("cpu",), dtypes=(F32,), priority=priority,
+                                 features={"prefixed_ragged": declared}), distribution=f"{name}-mstar")
+    fp8 = AttentionFeatures(kv_dtype="fp8_e4m3")
+    for features in (None, fp8):
+        sel = pick(reg, ("prefixed_ragged",), device="cpu", dtype=F32, features=features)
+        assert sel.name == "plain3p" and sel.rejected == {}
+        assert dense_selection("cpu", F32, 128, registry=reg, features=features).name == "plain3p"
+    sel = pick(reg, ("prefixed_ragged",), device="cpu", dtype=F32, features=AttentionFeatures(sink_logits=True))
+    assert sel.name == "sinks3p"
+    assert list(sel.rejected) == ["plain3p", "fp8decl"]
+    assert sel.rejected["plain3p"] == [f"{SINK_REASON} prefixed_ragged"]
