@@ -61,7 +61,8 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def largest(diff: torch.Tensor) -> tuple[float, tuple[int, ...]]:
     """The largest entry of ``diff`` (NaN counts as inf) and its index."""
-    d = diff.detach().to("cpu", torch.float64).nan_to_num(nan=float("inf"))
+    d = diff.detach().to("cpu", torch.float64)
+    d = torch.where(d.isnan(), float("inf"), d)
     if d.numel() == 0:
         return 0.0, ()
     flat = int(d.reshape(-1).argmax())
@@ -85,7 +86,8 @@ def difference(a: torch.Tensor, b: torch.Tensor) -> tuple[float, tuple[int, ...]
     """The largest absolute difference of two same-shaped tensors (inf where one holds a NaN or
     an infinity the other does not hold there) and its index."""
     a64, b64 = (t.detach().to("cpu", torch.float64) for t in (a, b))
-    diff = (a64 - b64).abs().nan_to_num(nan=float("inf"))
+    diff = (a64 - b64).abs()
+    diff = torch.where(diff.isnan(), float("inf"), diff)
     same = (a64 == b64) | (a64.isnan() & b64.isnan())  # equal infinities, NaN where both hold one
     return largest(diff.masked_fill(same, 0.0))
 
