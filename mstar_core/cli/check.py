@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+import time
 
 from mstar_core.cli.options import add_config, config_from, parse_device
+from mstar_core.cli.progress import CLEAR
 from mstar_core.errors import InputError
+from mstar_core.registry.spec import dtype_name
 from mstar_core.resource import as_dtype
 
 
@@ -18,9 +22,12 @@ def register(sub: argparse._SubParsersAction) -> None:
         help="run the conformance suite against an installed backend",
         description="Run the conformance suite against the installed backend NAME: every capability it provides, "
         "in each dtype and head dim it declares (64 and 128 where it runs them), with the features it declares, "
-        "plus one wrapper re-planned with different shapes (replayed from a CUDA graph where capturable), rows "
-        "poisoned with NaN/inf and rows that see no key, each against a float64 oracle. Prints a table of cases; "
-        "exits 1 when any case fails, 2 when the backend cannot run here.",
+        "plus shapes past the usual tiles (64 rows, 64 query heads), one wrapper re-planned with different shapes "
+        "and refusing a plan, several wrappers with different windows and scales run in turn, a CUDA-graph replay "
+        "where capturable, rows poisoned with NaN/inf, NaN in what a row does not own, and rows that see no key, "
+        "each against a float64 oracle; every case run twice (bit-identical), on strided inputs too, its inputs "
+        "compared before and after. Prints the case count, a progress line, then a table of cases, each failure "
+        "naming its rule; exits 1 when any case fails, 2 when the backend cannot run here.",
     )
     p.add_argument("name", help="backend name, as `mstar backends` lists it")
     p.add_argument("--device", default=None, help="torch device (default: cuda when usable and the backend runs "
@@ -29,6 +36,8 @@ def register(sub: argparse._SubParsersAction) -> None:
                    help="check only this dtype (repeat for several; default: every dtype the backend declares)")
     p.add_argument("--head-dim", action="append", type=int, default=None, metavar="N",
                    help="check only this head dim (repeat for several; default: 64 and 128 where declared)")
+    p.add_argument("--quick", action="store_true", help="a short subset: the first head dim only, fewer plain and "
+                   "feature cases (every group and rule still checked)")
     p.add_argument("--failures-only", action="store_true", help="list only the failing cases in the table")
     add_config(p, pins_only=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
@@ -44,10 +53,34 @@ def run(args: argparse.Namespace) -> int:
         if d < 1:
             raise InputError(f"check: --head-dim {d} must be >= 1")
 
-    def progress(result) -> None:  # a long run (a GPU compiling kernels) shows it is moving
-        if not args.json and not result.passed:
-            print(f"FAIL {result.capability} {result.dtype} {result.group} {result.name}", file=sys.stderr, flush=True)
+    if "OMP_NUM_THREADS" not in os.environ:  # the cases' tensors are small: a second thread only waits
+        import torch
 
-    report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress, config=config_from(args))
+        torch.set_num_threads(1)
+    err = sys.stderr
+    tty = bool(getattr(err, "isatty", lambda: False)())
+    state = {"n": 0, "total": 0, "shown": time.perf_counter()}
+
+    def start(checks) -> None:  # the case count, before anything runs
+        state["total"] = len(checks)
+        caps = sorted({c.capability for c in checks})
+        dtypes = sorted({dtype_name(c.dtype) for c in checks})
+        print(f"mstar check {args.name}: {len(checks)} cases ({', '.join(caps)}; {', '.join(dtypes)}"
+              f"{'; quick subset' if args.quick else ''})", file=err, flush=True)
+
+    def progress(result) -> None:  # a long run (a GPU compiling kernels) shows it is moving
+        state["n"] += 1
+        n, total = state["n"], state["total"]
+        case = f"{result.capability} {result.dtype} {result.group} {result.name}"
+        if not result.passed:
+            print(f"{CLEAR if tty else ''}FAIL {case} [{result.rule}]", file=err, flush=True)
+        if tty:  # one line, rewritten in place, cleared at the end
+            print(CLEAR + f"[{n}/{total}] {case}"[:150] if n < total else CLEAR, end="", file=err, flush=True)
+        elif time.perf_counter() - state["shown"] >= 10.0:  # a log: a line every 10 s
+            state["shown"] = time.perf_counter()
+            print(f"[{n}/{total}] {case}", file=err, flush=True)
+
+    report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress, config=config_from(args),
+                           quick=args.quick, on_start=start)
     print(json.dumps(report.as_json(), indent=2) if args.json else report.render(all_rows=not args.failures_only))
     return 0 if report.ok else 1

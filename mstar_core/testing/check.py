@@ -1,8 +1,12 @@
 """``mstar check``: the conformance suite against one installed backend, as the registry sees
 it -- every capability it provides, in every dtype and (up to two) head dims it declares, with
-the features it declares -- plus the checks a fresh-wrapper-per-case suite cannot make: one
-wrapper re-planned with different shapes, replayed from a CUDA graph where it is capturable,
-rows poisoned with NaN/inf that no other row may notice, and rows that see no key.
+the features it declares -- plus the checks a fresh-wrapper-per-case suite cannot make: shapes
+past a kernel's usual tiles, one wrapper re-planned with different shapes (and refusing a plan
+without losing the previous one), several wrappers planned with different windows and scales
+and run in turn (one per layer), replay from a CUDA graph where it is capturable, rows
+poisoned with NaN/inf that no other row may notice, and rows that see no key. Every case runs
+twice (bit-identical outputs), on strided inputs too, with every input compared before and
+after; each failure names its rule (:data:`mstar_core.testing.rules.RULES`).
 
 From Python::
 
@@ -31,6 +35,7 @@ from mstar_core.errors import InputError
 from mstar_core.registry.spec import BackendSpec, dtype_name
 from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
+from mstar_core.testing.rules import RuleError
 
 NOT_COVERED: dict[str, str] = {
     "bounded": "the bounded kernel has no wrapper protocol yet: tests/kv/bounded and tests/kernels check the "
@@ -44,7 +49,7 @@ class Check:
     """One case of the suite: ``run()`` returns the relative error or raises."""
 
     capability: str
-    group: str  # plain, features, edge, replan, replay
+    group: str  # plain, shapes, features, edge, replan, layers, replay, device
     dtype: torch.dtype
     name: str
     run: Callable[[], float] = field(repr=False, compare=False)
@@ -65,6 +70,7 @@ class Result:
     message: str = ""
     seconds: float = 0.0
     refused: bool = False  # passed by refusing a plan the contract lets it refuse (see conformance.Refused)
+    rule: str | None = None  # the rule a failure broke (a key of rules.RULES)
 
 
 @dataclass
@@ -77,6 +83,7 @@ class Report:
     device: str
     results: list[Result]
     not_covered: dict[str, str]
+    notes: list[str] = field(default_factory=list)
 
     @property
     def failed(self) -> list[Result]:
@@ -91,25 +98,33 @@ class Report:
         for r in self.results:
             if all_rows or not r.passed:
                 err = f"{r.error:.2e}" if r.error is not None else "-"
-                result = ("refused" if r.refused else "pass") if r.passed else "FAIL"
+                result = ("refused" if r.refused else "pass") if r.passed else f"FAIL {r.rule or ''}".rstrip()
                 rows.append((r.capability, r.dtype, r.group, r.name, result, err))
         widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
         lines = [f"mstar check {self.backend} ({self.label}, plugin API {self.api_version}) on {self.device}", ""]
         lines += ["  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows]
         for r in self.failed:
-            lines += ["", f"FAIL {r.capability} {r.dtype} {r.group} {r.name}:", f"  {r.message}"]
+            rule = f" [{r.rule}]" if r.rule else ""
+            lines += ["", f"FAIL {r.capability} {r.dtype} {r.group} {r.name}{rule}:", f"  {r.message}"]
         for cap, why in self.not_covered.items():
             lines += ["", f"not covered: {cap}: {why}"]
+        for note in self.notes:
+            lines += ["", f"note: {note}"]
         n, bad = len(self.results), len(self.failed)
         refused = sum(r.refused for r in self.results)
         note = f" ({refused} by refusing rows with fewer keys than queries, as the contract allows)" if refused else ""
-        lines += ["", f"{n - bad} of {n} cases passed{note}" + (f"; {bad} failed" if bad else "")]
+        broken: dict[str, int] = {}
+        for r in self.failed:
+            broken[r.rule or "?"] = broken.get(r.rule or "?", 0) + 1
+        rules = ", ".join(f"{k} ({v})" for k, v in sorted(broken.items()))
+        lines += ["", f"{n - bad} of {n} cases passed{note}" + (f"; {bad} failed, by rule: {rules}" if bad else "")]
         return "\n".join(lines)
 
     def as_json(self) -> dict[str, Any]:
         return {"backend": self.backend, "label": self.label, "api_version": self.api_version, "device": self.device,
                 "ok": self.ok, "passed": len(self.results) - len(self.failed), "failed": len(self.failed),
-                "not_covered": self.not_covered, "results": [dataclasses.asdict(r) for r in self.results]}
+                "not_covered": self.not_covered, "notes": self.notes,
+                "results": [dataclasses.asdict(r) for r in self.results]}
 
 
 def default_head_dims(spec: BackendSpec) -> tuple[int, ...]:
@@ -159,60 +174,134 @@ def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
     return list(out.values())
 
 
-def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int]) -> list[tuple[str, Any]]:
-    plain = {"prefill": C.prefill_cases, "decode": C.decode_cases, "mixed": C.mixed_cases}
-    base: Sequence[C.PagedCase | C.RaggedCase]
-    extra: Sequence[C.PagedCase | C.RaggedCase]
-    if kind == "ragged":
-        base, extra = C.ragged_cases(), C.ragged_feature_cases(features, head_dims[-1])
-    else:
-        base, extra = plain[kind](), C.feature_cases(kind, features, head_dim=head_dims[-1])
-    groups = [("plain", _at(base, head_dims)), ("features", _at(extra, head_dims)),
-              ("edge", _at(C.edge_cases(kind, head_dims[-1]), head_dims))]
+PLAIN: dict[str, Callable[[], Sequence[Any]]] = {
+    "prefill": C.prefill_cases, "decode": C.decode_cases, "mixed": C.mixed_cases, "ragged": C.ragged_cases}
+
+
+def _targeted(c: Any) -> bool:
+    """A plain case aimed at one thing (a window, a scale, no causal mask, uniform rows, a long
+    prompt): ``--quick`` keeps these and one case of the grid per page size."""
+    uniform = len(c.q_lens) > 1 and len(set(c.q_lens)) == 1 and c.q_lens[0] > 1
+    return c.window_left >= 0 or c.sm_scale is not None or not c.causal or uniform or max(c.q_lens) > 64
+
+
+def _quick_plain(cases: Sequence[Any]) -> list[Any]:
+    seen: set[Any] = set()
+    out = []
+    for c in cases:
+        first = getattr(c, "page_size", None) not in seen and c.gqa == 4 and c.causal
+        if _targeted(c) or first:
+            seen.add(getattr(c, "page_size", None))
+            out.append(c)
+    return out
+
+
+def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False
+           ) -> list[tuple[str, Any]]:
+    """(group, case) of one capability: the plain cases at the checked head dims; the shapes,
+    feature and edge cases at every one of them. ``quick``: a subset of the plain and feature
+    cases (the head dims are the caller's to cut)."""
+    base: Sequence[C.PagedCase | C.RaggedCase] = PLAIN[kind]()
+    if quick:
+        base = _quick_plain(base)
+    groups: list[tuple[str, list[Any]]] = [("plain", _at(base, head_dims))]
+    shapes: list[Any] = []
+    extra: list[Any] = []
+    edge: list[Any] = []
+    for d in head_dims:
+        shapes += C.shape_cases(kind, d)
+        if kind == "ragged":
+            extra += C.ragged_feature_cases(features, d)
+        else:
+            extra += C.feature_cases(kind, features, page_sizes=(16,) if quick else (1, 16), head_dim=d)
+        edge += C.edge_cases(kind, d)
+    groups += [("shapes", shapes), ("features", extra), ("edge", edge)]
     return [(g, c) for g, cases in groups for c in cases]
 
 
+def multi_token_declared(spec: BackendSpec, classes: Mapping[str, Any]) -> bool:
+    """``multi_token_decode`` is declared (on paged_decode) and the prefill wrapper that runs it
+    is provided."""
+    return "multi_token_decode" in spec.supports("paged_decode") and "paged_prefill" in classes
+
+
+def _other_cuda(device: torch.device) -> torch.device | None:
+    """A CUDA device that is not the current one (the device case runs there), or None."""
+    if device.type != "cuda" or not torch.cuda.is_available() or torch.cuda.device_count() < 2:
+        return None
+    current = torch.cuda.current_device()
+    return torch.device("cuda", next(i for i in range(torch.cuda.device_count()) if i != current))
+
+
 def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.device | str,
-                dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None) -> list[Check]:
+                dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None,
+                quick: bool = False) -> list[Check]:
     """Every check of ``spec``'s capabilities (``classes``: capability -> loaded wrapper) on
     ``device``; ``dtypes``/``head_dims`` None: the declared ones (:func:`default_dtypes`,
     :func:`default_head_dims`), others taken as given (a stand-in tested in float32 on a CPU).
-    Nothing runs until a check's ``run()``."""
+    ``quick``: a short subset -- the first head dim only, fewer plain and feature cases; every
+    group and rule still checked. Nothing runs until a check's ``run()``."""
     device = torch.device(device)
     dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
     head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
+    if quick:
+        head_dims = head_dims[:1]
+    other = _other_cuda(device)
     checks: list[Check] = []
     for dtype in dtypes:
-        ws = C.WrapperSet(
-            spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
-            classes.get("prefixed_ragged"), device=str(device), dtype=dtype,
-            workspace_bytes=(128 << 20) if device.type == "cuda" else (1 << 20), device_indices=device.type == "cuda")
+        def wrapper_set(dev: torch.device, dtype: torch.dtype = dtype) -> C.WrapperSet:
+            return C.WrapperSet(
+                spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
+                classes.get("prefixed_ragged"), device=str(dev), dtype=dtype,
+                workspace_bytes=(128 << 20) if dev.type == "cuda" else (1 << 20), device_indices=dev.type == "cuda",
+                thorough=True)
+
+        ws = wrapper_set(device)
         for cap, kind in STEP_KINDS.items():
             if cap not in classes:
                 continue
             fn = C.CHECKS[kind]
-            for group, case in _cases(kind, spec.supports(cap), head_dims):
+            for group, case in _cases(kind, spec.supports(cap), head_dims, quick):
                 checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
-            d = head_dims[-1]
-            checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}",
-                                functools.partial(reuse.check_replan, ws, kind, d)))
+            if kind == "prefill" and multi_token_declared(spec, classes):
+                for d in head_dims:
+                    for case in C.multi_token_cases(d):
+                        checks.append(Check(cap, "features", dtype, f"multi_token-{case}",
+                                            functools.partial(fn, ws, case)))
+            for d in head_dims:
+                checks.append(Check(cap, "replan", dtype, f"{kind}-d{d}",
+                                    functools.partial(reuse.check_replan, ws, kind, d)))
+                checks.append(Check(cap, "replan", dtype, f"refused-{kind}-d{d}",
+                                    functools.partial(reuse.check_refused, ws, kind, d)))
+                windows = "-layer_windows" if "layer_windows" in spec.supports(cap) else ""
+                checks.append(Check(cap, "layers", dtype, f"{kind}-d{d}{windows}",
+                                    functools.partial(reuse.check_layers, ws, kind, d)))
             if cap in spec.capturable and device.type == "cuda":
-                checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}",
-                                    functools.partial(reuse.check_replay, ws, kind, d)))
+                multi = kind == "prefill" and multi_token_declared(spec, classes)
+                for d in head_dims:
+                    checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}" + ("-multi_token" if multi else ""),
+                                        functools.partial(reuse.check_replay, ws, kind, d, multi)))
+            if other is not None:  # the data on a device that is not the current one
+                far = wrapper_set(other)
+                d = head_dims[-1]
+                for case in (C.shape_cases(kind, d)[0], *_at(PLAIN[kind]()[:1], (d,))):
+                    checks.append(Check(cap, "device", dtype, f"{other}-{case}", functools.partial(fn, far, case)))
     return checks
 
 
 def run_check(check: Check) -> Result:
     t0 = time.perf_counter()
-    err, passed, msg, refused = None, True, "", False
+    err, passed, msg, refused, rule = None, True, "", False, None
     try:
         err = check.run()
     except C.Refused as e:  # a refusal the contract allows (rows with fewer keys than queries)
         msg, refused = str(e), True
+    except RuleError as e:
+        passed, msg, rule, err = False, str(e), e.rule, e.error
     except Exception as e:  # a failing case is a result, not the end of the run
-        passed, msg = False, f"{type(e).__name__}: {e}"
+        passed, msg, rule = False, f"{type(e).__name__}: {e}", "runs"
     return Result(check.capability, check.group, dtype_name(check.dtype), check.name, passed, err, msg,
-                  time.perf_counter() - t0, refused)
+                  time.perf_counter() - t0, refused, rule)
 
 
 def select_for_check(name: str, device: torch.device | str | None = None, registry: Any = None,
@@ -241,32 +330,58 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
     return sel, device
 
 
+def not_covered(spec: BackendSpec, classes: Mapping[str, Any]) -> dict[str, str]:
+    """What ``spec`` provides or declares that the suite cannot check, and why."""
+    out = {c: NOT_COVERED[c] for c in spec.provides if c in NOT_COVERED}
+    if "multi_token_decode" in spec.supports("paged_decode") and "paged_prefill" not in classes:
+        out["multi_token_decode"] = ("declared on paged_decode, but the managers run it on the paged_prefill "
+                                     "wrapper, which this backend does not provide")
+    return out
+
+
+def device_notes(device: torch.device) -> list[str]:
+    """What the device checks could not do here."""
+    if device.type != "cuda":
+        return ["on a CPU every output is checked to be on the CPU; run `mstar check NAME --device cuda` on a GPU "
+                "machine for the device checks (the output on q's device; with two GPUs, the data on one that is "
+                "not the current device)"]
+    if _other_cuda(device) is None:
+        return ["one GPU: the device case (the data on a GPU that is not the current device) needs two"]
+    return []
+
+
 def check_backend(name: str, device: torch.device | str | None = None, dtypes: Sequence[torch.dtype] | None = None,
                   head_dims: Sequence[int] | None = None, registry: Any = None,
-                  on_result: Callable[[Result], None] | None = None, config: Any = None) -> Report:
-    """Run every check of the installed backend ``name`` (see :func:`plan_checks`)."""
+                  on_result: Callable[[Result], None] | None = None, config: Any = None, quick: bool = False,
+                  on_start: Callable[[Sequence[Check]], None] | None = None) -> Report:
+    """Run every check of the installed backend ``name`` (see :func:`plan_checks`; ``quick``: a
+    short subset). ``on_start`` gets the checks before any runs, ``on_result`` each result."""
     sel, device = select_for_check(name, device, registry, config)
     spec = sel.backend
     dtypes, head_dims = _checked(spec, dtypes, head_dims)
+    checks = plan_checks(spec, sel.classes, device, dtypes, head_dims, quick=quick)
+    if on_start is not None:
+        on_start(checks)
     results = []
-    for check in plan_checks(spec, sel.classes, device, dtypes, head_dims):
+    for check in checks:
         result = run_check(check)
         results.append(result)
         if on_result is not None:
             on_result(result)
-    not_covered = {c: NOT_COVERED[c] for c in spec.provides if c in NOT_COVERED}
-    return Report(name, spec.label, spec.api_version, str(device), results, not_covered)
+    return Report(name, spec.label, spec.api_version, str(device), results, not_covered(spec, sel.classes),
+                  device_notes(device))
 
 
 def conformance_test(name: str, *, device: torch.device | str | None = None,
                      dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None,
-                     skip_unavailable: bool = False) -> Callable[..., None]:
+                     skip_unavailable: bool = False, quick: bool = False) -> Callable[..., None]:
     """A pytest test function, parametrized with one test per check of backend ``name``::
 
         test_conformance = conformance_test("mykernel")
 
     A backend that cannot run here fails collection with the reasons; ``skip_unavailable=True``
-    turns that into one skipped test naming them (a GPU backend's suite on a CPU machine)."""
+    turns that into one skipped test naming them (a GPU backend's suite on a CPU machine).
+    ``quick``: the short subset (see :func:`plan_checks`)."""
     import pytest
 
     from mstar_core.registry import BackendUnavailable
@@ -282,7 +397,7 @@ def conformance_test(name: str, *, device: torch.device | str | None = None,
             raise AssertionError("skipped")
 
         return test_conformance_unavailable
-    checks = plan_checks(sel.backend, sel.classes, dev, *_checked(sel.backend, dtypes, head_dims))
+    checks = plan_checks(sel.backend, sel.classes, dev, *_checked(sel.backend, dtypes, head_dims), quick=quick)
 
     @pytest.mark.parametrize("check", checks, ids=[c.id for c in checks])
     def test_conformance(check: Check) -> None:

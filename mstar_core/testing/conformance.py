@@ -2,6 +2,12 @@
 the float64 oracle. Every backend runs it — the reference here, plugins through stand-in
 modules on CPU and through the real libraries on the GPU.
 
+Each case is planned once and run three times: twice on the same inputs (the outputs must be
+bit-identical, and no input may change), then on the same values as strided views (q, and the
+dense path's k/v, sliced out of a fused projection). Paged cases hold NaN in the unused slots of
+every row's last page and in a page no row owns. A failure raises
+:class:`~mstar_core.testing.rules.RuleError`, naming the rule (:data:`~mstar_core.testing.rules.RULES`).
+
 Use from a test module::
 
     from mstar_core.testing import conformance as C
@@ -17,6 +23,7 @@ adapter to be tested.
 from __future__ import annotations
 
 import itertools
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,6 +32,7 @@ import torch
 from mstar_core.features import KV_DTYPES
 from mstar_core.kv.fp8 import quantize
 from mstar_core.testing.oracle import attention_oracle, rel_error
+from mstar_core.testing.rules import RuleError, at, bits_equal, check_unchanged, difference, largest, snapshot
 
 # Largest relative error (vs float64) a wrapper may show, by the dtype it computes in.
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 2e-5, torch.float16: 4e-3, torch.bfloat16: 1.6e-2}
@@ -46,6 +54,9 @@ class WrapperSet:
     # Prefill and decode plans get kv_indices on ``device``, as the paged KV manager passes them
     # (gathered there from its page table); the other index arrays stay on the host.
     device_indices: bool = False
+    # Each case run three times (again, bit for bit; on strided views) rather than once, as
+    # ``mstar check`` runs it (a test counting a library's calls per case may want one).
+    thorough: bool = False
 
     def workspace(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -75,13 +86,15 @@ class PagedCase:
     # A row whose queries are NaN and whose K/V pages hold inf/NaN: every other row must come out
     # as if it were clean (rows are isolated); that row's output is not checked.
     poison_row: int | None = None
+    # Another layer of the same step: the same page table (drawn from ``seed``), other values.
+    layer: int = 0
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
         w = f"-win{self.window_left}" if self.window_left >= 0 else ""
         s = f"-scale{self.sm_scale:g}" if self.sm_scale is not None else ""
-        return (f"ps{self.page_size}-d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}{_feature_tag(self)}"
-                f"-q{'_'.join(map(str, self.q_lens))}-p{'_'.join(map(str, self.prefix_lens))}")
+        return (f"ps{self.page_size}-d{self.head_dim}-{_heads(self)}-{c}{w}{s}{_feature_tag(self)}"
+                f"-q{_lens(self.q_lens)}-p{_lens(self.prefix_lens)}")
 
     @property
     def kv_lens(self) -> tuple[int, ...]:
@@ -102,13 +115,28 @@ class RaggedCase:
     sinks: bool = False
     sm_scale: float | None = None
     poison_row: int | None = None  # as PagedCase's
+    layer: int = 0  # as PagedCase's
 
     def __str__(self) -> str:
         c = "causal" if self.causal else "full"
         w = f"-win{self.window_left}" if self.window_left >= 0 else ""
         s = f"-scale{self.sm_scale:g}" if self.sm_scale is not None else ""
-        return (f"d{self.head_dim}-gqa{self.gqa}-{c}{w}{s}{_feature_tag(self)}-q{'_'.join(map(str, self.q_lens))}"
-                f"-p{'_'.join(map(str, self.prefix_lens))}")
+        return (f"d{self.head_dim}-{_heads(self)}-{c}{w}{s}{_feature_tag(self)}-q{_lens(self.q_lens)}"
+                f"-p{_lens(self.prefix_lens)}")
+
+
+def _heads(case: PagedCase | RaggedCase) -> str:
+    """``gqa4`` (two KV heads, the default), or ``gqa16-kv4`` (64 query heads)."""
+    return f"gqa{case.gqa}" + (f"-kv{case.num_kv_heads}" if case.num_kv_heads != 2 else "")
+
+
+def _lens(lens: tuple[int, ...]) -> str:
+    """``1_7_16``; more than 8 rows: ``1x64`` (uniform), else the first values and the count."""
+    if len(lens) > 8 and len(set(lens)) == 1:
+        return f"{lens[0]}x{len(lens)}"
+    if len(lens) > 8:
+        return f"{'_'.join(map(str, lens[:6]))}_etc{len(lens)}"
+    return "_".join(map(str, lens))
 
 
 def _feature_tag(case: PagedCase | RaggedCase) -> str:
@@ -116,6 +144,7 @@ def _feature_tag(case: PagedCase | RaggedCase) -> str:
     tag = f"-{kv_dtype}" if kv_dtype != "auto" else ""
     tag += f"-cap{case.soft_cap:g}" if case.soft_cap is not None else ""
     tag += f"-poison{case.poison_row}" if case.poison_row is not None else ""
+    tag += f"-layer{case.layer}" if case.layer else ""
     return tag + ("-sinks" if case.sinks else "")
 
 
@@ -141,6 +170,10 @@ def prefill_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> li
     # a window that bites on every row (each row's first query sits past it), with and without a scale
     cases.append(PagedCase(16, 128, 4, (3, 8, 17), (12, 20, 9), window_left=4, seed=220))
     cases.append(PagedCase(16, 128, 4, (3, 8, 17), (12, 20, 9), window_left=4, sm_scale=0.3, seed=221))
+    # a window without the causal mask: each query sees every later key and window_left earlier ones
+    cases.append(PagedCase(16, 128, 4, (3, 8, 17), (12, 20, 9), causal=False, window_left=4, seed=230))
+    # uniform rows of a few queries each (speculative verification's shape)
+    cases.append(PagedCase(16, 128, 4, (4,) * 6, (12, 30, 5, 17, 40, 9), seed=240))
     return cases
 
 
@@ -166,6 +199,7 @@ def mixed_cases(page_sizes=(1, 16), head_dims=(64, 128), gqas=(1, 4, 8)) -> list
     cases.append(PagedCase(16, 128, 4, (1, 90, 1), (30, 5, 7), seed=610))  # a prompt over 64 tokens (see prefill)
     cases.append(PagedCase(16, 128, 4, (1, 9, 1), (12, 0, 30), sm_scale=0.07, seed=620))
     cases.append(PagedCase(16, 128, 4, (1, 9, 1, 17), (12, 7, 16, 6), window_left=4, seed=630))  # bites on every row
+    cases.append(PagedCase(16, 128, 4, (1, 9, 1, 17), (12, 7, 16, 6), causal=False, window_left=4, seed=640))
     return cases
 
 
@@ -176,7 +210,61 @@ def ragged_cases(head_dims=(64, 128), gqas=(1, 4, 8)) -> list[RaggedCase]:
     cases.append(RaggedCase(128, 4, (1, 9, 16), (8, 0, 30), sm_scale=0.07, seed=750))
     # The step's window_left reaches every dense backend (per-layer windows are the feature).
     cases.append(RaggedCase(128, 4, (1, 9, 16), (8, 7, 16), window_left=5, seed=760))  # bites on every row
+    cases.append(RaggedCase(128, 4, (1, 9, 16), (8, 7, 16), causal=False, window_left=5, seed=770))
     return cases
+
+
+# -- shapes past a kernel's typical tiles ----------------------------------------------------------
+
+
+def _cycle(values: tuple[int, ...], n: int) -> tuple[int, ...]:
+    return tuple(values[i % len(values)] for i in range(n))
+
+
+def shape_cases(kind: str, head_dim: int = 128) -> list[PagedCase] | list[RaggedCase]:
+    """Cases past the tiles a kernel is usually written around: up to 64 rows (a row tile of 8
+    or 16 whose later tiles index from 0 shows), up to 64 query heads (likewise a head tile),
+    GQA 1 to 16, page sizes 1 to 64, rows ending on and just past a page boundary."""
+    if kind == "ragged":
+        return [
+            RaggedCase(head_dim, 4, _cycle((1, 3, 2, 5), 40), _cycle((0, 7, 16, 33, 2), 40), seed=1200),
+            RaggedCase(head_dim, 16, (5, 20, 1, 9, 2), (60, 2, 70, 0, 33), num_kv_heads=4, seed=1210),
+            RaggedCase(head_dim, 2, _cycle((3, 1, 8), 10), _cycle((20, 0, 5, 40), 10), num_kv_heads=32, seed=1220),
+            RaggedCase(head_dim, 1, (2, 17, 4), (9, 0, 40), num_kv_heads=24, causal=False, seed=1230),
+        ]
+    if kind == "decode":
+        return [
+            PagedCase(8, head_dim, 8, (1,) * 64, _cycle((0, 7, 8, 9, 31, 100, 3, 64), 64), seed=1240),
+            PagedCase(64, head_dim, 8, (1,) * 9, (0, 63, 64, 65, 127, 128, 200, 5, 1), num_kv_heads=8, seed=1250),
+            PagedCase(32, head_dim, 2, (1,) * 12, _cycle((31, 32, 33, 0, 90, 7), 12), num_kv_heads=16, seed=1260),
+            PagedCase(1, head_dim, 16, (1,) * 20, _cycle((0, 1, 2, 17, 40), 20), num_kv_heads=1, seed=1270),
+        ]
+    if kind == "mixed":
+        q = _cycle((1, 1, 1, 1, 1, 7, 1, 1, 1, 1, 1, 12), 36)
+        return [
+            PagedCase(32, head_dim, 16, q, _cycle((12, 0, 31, 32, 33, 5, 64, 1, 2, 90, 0, 3), 36), seed=1280),
+            PagedCase(64, head_dim, 8, (1, 20, 1, 1, 5, 1, 1, 1, 1, 2), (63, 0, 64, 65, 60, 1, 2, 127, 128, 3),
+                      num_kv_heads=8, seed=1290),
+            PagedCase(1, head_dim, 1, _cycle((1, 4, 1), 18), _cycle((5, 0, 9, 20), 18), num_kv_heads=24, seed=1300),
+        ]
+    return [
+        PagedCase(16, head_dim, 4, _cycle((1, 3, 2, 5), 40), _cycle((0, 7, 16, 33, 2), 40), seed=1310),
+        PagedCase(64, head_dim, 16, (5, 20, 1, 9), (60, 2, 70, 0), num_kv_heads=4, seed=1320),
+        PagedCase(8, head_dim, 2, _cycle((3, 1, 8), 12), _cycle((20, 0, 5, 40), 12), num_kv_heads=32, seed=1330),
+        PagedCase(1, head_dim, 1, (2, 17, 4), (9, 0, 40), num_kv_heads=24, causal=False, seed=1340),
+        PagedCase(3, head_dim, 4, (6, 2, 9), (5, 3, 0), seed=1350),  # a page size no power of two
+    ]
+
+
+def multi_token_cases(head_dim: int = 128) -> list[PagedCase]:
+    """Uniform rows of 2..8 queries, causal, as the managers plan multi-token decode
+    (speculative verification) on the prefill wrapper; one with a window that bites."""
+    return [
+        PagedCase(16, head_dim, 4, (2,) * 16, _cycle((0, 15, 16, 30, 3, 99), 16), seed=1400),
+        PagedCase(1, head_dim, 8, (4,) * 9, _cycle((12, 1, 40, 5), 9), seed=1410),
+        PagedCase(16, head_dim, 4, (8,) * 5, (20, 33, 16, 47, 12), window_left=6, seed=1420),
+        PagedCase(32, head_dim, 16, (3,) * 24, _cycle((0, 31, 32, 64, 5, 9), 24), num_kv_heads=4, seed=1430),
+    ]
 
 
 class Refused(Exception):
@@ -301,17 +389,21 @@ class PagedData:
     keys: list[tuple[torch.Tensor, torch.Tensor]]  # per row, [kv_len, Hkv, D] each
 
 
-def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
+def make_paged(case: PagedCase, device: str, dtype: torch.dtype, stale_nan: bool = False) -> PagedData:
     """Random data in a paged layer whose pages are scattered (a random permutation), plus a
     spare page nobody owns filled with large values, so a kernel that reads outside its pages
-    shows."""
+    shows. ``stale_nan`` (what the suite's checks use): also NaN in the unused slots of every
+    row's last page and in a second page nobody owns, which no output may show."""
     gen = torch.Generator().manual_seed(case.seed)
     ps, hkv, d = case.page_size, case.num_kv_heads, case.head_dim
     hq = hkv * case.gqa
     kv_lens = case.kv_lens
     n_pages = [-(-n // ps) for n in kv_lens]
-    total_pages = sum(n_pages) + 1
+    spare = 2 if stale_nan else 1
+    total_pages = sum(n_pages) + spare
     perm = torch.randperm(total_pages, generator=gen)
+    if case.layer:  # the same pages, other values
+        gen = torch.Generator().manual_seed(case.seed * 1000 + case.layer)
     layer = torch.randn((total_pages, 2, ps, hkv, d), generator=gen) * 0.5
     layer[perm[-1]] = 1e4  # the poison page
     fp8 = KV_DTYPES[case.kv_dtype]
@@ -331,6 +423,11 @@ def make_paged(case: PagedCase, device: str, dtype: torch.dtype) -> PagedData:
         last.append(n - (pages - 1) * ps if pages else 0)
         flat = seen[own].permute(1, 0, 2, 3, 4).reshape(2, pages * ps, hkv, d)[:, :n]
         keys.append((flat[0], flat[1]))
+    if stale_nan:  # after the oracle's keys were taken: they never see these
+        stored[perm[-2]] = float("nan")
+        for r in range(len(kv_lens)):
+            if n_pages[r] and last[r] < ps:
+                stored[indices[indptr[r + 1] - 1], :, last[r]:] = float("nan")
     tokens = sum(case.q_lens)
     q = torch.randn((tokens, hq, d), generator=gen)
     qo = [0]
@@ -359,30 +456,141 @@ def paged_oracle(case: PagedCase, data: PagedData, causal: bool, sinks: torch.Te
     return torch.cat(outs)
 
 
+def fused_view(t: torch.Tensor, before: int, after: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``t [tokens, H, D]``'s values as a strided view into a fused projection ``[tokens,
+    before + H + after, D]`` (heads ``before:before + H``; the others random), and that buffer."""
+    n, h, d = t.shape
+    gen = torch.Generator().manual_seed(seed)
+    base = torch.randn((n, before + h + after, d), generator=gen).to(t.device, t.dtype)
+    base[:, before:before + h] = t
+    return base[:, before:before + h], base
+
+
+def no_key_queries(case: PagedCase | RaggedCase) -> torch.Tensor:
+    """``[tokens]`` bool: the queries that see no key (a causal row with fewer keys than queries)."""
+    flags = []
+    for n, p in zip(case.q_lens, case.prefix_lens, strict=True):
+        blind = min(n, max(0, -p)) if case.causal else (n if n + p <= 0 else 0)
+        flags += [True] * blind + [False] * (n - blind)
+    return torch.tensor(flags, dtype=torch.bool)
+
+
+def _same_device(out: torch.device, want: torch.device) -> bool:
+    if want.index is None:  # "cuda": the current device
+        want = torch.device(want.type, torch.cuda.current_device()) if want.type == "cuda" else want
+        return out.type == want.type and (out.index is None or want.index is None or out.index == want.index)
+    return out == want
+
+
+def _row_of(case: PagedCase | RaggedCase, token: int) -> int:
+    end = 0
+    for r, n in enumerate(case.q_lens):
+        end += n
+        if token < end:
+            return r
+    return len(case.q_lens) - 1
+
+
 def assert_close(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, out: torch.Tensor,
-                  ref: torch.Tensor) -> float:
-    """The output is a tensor shaped like the queries, in their dtype, on their device, and
-    within the dtype's tolerance of the float64 oracle (a poisoned row aside)."""
+                 ref: torch.Tensor, q: torch.Tensor | None = None, rule: str | None = None) -> float:
+    """The output is a tensor shaped like the queries (``q``; None: the backend's dtype and
+    device), in their dtype, on their device, and within the dtype's tolerance of the float64
+    oracle (a poisoned row aside). Raises :class:`RuleError` naming the rule: ``rule`` where
+    given (a run on strided views), else the one the failure points at -- the queries that see
+    no key, NaN reaching a clean row (from a poisoned row, or from what a paged row does not
+    own), or the oracle."""
     where = f"{backend.name} {what} [{case}]"
+
+    def fail(r: str, detail: str, error: float | None = None) -> None:
+        raise RuleError(rule or r, where, detail, error)
+
     if not isinstance(out, torch.Tensor):
-        raise AssertionError(f"{where}: run returned {type(out).__name__}, expected a tensor")
+        fail("shape", f"run returned {type(out).__name__}, expected a tensor")
     if tuple(out.shape) != tuple(ref.shape):
-        raise AssertionError(f"{where}: output shape {tuple(out.shape)}, expected {tuple(ref.shape)} "
-                             "(the queries' [tokens, Hq, D])")
-    if out.dtype != backend.dtype:
-        raise AssertionError(f"{where}: output dtype {out.dtype}, expected {backend.dtype} (the queries' dtype)")
-    if out.device.type != torch.device(backend.device).type:
-        raise AssertionError(f"{where}: output on {out.device}, expected {backend.device} (the queries' device)")
+        fail("shape", f"output shape {tuple(out.shape)}, expected {tuple(ref.shape)} (the queries' [tokens, Hq, D])")
+    out64 = out.detach().to("cpu", torch.float64)
+    keep = torch.ones(out.shape[0], dtype=torch.bool)
     if case.poison_row is not None:
         qo = [0, *itertools.accumulate(case.q_lens)]
-        keep = torch.ones(out.shape[0], dtype=torch.bool)
         keep[qo[case.poison_row]:qo[case.poison_row + 1]] = False
-        out, ref = out[keep.to(out.device)], ref[keep]
-    err = rel_error(out, ref)
-    tol = TOLERANCE[backend.dtype]
-    if not err <= tol:
-        raise AssertionError(f"{where}: relative error {err:.3g} > {tol:.3g}")
+    err = rel_error(out64[keep], ref[keep])
+    want_dtype = q.dtype if q is not None else backend.dtype
+    if out.dtype != want_dtype:
+        fail("dtype", f"output dtype {out.dtype}, expected {want_dtype} (the queries' dtype); relative error "
+                      f"{err:.3g}", err)
+    want_device = q.device if q is not None else torch.device(backend.device)
+    if not _same_device(out.device, want_device):
+        fail("device", f"output on {out.device}, expected {want_device} (the queries' device); relative error "
+                       f"{err:.3g}", err)
+    tol = TOLERANCE[want_dtype]
+    if err <= tol:
+        return err
+    diff = (out64 - ref).abs()
+    diff = torch.where(diff.isnan(), float("inf"), diff)
+    diff[~keep] = 0.0
+    worst, idx = largest(diff)
+    spot = f"{at(idx)} (row {_row_of(case, idx[0])})" if idx else "nowhere"
+    detail = f"relative error {err:.3g} > {tol:.3g}; largest error {worst:.3g} at {spot}"
+    blind = no_key_queries(case) & keep
+    rest = keep & ~blind
+    if blind.any() and rel_error(out64[rest], ref[rest]) <= tol:
+        fail("no-key", f"{detail}, a query that sees no key", err)
+    if not torch.isfinite(out64[keep]).all():
+        if case.poison_row is not None:
+            fail("isolation", f"{detail}: row {case.poison_row}'s NaN/inf reached another row", err)
+        if isinstance(case, PagedCase):
+            fail("stale-slots", f"{detail}: NaN from slots the row does not own (its last page's unused slots, "
+                                "a page no row owns)", err)
+    fail("oracle", detail, err)
     return err
+
+
+@dataclass
+class Ran:
+    """One case's first output as ``run`` returned it (the caller holds it across later runs)
+    and a copy of it taken at once."""
+
+    error: float
+    out: torch.Tensor
+    value: torch.Tensor
+    where: str
+
+
+def exercise(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, run: Callable[..., torch.Tensor],
+             args: dict[str, torch.Tensor], strided: dict[str, tuple[torch.Tensor, torch.Tensor]],
+             others: dict[str, torch.Tensor], before: dict[str, torch.Tensor], ref: torch.Tensor) -> Ran:
+    """A planned case's runs: ``run(**args)`` against the oracle, every input (``args``,
+    ``others``: the plan's arrays, the cache, sinks) as ``before`` it. Where the backend is
+    ``thorough``: the same again, bit for bit; then ``run`` on ``strided`` (name -> (view, the
+    buffer it is cut from)) in place of those args, against the oracle, no part of those buffers
+    written; the first output must still hold its value after those runs."""
+    where = f"{backend.name} {what} [{case}]"
+    inputs = {**args, **others}
+    out = run(**args)
+    err = assert_close(backend, what, case, out, ref, q=args["q"])
+    check_unchanged(where, inputs, before, "after a run")
+    value = out.detach().clone()
+    if not backend.thorough:
+        return Ran(err, out, value, where)
+    again = run(**args)
+    if not isinstance(again, torch.Tensor) or not bits_equal(again, value):
+        d, idx = difference(again, value) if isinstance(again, torch.Tensor) and again.shape == value.shape \
+            else (float("inf"), ())
+        raise RuleError("deterministic", where, f"two runs of the same plan and inputs differ: largest difference "
+                        f"{d:.3g} at {at(idx)}", d)
+    check_unchanged(where, inputs, before, "after a second run")
+    views = {n: v for n, (v, _) in strided.items()}
+    bases = {f"the fused buffer of {n}": b for n, (_, b) in strided.items()}
+    bases_before = snapshot(bases)
+    out_s = run(**{**args, **views})
+    assert_close(backend, f"{what} on strided views ({', '.join(strided)})", case, out_s, ref, q=views.get("q"),
+                 rule="strided-inputs")
+    check_unchanged(where, bases, bases_before, "after a run on strided views")
+    if not bits_equal(out, value):
+        d, idx = difference(out, value)
+        raise RuleError("owned-output", where, f"the first run's output changed under later runs of the same plan: "
+                        f"largest change {d:.3g} at {at(idx)}", d)
+    return Ran(err, out, value, where)
 
 
 def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
@@ -408,53 +616,109 @@ def _run_kwargs(case: PagedCase, sinks: torch.Tensor | None) -> dict[str, Any]:
     return kw
 
 
+def build(backend: WrapperSet, kind: str, case: PagedCase | RaggedCase, data: PagedData | None = None,
+          device: str | None = None) -> Any:
+    """A fresh wrapper of ``kind`` sized for ``case`` (``data``: its paged data, for the mixed
+    wrapper's sizes)."""
+    dev = torch.device(device or backend.device)
+    hq = case.num_kv_heads * case.gqa
+    if kind == "ragged":
+        return backend.ragged(hq, case.num_kv_heads, case.head_dim, dev, workspace_buffer=backend.workspace())
+    assert isinstance(case, PagedCase)
+    if kind == "mixed":
+        assert data is not None
+        prompts = sum(1 for n in case.q_lens if n > 1)
+        return backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
+                             case.page_size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]),
+                             max(prompts, 1), dev)
+    cls = backend.prefill if kind == "prefill" else backend.decode
+    return cls(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size, device=dev)
+
+
+def paged_arrays(backend: WrapperSet, kind: str, data: PagedData) -> dict[str, torch.Tensor]:
+    """The index arrays a ``kind`` plan gets, as the paged manager passes them: page indices on
+    the device for prefill and decode (``WrapperSet.device_indices``), on the host for mixed
+    (its split is host arithmetic); the rest on the host."""
+    arrays = {"paged_kv_indptr": data.kv_indptr,
+              "paged_kv_indices": data.kv_indices if kind == "mixed" else backend.indices(data),
+              "paged_kv_last_page_len": data.last_page_len, "kv_lens": data.kv_lens}
+    if kind != "decode":
+        arrays["qo_indptr"] = data.qo_indptr
+    return arrays
+
+
+def plan_paged(backend: WrapperSet, kind: str, case: PagedCase, data: PagedData, w: Any,
+               arrays: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> None:
+    """Plan ``w`` for ``case`` as the managers do, with ``arrays`` (:func:`paged_arrays`);
+    ``extra``: more plan keywords."""
+    a = arrays if arrays is not None else paged_arrays(backend, kind, data)
+    kw = {**_scale_kwargs(backend, case), **(extra or {})}
+    if kind == "decode":
+        w.plan(a["paged_kv_indptr"], a["paged_kv_indices"], a["paged_kv_last_page_len"], dtype=data.q.dtype,
+               kv_lens=a["kv_lens"], window_left=case.window_left, **kw)
+        return
+    _plan(case, lambda: w.plan(a["qo_indptr"], a["paged_kv_indptr"], a["paged_kv_indices"],
+                               a["paged_kv_last_page_len"], causal=case.causal, dtype=data.q.dtype,
+                               kv_lens=a["kv_lens"], window_left=case.window_left, **kw))
+
+
+def run_paged(backend: WrapperSet, kind: str, case: PagedCase, wrapper: Any = None) -> Ran:
+    """One paged case (``kind``: "prefill", "decode", "mixed") through a fresh wrapper (or
+    ``wrapper``, planned again: see :mod:`.reuse`), run as :func:`exercise` says."""
+    if kind == "decode":
+        assert all(n == 1 for n in case.q_lens), "decode cases have one query per row"
+    # NaN in what no row owns, except where a poisoned row's NaN is the point (so that NaN in
+    # another row tells which rule it broke)
+    data = make_paged(case, backend.device, backend.dtype, stale_nan=case.poison_row is None)
+    w = wrapper or build(backend, kind, case, data)
+    sinks = sink_logits(case, backend.device)
+    arrays = paged_arrays(backend, kind, data)
+    others = {"kv_cache_layer": data.layer, **arrays, **({"sinks": sinks} if sinks is not None else {})}
+    before = snapshot({"q": data.q, **others})
+    plan_paged(backend, kind, case, data, w, arrays)
+    kw = _run_kwargs(case, sinks)
+    layer = data.layer
+    ref = paged_oracle(case, data, case.causal if kind != "decode" else True, sinks)
+    strided = {"q": fused_view(data.q, 0, 2 * case.num_kv_heads, case.seed + 7)}
+    return exercise(backend, kind, case, lambda q: w.run(q, layer, **kw), {"q": data.q}, strided, others, before,
+                    ref)
+
+
 def check_prefill(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> float:
     """One prefill case through a fresh wrapper (or ``wrapper``, planned again: see
-    :mod:`.reuse`); the relative error, or AssertionError naming the case."""
-    data = make_paged(case, backend.device, backend.dtype)
-    hq = case.num_kv_heads * case.gqa
-    w = wrapper or backend.prefill(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
-                                   device=torch.device(backend.device))
-    _plan(case, lambda: w.plan(
-        data.qo_indptr, data.kv_indptr, backend.indices(data), data.last_page_len, causal=case.causal,
-        dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
-    sinks = sink_logits(case, backend.device)
-    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return assert_close(backend, "prefill", case, out, paged_oracle(case, data, case.causal, sinks))
+    :mod:`.reuse`); the relative error, or :class:`RuleError` naming the rule and the case."""
+    return run_paged(backend, "prefill", case, wrapper).error
 
 
 def check_decode(backend: WrapperSet, case: PagedCase, wrapper: Any = None) -> float:
-    assert all(n == 1 for n in case.q_lens), "decode cases have one query per row"
-    data = make_paged(case, backend.device, backend.dtype)
-    hq = case.num_kv_heads * case.gqa
-    w = wrapper or backend.decode(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size,
-                                  device=torch.device(backend.device))
-    w.plan(data.kv_indptr, backend.indices(data), data.last_page_len, dtype=backend.dtype, kv_lens=data.kv_lens,
-           window_left=case.window_left, **_scale_kwargs(backend, case))
-    sinks = sink_logits(case, backend.device)
-    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return assert_close(backend, "decode", case, out, paged_oracle(case, data, True, sinks))
+    return run_paged(backend, "decode", case, wrapper).error
 
 
 def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | None = None, wrapper: Any = None
                 ) -> float:
-    data = make_paged(case, backend.device, backend.dtype)
-    hq = case.num_kv_heads * case.gqa
-    rows = len(case.q_lens)
-    prompts = sum(1 for n in case.q_lens if n > 1)
-    w = wrapper or backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
-                                 case.page_size, rows, sum(case.q_lens), int(data.kv_indices.numel()) + 1,
-                                 max_prefill_rows or max(prompts, 1), torch.device(backend.device))
-    _plan(case, lambda: w.plan(
-        data.qo_indptr, data.kv_indptr, data.kv_indices, data.last_page_len, causal=case.causal,
-        dtype=backend.dtype, kv_lens=data.kv_lens, window_left=case.window_left, **_scale_kwargs(backend, case)))
-    sinks = sink_logits(case, backend.device)
-    out = w.run(data.q, data.layer, **_run_kwargs(case, sinks))
-    return assert_close(backend, "mixed", case, out, paged_oracle(case, data, case.causal, sinks))
+    """``max_prefill_rows``: the mixed wrapper's (a fresh one's; default: the case's prompt rows)."""
+    if wrapper is None and max_prefill_rows is not None:
+        data = make_paged(case, backend.device, backend.dtype, stale_nan=True)
+        hq = case.num_kv_heads * case.gqa
+        wrapper = backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
+                                case.page_size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]),
+                                max_prefill_rows, torch.device(backend.device))
+    return run_paged(backend, "mixed", case, wrapper).error
 
 
-def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> float:
-    gen = torch.Generator().manual_seed(case.seed)
+@dataclass
+class RaggedData:
+    q: torch.Tensor  # [tokens, Hq, D], on the device
+    k: torch.Tensor  # [keys, Hkv, D]
+    v: torch.Tensor
+    cu_q: torch.Tensor
+    cu_k: torch.Tensor
+    ref: torch.Tensor  # the oracle's output, computed before any poison
+
+
+def make_ragged(case: RaggedCase, device: str, dtype: torch.dtype, sinks: torch.Tensor | None = None
+                ) -> RaggedData:
+    gen = torch.Generator().manual_seed(case.seed * 1000 + case.layer if case.layer else case.seed)
     hkv, d = case.num_kv_heads, case.head_dim
     hq = hkv * case.gqa
     k_lens = [p + q for p, q in zip(case.prefix_lens, case.q_lens, strict=True)]
@@ -463,29 +727,61 @@ def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> 
     v = torch.randn((sum(k_lens), hkv, d), generator=gen)
     cu_q = torch.tensor([0, *itertools.accumulate(case.q_lens)], dtype=torch.int32)
     cu_k = torch.tensor([0, *itertools.accumulate(k_lens)], dtype=torch.int32)
-    dev, dt = backend.device, backend.dtype
-    qd, kd, vd = (t.to(dt).double() for t in (q, k, v))  # the oracle's inputs: clean, even for a poisoned row
+    qd, kd, vd = (t.to(dtype).double() for t in (q, k, v))  # the oracle's inputs: clean, even for a poisoned row
     if case.poison_row is not None:
         r = case.poison_row
         q[cu_q[r]:cu_q[r + 1]] = float("nan")
         k[cu_k[r]:cu_k[r + 1]], v[cu_k[r]:cu_k[r + 1]] = float("inf"), float("nan")
-    w = wrapper or backend.ragged(hq, hkv, d, torch.device(dev), workspace_buffer=backend.workspace())
-    plan_kw: dict[str, Any] = {} if case.window_left < 0 else {"window_left": case.window_left}
-    if case.soft_cap is not None:
-        plan_kw["logits_soft_cap"] = case.soft_cap
-    if case.sm_scale is not None:
-        plan_kw["sm_scale"] = case.sm_scale
-    _plan(case, lambda: w.plan(cu_q, cu_k, max(case.q_lens), max(k_lens), causal=case.causal, dtype=dt, **plan_kw))
-    sinks = sink_logits(case, dev)
-    out = w.run(q.to(dev, dt), k.to(dev, dt), v.to(dev, dt), **({} if sinks is None else {"sinks": sinks}))
     ref = torch.cat([
         attention_oracle(qd[cu_q[i]:cu_q[i + 1]], kd[cu_k[i]:cu_k[i + 1]], vd[cu_k[i]:cu_k[i + 1]], case.causal,
                          case.window_left, case.sm_scale, case.soft_cap, sinks)
         for i in range(len(case.q_lens))
     ])
-    return assert_close(backend, "ragged", case, out, ref)
+    return RaggedData(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), cu_q, cu_k, ref)
+
+
+def plan_ragged(case: RaggedCase, data: RaggedData, w: Any, extra: dict[str, Any] | None = None) -> None:
+    plan_kw: dict[str, Any] = {} if case.window_left < 0 else {"window_left": case.window_left}
+    if case.soft_cap is not None:
+        plan_kw["logits_soft_cap"] = case.soft_cap
+    if case.sm_scale is not None:
+        plan_kw["sm_scale"] = case.sm_scale
+    plan_kw.update(extra or {})
+    k_lens = (data.cu_k[1:] - data.cu_k[:-1]).tolist()
+    _plan(case, lambda: w.plan(data.cu_q, data.cu_k, max(case.q_lens), max(k_lens), causal=case.causal,
+                               dtype=data.q.dtype, **plan_kw))
+
+
+def run_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> Ran:
+    """One prefixed ragged case, run as :func:`exercise` says (k and v too as strided views)."""
+    dev = backend.device
+    sinks = sink_logits(case, dev)
+    data = make_ragged(case, dev, backend.dtype, sinks)
+    w = wrapper or build(backend, "ragged", case)
+    tensors = {"q": data.q, "k": data.k, "v": data.v}
+    others = {"cu_q": data.cu_q, "cu_k": data.cu_k, **({"sinks": sinks} if sinks is not None else {})}
+    before = snapshot({**tensors, **others})
+    plan_ragged(case, data, w)
+    kw = {} if sinks is None else {"sinks": sinks}
+    hkv = case.num_kv_heads
+    kv_view, kv_base = fused_view(torch.cat([data.k, data.v], dim=1), 0, 0, case.seed + 7)
+    strided = {"q": fused_view(data.q, 0, 2 * hkv, case.seed + 8),
+               "k": (kv_view[:, :hkv], kv_base), "v": (kv_view[:, hkv:], kv_base)}
+    return exercise(backend, "ragged", case, lambda q, k, v: w.run(q, k, v, **kw), tensors, strided, others,
+                    before, data.ref)
+
+
+def check_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> float:
+    return run_ragged(backend, case, wrapper).error
 
 
 # The suite's check per kind of case; each takes ``(backend, case, wrapper=None)``.
 CHECKS: dict[str, Any] = {"prefill": check_prefill, "decode": check_decode, "mixed": check_mixed,
                           "ragged": check_ragged}
+# The same, returning what ran (:class:`Ran`): the output, held, and its value.
+RUNS: dict[str, Callable[..., Ran]] = {
+    "prefill": lambda b, c, wrapper=None: run_paged(b, "prefill", c, wrapper),
+    "decode": lambda b, c, wrapper=None: run_paged(b, "decode", c, wrapper),
+    "mixed": lambda b, c, wrapper=None: run_paged(b, "mixed", c, wrapper),
+    "ragged": run_ragged,
+}

@@ -74,15 +74,16 @@ class RaggedWrongShape(R.ReferencePrefixedPrefillWrapper):
 
 
 PLANTED = {
-    # name -> (capability, wrapper, dtypes, (group, substring of the case name) that must fail)
-    "ragged_scale": ("prefixed_ragged", RaggedIgnoresScale, (F32,), ("plain", "scale0.07")),
-    "decode_scale": ("paged_decode", DecodeIgnoresScale, (F32,), ("plain", "scale0.07")),
-    "f32_out": ("prefixed_ragged", RaggedFloat32Out, (BF16,), ("plain", "")),
-    "first_plan": ("paged_decode", DecodeKeepsFirstPlan, (F32,), ("replan", "decode")),
-    "dense_window": ("prefixed_ragged", RaggedIgnoresWindow, (F32,), ("plain", "win5")),
-    "row_leak": ("prefixed_ragged", RaggedLeaksAcrossRows, (F32,), ("edge", "poison1")),
-    "no_key": ("prefixed_ragged", RaggedNaNForNoKey, (F32,), ("edge", "p-3")),
-    "shape": ("prefixed_ragged", RaggedWrongShape, (F32,), ("plain", "")),
+    # name -> (capability, wrapper, dtypes, (group, substring of the case name) that must fail, their rules)
+    "ragged_scale": ("prefixed_ragged", RaggedIgnoresScale, (F32,), ("plain", "scale0.07"), "oracle"),
+    "decode_scale": ("paged_decode", DecodeIgnoresScale, (F32,), ("plain", "scale0.07"), "oracle"),
+    "f32_out": ("prefixed_ragged", RaggedFloat32Out, (BF16,), ("plain", ""), "dtype"),
+    # the plans after the first ignored: the steps re-planned, and a plan it must refuse
+    "first_plan": ("paged_decode", DecodeKeepsFirstPlan, (F32,), ("replan", "decode"), "replan unknown-keyword"),
+    "dense_window": ("prefixed_ragged", RaggedIgnoresWindow, (F32,), ("plain", "win5"), "oracle"),
+    "row_leak": ("prefixed_ragged", RaggedLeaksAcrossRows, (F32,), ("edge", "poison1"), "isolation"),
+    "no_key": ("prefixed_ragged", RaggedNaNForNoKey, (F32,), ("edge", "p-3"), "no-key"),
+    "shape": ("prefixed_ragged", RaggedWrongShape, (F32,), ("plain", ""), "shape"),
 }
 
 
@@ -90,12 +91,12 @@ PLANTED = {
 def planted(monkeypatch):
     """A registry holding one backend per planted bug, plus ``honest`` (the reference's own)."""
     mod = types.ModuleType("mstar_planted_bugs")
-    for name, (_, cls, _, _) in PLANTED.items():
+    for name, (_, cls, _, _, _) in PLANTED.items():
         setattr(mod, name, cls)
     mod.honest_ragged, mod.honest_decode = R.ReferencePrefixedPrefillWrapper, R.ReferenceDecodeWrapper
     monkeypatch.setitem(sys.modules, mod.__name__, mod)
     reg = Registry(discover=False)
-    for name, (cap, _, dtypes, _) in PLANTED.items():
+    for name, (cap, _, dtypes, _, _) in PLANTED.items():
         reg.register(BackendSpec(name=name, provides={cap: f"{mod.__name__}:{name}"}, devices=("cpu",), dtypes=dtypes))
     reg.register(BackendSpec(name="honest", devices=("cpu",), dtypes=(F32, BF16), provides={
         "prefixed_ragged": f"{mod.__name__}:honest_ragged", "paged_decode": f"{mod.__name__}:honest_decode"}))
@@ -104,13 +105,14 @@ def planted(monkeypatch):
 
 @pytest.mark.parametrize("bug", sorted(PLANTED))
 def test_each_planted_bug_is_caught_and_named(planted, bug):
-    cap, _, _, (group, needle) = PLANTED[bug]
+    cap, _, _, (group, needle), rule = PLANTED[bug]
     report = K.check_backend(bug, device="cpu", registry=planted)
     assert not report.ok
     hits = [r for r in report.failed if r.capability == cap and r.group == group and needle in r.name]
     assert hits, f"{bug}: expected a failing {group} case containing {needle!r}; failed: " \
                  f"{[(r.group, r.name) for r in report.failed]}"
     assert all(r.message for r in report.failed)
+    assert {r.rule for r in hits} == set(rule.split()), [(r.name, r.rule) for r in hits]
 
 
 def test_the_failures_say_what_is_wrong(planted):
@@ -140,7 +142,12 @@ def test_the_reference_passes_the_whole_suite():
     reset_registry()
     report = K.check_backend("reference", device="cpu", dtypes=[F32])
     assert report.ok, report.render(all_rows=False)
-    assert len(report.results) > 100 and report.not_covered == {"bounded": K.NOT_COVERED["bounded"]}
+    assert len(report.results) > 200 and report.not_covered == {"bounded": K.NOT_COVERED["bounded"]}
+    # the feature, edge, shape and re-plan groups at every head dim checked, not only the largest
+    for group in ("features", "edge", "shapes", "replan", "layers"):
+        assert {"-d64", "-d128"} <= {d for r in report.results if r.group == group for d in ("-d64", "-d128")
+                                     if d in r.name}, group
+    assert report.notes and "--device cuda" in report.notes[0]
 
 
 def test_cli_table_json_and_exit_codes(planted, monkeypatch, capsys):
@@ -150,9 +157,11 @@ def test_cli_table_json_and_exit_codes(planted, monkeypatch, capsys):
     assert "mstar check honest" in out and "of" in out and "cases passed" in out and "FAIL" not in out
     assert main(["check", "first_plan", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["ok"] is False and data["failed"] == 1
-    (bad,) = [r for r in data["results"] if not r["passed"]]
-    assert bad["group"] == "replan" and bad["capability"] == "paged_decode"
+    assert data["ok"] is False and data["failed"] == 4
+    bad = [r for r in data["results"] if not r["passed"]]
+    # re-planned steps computed with the first plan, and an unknown keyword accepted, at each head dim
+    assert {(r["group"], r["capability"], r["rule"]) for r in bad} == {
+        ("replan", "paged_decode", "replan"), ("replan", "paged_decode", "unknown-keyword")}
     assert main(["check", "nope"]) == 2
     assert "'nope' (from argument) is unknown" in capsys.readouterr().err
 
@@ -165,8 +174,8 @@ def test_pytest_entry_gives_one_test_per_case(planted, monkeypatch):
     assert len(checks) == len(set(c.id for c in checks)) > 20
     for c in checks[:3]:
         test(c)
-    bug = K.conformance_test("first_plan")
-    (replan,) = [c for c in bug.pytestmark[0].args[1] if c.group == "replan"]
+    bug = K.conformance_test("first_plan", quick=True)
+    (replan,) = [c for c in bug.pytestmark[0].args[1] if c.group == "replan" and not c.name.startswith("refused")]
     with pytest.raises((AssertionError, MstarError)):  # a wrong result, or a refused call
         bug(replan)
     from mstar_core import BackendUnavailable
