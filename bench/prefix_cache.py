@@ -82,7 +82,10 @@ def one_run(e: Engine, prompts: list[list[int]], new: int) -> dict:
             "ttft_ms_median": ttft[len(ttft) // 2] * 1e3, "ttft_ms_max": ttft[-1] * 1e3,
             "decode_step_ms": statistics.median(steps) if steps else None, "decode_steps_timed": len(steps),
             "kinds": rep.kinds, "waits": rep.waits, "seconds": rep.seconds,
-            "replayed_steps": sum(1 for s in rep.steps if s.graph), "ids": rep.ids}
+            "replayed_steps": sum(1 for s in rep.steps if s.graph),
+            # the first steps: kind, rows, tokens and when each had run (ms from the run's start)
+            "first_steps": [(s.kind, s.rows, s.tokens, round(s.read_s * 1e3, 2)) for s in rep.steps[:4]],
+            "ids": rep.ids}
 
 
 def lookup_cost(e: Engine, prompts: list[list[int]], reps: int) -> dict:

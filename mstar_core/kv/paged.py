@@ -116,6 +116,8 @@ class KVManager(Resource):
         self.pool = self._new_pool()
         # Streams whose known tokens reach past their keyed pages: what a commit may publish (by id).
         self._publishing: dict[int, CacheStream] = {}
+        # match_prefix's answers by the token list's id, for the admit_prefix that follows (_rematch)
+        self._matched: dict[int, tuple[int, Sequence[int], list[int], int, list[int], int]] = {}
         # Every stream's pages on the device, updated by delta: a plan gathers kv_indices there.
         self.table = PageTable(self.device, config.max_pages)
         self.streams = StreamMap()
@@ -290,7 +292,7 @@ class KVManager(Resource):
         if isinstance(token_ids, (str, bytes)) or not isinstance(token_ids, Sequence):
             raise InputTypeError(f"{who}: token_ids must be a sequence of ints, got {type(token_ids).__name__}")
         ids = list(token_ids)
-        if not all(type(t) is int for t in ids) and not all(is_int(t) for t in ids):  # the common case first
+        if not set(map(type, ids)) <= {int} and not all(is_int(t) for t in ids):  # plain ints: checked in C
             bad = next(t for t in ids if not is_int(t))
             raise InputTypeError(f"{who}: token_ids must be ints, got {bad!r} ({type(bad).__name__})")
         return ids
@@ -300,8 +302,23 @@ class KVManager(Resource):
         pages, at most ``len - 1`` tokens); changes nothing."""
         cache = self._cache("match_prefix")
         ids = self._check_ids(token_ids, f"{self.name}.match_prefix")
-        pages, _ = cache.lookup(self._root(cache, root, label), ids, (len(ids) - 1) // self.config.page_size)
+        node = self._root(cache, root, label)
+        pages, last = cache.lookup(node, ids, (len(ids) - 1) // self.config.page_size)
+        if len(self._matched) >= 1024 or (self._matched and next(iter(self._matched.values()))[0] != cache.version):
+            self._matched.clear()
+        self._matched[id(token_ids)] = (cache.version, token_ids, ids, node, pages, last)
         return len(pages) * self.config.page_size
+
+    def _rematch(self, cache: PrefixCache, token_ids: Sequence[int],
+                 node: int) -> tuple[list[int], list[int], int] | None:
+        """What :meth:`match_prefix` found for this very token list under ``node``, if no key was
+        published or evicted since and the list still holds those tokens (the scheduler matches
+        a prompt, then admits it: one walk, not two)."""
+        got = self._matched.pop(id(token_ids), None)
+        if got is None or got[0] != cache.version or got[1] is not token_ids or got[3] != node:
+            return None
+        ids = got[2]
+        return (ids, got[4], got[5]) if len(token_ids) == len(ids) and list(token_ids) == ids else None
 
     def admit_prefix(self, rid: str, label: str, token_ids: Sequence[int], root: bytes = b"") -> AdmitOutcome:
         """Start stream ``(rid, label)`` (ingested, with no tokens yet) from the longest run of
@@ -313,7 +330,9 @@ class KVManager(Resource):
         ``cached_tokens``: the stream's first step computes ``token_ids[cached_tokens:]``."""
         cache = self._cache("admit_prefix")
         who = f"{self.name}.admit_prefix({rid!r}, {label!r})"
-        ids = self._check_ids(token_ids, who)
+        node = self._root(cache, root, label)
+        again = self._rematch(cache, token_ids, node)
+        ids = self._check_ids(token_ids, who) if again is None else again[0]
         if not ids:
             raise InputError(f"{who}: token_ids is empty")
         if rid not in self._requests:
@@ -324,8 +343,7 @@ class KVManager(Resource):
             raise StateError(f"{who}: the stream already holds {st.length} tokens (or a step in flight); a stream "
                              "starts from the cache once, before its first step (reset_request to start over)")
         ps = self.config.page_size
-        node = self._root(cache, root, label)
-        pages, last = cache.lookup(node, ids, (len(ids) - 1) // ps)
+        pages, last = cache.lookup(node, ids, (len(ids) - 1) // ps) if again is None else again[1:]
         self._epoch += 1
         if st is None:
             st = self.streams[key] = CacheStream(rid, label, generation=next(self._generations))
@@ -991,6 +1009,7 @@ class KVManager(Resource):
         self._parked.clear()
         self._requests.clear()
         self._publishing.clear()
+        self._matched.clear()
         self.pool = self._new_pool()
         self.storage = self.storage.new_empty(0)
         self._current = None

@@ -82,6 +82,7 @@ class PrefixCache(PagePool):
         # not listed); a published page held by nobody is idle instead.
         self._refs: dict[int, int] = {}
         self._idle: OrderedDict[int, None] = OrderedDict()  # least recently released first
+        self.version = 0  # moves on whenever a key is added or removed: what a lookup finds may change
 
     # -- the pool ------------------------------------------------------------------------------
     @property
@@ -134,6 +135,7 @@ class PrefixCache(PagePool):
     def _evict(self, page: int) -> None:
         e = self._by_page.pop(page)
         del self._index[e.key]
+        self.version += 1
         self.stats.evicted += 1
         super().give_back([page])
 
@@ -159,8 +161,10 @@ class PrefixCache(PagePool):
         ``root``, and the node id the last of them is keyed under (``root`` if none)."""
         pages: list[int] = []
         node = root
-        for i in range(most):
-            e = self._index.get(self._page_key(node, tokens, i))
+        index = self._index
+        # the pages' token tuples made by zip in C (a slice and a tuple per page cost twice as much)
+        for _, page in zip(range(most), zip(*[iter(tokens)] * self.page_size, strict=False), strict=False):
+            e = index.get((node, page))
             if e is None:
                 break
             pages.append(e.page)
@@ -183,6 +187,7 @@ class PrefixCache(PagePool):
                     raise StateError(f"prefix cache: page {page} is published under another key")
                 e = _Entry(page, next(self._ids), key)
                 self._index[key] = e
+                self.version += 1
                 self._by_page[page] = e
                 self._refs[page] = self._refs.get(page, 1)
                 self.stats.published += 1

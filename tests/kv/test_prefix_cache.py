@@ -527,3 +527,27 @@ def test_tensor_parallel_checks_include_the_cached_pages(cache):
         assert got["cached pages"] == 2 and got["tokens found cached"] == 0
     else:
         assert "cached pages" not in got
+
+
+def test_admit_reuses_a_match_only_while_it_still_holds():
+    """The walk match_prefix made is reused by admit_prefix of the same list; a key published
+    since, or the list changed since, makes admit walk again."""
+    kv = make_kv(max_pages=12, ps=4)
+    start(kv, "a", list(range(1, 10)))  # publishes [1..4], [5..8]
+    p = list(range(1, 10)) + [50]
+    assert kv.match_prefix(p, ROOT, "t") == 8
+    start(kv, "q", list(range(1, 9)) + [9, 10, 11, 12, 99])  # publishes [9..12] below them
+    kv.ingest_request("b")
+    assert kv.admit_prefix("b", "t", p, ROOT).cached_tokens == 8  # walked again: same answer here
+    p2 = list(range(1, 13)) + [7]
+    assert kv.match_prefix(p2, ROOT, "t") == 12
+    p2[5] = 77  # the list changed after the match
+    kv.ingest_request("c")
+    assert kv.admit_prefix("c", "t", p2, ROOT).cached_tokens == 4
+    assert kv.stream("c", "t").chain.tokens == p2
+    p3 = list(range(1, 13)) + [8]
+    assert kv.match_prefix(p3, ROOT, "t") == 12
+    kv.ingest_request("d")
+    assert kv.admit_prefix("d", "t", p3, ROOT).cached_tokens == 12  # reused
+    assert held(kv, "d") == held(kv, "q")[:3]
+    kv.post_warmup_validate()
