@@ -26,7 +26,7 @@ import torch
 from mstar_core.attention.paged import PagedAttentionManager
 from mstar_core.capabilities import PAGED, STEP_KINDS, paged_step_capability
 from mstar_core.config import ConfigSource
-from mstar_core.demo.text import LABEL, Request, _forward
+from mstar_core.demo.text import LABEL, Request, _forward, reference_logits
 from mstar_core.demo.tiny import TinyDecoder, TinyDecoderConfig
 from mstar_core.errors import StateError
 from mstar_core.kv import KVConfig, KVManager
@@ -240,13 +240,6 @@ def serve(model: TinyDecoder, requests: list[PrefixRequest], wrappers: Mapping[s
     return served
 
 
-def _reference(model: TinyDecoder, r: PrefixRequest) -> torch.Tensor:
-    """The logits ``[generated, vocab]`` the no-cache forward gives for ``r``'s generated tokens:
-    one full causal forward over its prompt and generated tokens."""
-    seq = r.prompt + r.generated[:-1]
-    return model.forward_full(torch.tensor(seq, device=model.device))[len(r.prompt) - 1:].float().cpu()
-
-
 def check(model: TinyDecoder, cached: Served, plain: Served, tol: float) -> tuple[float, list[str]]:
     """Every generated token's logits in both runs against the no-cache forward (the largest
     error), and the mismatches: a request whose logits are off by more than ``tol``, or whose
@@ -256,9 +249,9 @@ def check(model: TinyDecoder, cached: Served, plain: Served, tol: float) -> tupl
     worst, bad = 0.0, []
     for rid, a in cached.requests.items():
         b = plain.requests[rid]
-        ref = _reference(model, a)
+        ref = reference_logits(model, a)
         for run, r in (("with", a), ("without", b)):
-            want = ref if r.generated == a.generated else _reference(model, r)
+            want = ref if r.generated == a.generated else reference_logits(model, r)
             err = float((torch.stack(r.logits) - want).abs().max())
             worst = max(worst, err)
             if not err <= tol:

@@ -191,14 +191,16 @@ def _forward(model: TinyDecoder, kv: KVManager, attn: PagedAttentionManager, bat
         r.generated.append(int(last.argmax()))
 
 
-def _check(model: TinyDecoder, r: Request) -> float:
-    """Largest logit error of ``r``'s generated tokens against a full forward of the model over
-    prompt + generated tokens with no cache."""
+def reference_logits(model: TinyDecoder, r: Request) -> torch.Tensor:
+    """The logits ``[generated, vocab]`` the no-cache forward gives for ``r``'s generated tokens:
+    one full causal forward over its prompt and generated tokens."""
     seq = r.prompt + r.generated[:-1]
-    full = model.forward_full(torch.tensor(seq, device=model.device)).float().cpu()
-    want = full[len(r.prompt) - 1:]
-    got = torch.stack(r.logits)
-    return float((got - want).abs().max())
+    return model.forward_full(torch.tensor(seq, device=model.device))[len(r.prompt) - 1:].float().cpu()
+
+
+def _check(model: TinyDecoder, r: Request) -> float:
+    """Largest logit error of ``r``'s generated tokens against the no-cache forward."""
+    return float((torch.stack(r.logits) - reference_logits(model, r)).abs().max())
 
 
 def main(backend: str | None = None, device: str = "cpu", seed: int = 0, config: ConfigSource = None,

@@ -257,15 +257,16 @@ class KVManager(Resource):
         # Only the committed tokens' pages: a step in flight on the source may hold more. With the
         # prefix cache the full ones are shared (no step writes a full committed page again).
         n = pages_for(src.length, self.config.page_size)
-        shared = src.pages[: src.length // self.config.page_size] if isinstance(self.pool, PrefixCache) else []
+        cache = self.pool if isinstance(self.pool, PrefixCache) else None
+        shared = src.pages[: src.length // self.config.page_size] if cache is not None else []
         k = n - len(shared)
         if k > self.pool.num_free:
             return AdmitOutcome.refuse(Shortage(self.name, "pages", k, self.pool.num_free, dst_rid))
         pages = self.pool.take(k)
         if k:
             self.storage[:, pages] = self.storage[:, src.pages[len(shared): n]]
-        if shared:
-            self.pool.share(shared)  # type: ignore[attr-defined]  # a PrefixCache
+        if cache is not None and shared:
+            cache.share(shared)
         dst = CacheStream(dst_rid, label, [], src.length, next(self._generations))
         self._append(dst, [*shared, *pages])
         if src.chain is not None:
