@@ -60,6 +60,7 @@ from mstar_core.node import Node, StepResult
 from mstar_core.registry import (
     CAPABILITIES,
     BackendSpec,
+    CapabilitySpec,
     HeadDims,
     Registry,
     Selection,
@@ -140,6 +141,7 @@ __all__ = [
     "EngineOptions",
     "Generation",
     "GraphRunner",
+    "CapabilitySpec",
     "HeadDims",
     "InputError",
     "InputIndexError",

@@ -2,7 +2,9 @@
 
 ```toml
 [attention]
-backend = "flashinfer"          # a backend name, or "auto"
+backend = "flashinfer"          # a backend name, or "auto" -- or, per capability, a table:
+# [attention.backend]
+# paged_decode = "mykernel"     # a capability's backend; "default" for the others (else "auto")
 [attention.pins]                # which distribution serves a name that several register
 fast = "fast-kernels"
 [kv]
@@ -24,19 +26,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from mstar_core.capabilities import CAPABILITIES
 from mstar_core.errors import ConfigError
 
-CONFIG_SHAPE = '{"attention": {"backend": NAME, "pins": {NAME: DISTRIBUTION}}, "kv": {"prefix_cache": BOOL}}'
+CONFIG_SHAPE = ('{"attention": {"backend": NAME or {CAPABILITY: NAME}, "pins": {NAME: DISTRIBUTION}}, '
+                '"kv": {"prefix_cache": BOOL}}')
+# The keys of a per-capability backend table besides the capabilities: the others' backend.
+DEFAULT_KEY = "default"
 
 # Every table and the keys it takes.
 SCHEMA: dict[str, tuple[str, ...]] = {"attention": ("backend", "pins"), "kv": ("prefix_cache",)}
 
 @dataclass(frozen=True)
 class Config:
-    """What a config asks of mstar: ``backend`` (None: not set), ``pins`` (backend name ->
-    distribution that serves it) and ``prefix_cache`` (None: not set, i.e. off)."""
+    """What a config asks of mstar: ``backend`` (None: not set; a name, or capability -> name
+    with ``"default"`` for the rest), ``pins`` (backend name -> distribution that serves it) and
+    ``prefix_cache`` (None: not set, i.e. off)."""
 
-    backend: str | None = None
+    backend: str | Mapping[str, str] | None = None
     pins: Mapping[str, str] = field(default_factory=dict)
     prefix_cache: bool | None = None
 
@@ -66,6 +73,24 @@ def check_pins(pins: object, where: str) -> dict[str, str]:
             raise ConfigError(f"{where}: {name!r} = {dist!r}: a pin maps a backend name to the distribution that "
                              "serves it, both strings (e.g. {\"fast\": \"fast-kernels\"})")
     return {name: dist.strip() for name, dist in pins.items()}
+
+
+def check_backend_table(table: object, where: str) -> dict[str, str]:
+    """A per-capability backend choice: capability (or ``"default"``) -> a backend name or
+    ``"auto"``, checked; an unknown key names the known ones."""
+    if not isinstance(table, Mapping):
+        raise ConfigError(f"{where} must be a backend name or a table of capability -> backend name, got "
+                          f"{type(table).__name__} {short(table)}")
+    keys = (*CAPABILITIES, DEFAULT_KEY)
+    out = {}
+    for key, name in table.items():
+        if key not in keys:
+            raise ConfigError(f"{where}: unknown key {key!r}{did_you_mean(str(key), keys)}; a per-capability backend "
+                              f"table takes {', '.join(keys)} ({DEFAULT_KEY!r}: every capability not named)")
+        if not isinstance(name, str) or not name.strip():
+            raise ConfigError(f"{where}: {key} = {short(name)}: give a backend name or 'auto'")
+        out[key] = name.strip()
+    return out
 
 
 def read_file(path: Path) -> Mapping[str, Any]:
@@ -131,8 +156,11 @@ def load_config(config: ConfigSource) -> Config:
     _check_tables(config, where)
     attention = config.get("attention", {})
     backend = attention.get("backend")
-    if backend is not None and not isinstance(backend, str):
-        raise ConfigError(f"{where}: attention.backend must be a string, got {backend!r} (a backend name or 'auto')")
+    if isinstance(backend, Mapping):
+        backend = check_backend_table(backend, f"{where}: attention.backend")
+    elif backend is not None and not isinstance(backend, str):
+        raise ConfigError(f"{where}: attention.backend must be a string (a backend name or 'auto') or a table of "
+                          f"capability -> backend name, got {short(backend)}")
     pins = check_pins(attention.get("pins", {}), f"{where}: attention.pins")
     prefix_cache = config.get("kv", {}).get("prefix_cache")
     if prefix_cache is not None and not isinstance(prefix_cache, bool):

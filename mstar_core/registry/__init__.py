@@ -21,7 +21,7 @@ from mstar_core.registry.selection import (
     resolve_requested,
     select_backend,
 )
-from mstar_core.registry.spec import CAPABILITIES, DEVICE_KINDS, BackendSpec, HeadDims
+from mstar_core.registry.spec import CAPABILITIES, DEVICE_KINDS, BackendSpec, CapabilitySpec, HeadDims
 
 __all__ = [
     "AUTO_PRIORITY",
@@ -31,6 +31,7 @@ __all__ = [
     "GROUP",
     "BackendSpec",
     "BackendUnavailable",
+    "CapabilitySpec",
     "HeadDims",
     "LoadedPlugin",
     "PluginError",

@@ -23,7 +23,7 @@ import re
 
 from mstar_core.errors import InputError
 
-API_VERSION = "1.0"
+API_VERSION = "1.1"
 
 _FORMAT = re.compile(r"(\d+)\.(\d+)")
 

@@ -4,16 +4,18 @@ one error that says why not and which backends can run here."""
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+import re
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
 
-from mstar_core.capabilities import PAGED
-from mstar_core.config import ConfigSource, did_you_mean, load_config
+from mstar_core.capabilities import PAGED, PAGED_DECODE, PAGED_PREFILL
+from mstar_core.config import DEFAULT_KEY, ConfigSource, check_backend_table, did_you_mean, load_config
 from mstar_core.config import short as _short
 from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
 from mstar_core.features import PLAIN, AttentionFeatures
@@ -44,53 +46,100 @@ FALLBACK = "reference"
 
 @dataclass(frozen=True)
 class Selection:
-    """The outcome of a selection: the backend, its loaded wrapper per requested capability,
-    and why every other candidate auto looked at was passed over."""
+    """The outcome of a selection: the backend picked for each requested capability
+    (``picks``; one backend for all of them unless a capability was named apart or ``auto``
+    found a better one for it), the loaded wrapper per capability, and why every other
+    candidate was passed over."""
 
-    name: str
-    backend: BackendSpec
+    name: str  # the backend serving every capability, or "a+b": each one serving some, in order
+    backend: BackendSpec  # the first capability's backend
     classes: Mapping[str, Any]
     rejected: Mapping[str, list[str]] = field(default_factory=dict)
     requested: str = AUTO
     source: str = "default"  # "argument", "env MSTAR_ATTENTION_BACKEND", "config", "default"
+    # capability -> its backend (empty: ``backend`` serves every one of ``classes``)
+    picks: Mapping[str, BackendSpec] = field(default_factory=dict)
+    # capability -> (name -> why auto passed it over for that capability)
+    rejected_by: Mapping[str, Mapping[str, list[str]]] = field(default_factory=dict)
+    # The capability whose wrapper runs uniform multi-token decode rows (features
+    # decode_query_tokens > 1): "paged_decode" or "paged_prefill"; None: not asked.
+    multi_token_wrapper: str | None = None
+
+    def backend_for(self, capability: str) -> BackendSpec:
+        """The backend serving ``capability``."""
+        return self.picks.get(capability, self.backend)
+
+    @property
+    def names(self) -> dict[str, str]:
+        """capability -> the name of the backend serving it."""
+        return {c: self.backend_for(c).name for c in self.classes}
+
+    @property
+    def summary(self) -> str:
+        """The backend's name, or ``capability: name`` for each where several serve."""
+        names = self.names
+        if len(set(names.values())) <= 1:
+            return self.name
+        return ", ".join(f"{c}: {n}" for c, n in names.items())
 
     @property
     def capturable(self) -> tuple[str, ...]:
-        return tuple(c for c in self.classes if c in self.backend.capturable)
+        return tuple(c for c in self.classes if c in self.backend_for(c).capturable)
 
 
-def config_backend(config: ConfigSource) -> str | None:
+BackendChoice = str | Mapping[str, str]
+
+
+def config_backend(config: ConfigSource) -> BackendChoice | None:
     """``attention.backend`` from a mapping or a TOML file holding the same table (checked
-    strictly: :func:`mstar_core.config.load_config`)."""
+    strictly: :func:`mstar_core.config.load_config`): a name, or capability -> name."""
     return load_config(config).backend
 
 
-def resolve_requested(requested: str | None, config: ConfigSource,
-                      honor_env: bool = True) -> tuple[str, str]:
-    """(name, where it came from). ``MSTAR_ATTENTION_BACKEND`` overrides the configured name --
-    ``requested`` (a manager spec's ``"backend"``, ``--backend``) or config's
-    ``attention.backend`` (both are configuration) -- and the log says what it overrode; without
-    it ``requested`` wins, then config, then "auto"."""
+def _show(choice: BackendChoice | None) -> str:
+    if choice is None or isinstance(choice, str):
+        return repr(choice) if choice else "no backend"
+    return "{" + ", ".join(f"{k} = {v!r}" for k, v in choice.items()) + "}"
+
+
+def resolve_requested(requested: BackendChoice | None, config: ConfigSource,
+                      honor_env: bool = True) -> tuple[BackendChoice, str]:
+    """(name -- or capability -> name --, where it came from). ``MSTAR_ATTENTION_BACKEND``
+    overrides the configured choice -- ``requested`` (a manager spec's ``"backend"``,
+    ``--backend``) or config's ``attention.backend`` (both are configuration) -- and the log says
+    what it overrode; without it ``requested`` wins, then config, then "auto"."""
+    configured: BackendChoice | None
     if requested is not None:
-        if not isinstance(requested, str):
-            raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
-                            f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
-        configured: str | None = requested.strip()
+        if isinstance(requested, Mapping):
+            configured = check_backend_table(requested, "requested backend")
+        elif not isinstance(requested, str):
+            raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r}, a mapping of "
+                                 f"capability -> name, or None (config, then {AUTO!r}); got "
+                                 f"{type(requested).__name__} {_short(requested)}")
+        else:
+            configured = requested.strip()
         where = "argument"
     else:
         configured, where = load_config(config).backend, "config"
-        configured = configured.strip() if configured is not None else None
+        configured = configured.strip() if isinstance(configured, str) else configured
     env = os.environ.get(ENV_BACKEND, "").strip() if honor_env else ""
     if env:
         if configured is not None and configured not in (env, AUTO):
-            log.warning("%s=%s overrides the %s's backend %r", ENV_BACKEND, env, where, configured)
+            log.warning("%s=%s overrides the %s's backend %s", ENV_BACKEND, env, where, _show(configured))
         else:
-            log.info("%s=%s overrides the %s (which names %s)", ENV_BACKEND, env, where,
-                     repr(configured) if configured else "no backend")
+            log.info("%s=%s overrides the %s (which names %s)", ENV_BACKEND, env, where, _show(configured))
         return env, f"env {ENV_BACKEND}"
     if configured is not None:
         return configured, where
     return AUTO, "default"
+
+
+def name_for(choice: BackendChoice, capability: str) -> str:
+    """The backend name ``choice`` gives ``capability``: the name itself, or the table's entry
+    (then its ``"default"``, then ``"auto"``)."""
+    if isinstance(choice, str):
+        return choice
+    return choice.get(capability, choice.get(DEFAULT_KEY, AUTO))
 
 
 def auto_order(capabilities: Sequence[str], registry: Registry,
@@ -155,7 +204,7 @@ def runnable(registry: Registry, request: Request, backends: Mapping[str, Backen
 
 def select_backend(
     capabilities: Sequence[str] = PAGED,
-    requested: str | None = None,
+    requested: BackendChoice | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | None = torch.float32,
     head_dim: int | None = 64,
@@ -164,19 +213,24 @@ def select_backend(
     honor_env: bool = True,
     features: AttentionFeatures | None = None,
 ) -> Selection:
-    """Pick the backend for ``capabilities`` on ``device``; ``dtype``/``head_dim`` None skip
-    those checks; ``features`` (None: plain attention) are refused by a backend that does not
-    declare them for every requested capability, with a reason naming the feature.
-    ``MSTAR_ATTENTION_BACKEND``, when set, overrides both ``requested`` and ``config``'s
-    ``attention.backend``; without it ``requested``, then config, then "auto".
+    """Pick a backend for each of ``capabilities`` on ``device``; ``dtype``/``head_dim`` None
+    skip those checks; ``features`` (None: plain attention) are refused by a backend that does
+    not declare them for the capability, with a reason naming the feature.
+
+    ``requested`` (or config's ``attention.backend``) is a name -- every capability from that
+    backend -- or ``"auto"``, or a mapping capability -> name (``"default"``: the others; else
+    auto). Under auto each capability gets the first backend of its own order that can serve
+    it, over mstar's paged KV layout. ``MSTAR_ATTENTION_BACKEND``, when set, overrides both
+    ``requested`` and config; without it ``requested``, then config, then "auto".
     ``honor_env=False`` is for callers that ask what a rule itself picks (``dense_or_flashinfer``,
     the auto column of ``mstar backends``). Raises ``BackendUnavailable``."""
     if isinstance(capabilities, str):
         raise InputTypeError(f"capabilities must be a sequence of capability names, got the string {capabilities!r} "
                         f"(write ({capabilities!r},)); known: {list(CAPABILITIES)}")
-    if requested is not None and not isinstance(requested, str):
-        raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r} (or None: config, "
-                        f"then {AUTO!r}), got {type(requested).__name__} {_short(requested)}")
+    if requested is not None and not isinstance(requested, (str, Mapping)):
+        raise InputTypeError(f"requested backend must be a backend name string or {AUTO!r}, a mapping of "
+                             f"capability -> name, or None (config, then {AUTO!r}); got {type(requested).__name__} "
+                             f"{_short(requested)}")
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise InputTypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16) or None, got {type(dtype).__name__} "
                         f"{_short(dtype)}")
@@ -195,11 +249,13 @@ def select_backend(
     device = as_device(device)
     request = Request(capabilities, device, dtype, head_dim, features or PLAIN)
     config = load_config(config)
-    name, source = resolve_requested(requested, config, honor_env)
+    choice, source = resolve_requested(requested, config, honor_env)
     backends = registry.view(config.pins)
-    if name == AUTO:
-        return _select_auto(registry, request, source, backends)
-    return _select_named(registry, name, source, request, backends)
+    if isinstance(choice, str) and choice != AUTO:
+        sel = _select_named(registry, choice, source, request, backends)
+        wrapper = _route(request, {c: sel.backend for c in capabilities})
+        return replace(sel, multi_token_wrapper=wrapper)
+    return _select_each(registry, request, choice, source, backends)
 
 
 def unregistered_reason(registry: Registry, name: str, known: Sequence[str]) -> str:
@@ -250,32 +306,142 @@ def _select_named(registry: Registry, name: str, source: str, request: Request,
     return Selection(name, spec, classes, {}, name, source)
 
 
-def _select_auto(registry: Registry, request: Request, source: str, backends: Mapping[str, BackendSpec]) -> Selection:
-    where = str(request)
-    capabilities = request.capabilities
-    rejected: dict[str, list[str]] = {}
-    # Names several distributions claim and no pin settled: never picked, listed with why where
-    # one of the claimants provides what is asked (the others would not be candidates anyway).
-    unsettled = {n: [registry.conflict_reason(n)] for n, claims in registry.conflicts.items()
-                 if n not in backends and any(provides_all(c, capabilities) for c in claims)}
-    # Every backend that provides the capabilities is in the order: what is rejected below is
-    # every candidate, and a backend that does not provide them is never listed.
-    for name in auto_order(capabilities, registry, backends):
+def _route(request: Request, picks: Mapping[str, BackendSpec]) -> str | None:
+    """Which wrapper runs uniform multi-token decode rows under ``picks``: the decode pick's
+    decode wrapper where it declares them there, else the prefill pick's prefill wrapper where
+    that declares them (without a prefill pick: the decode pick's own); None when the features
+    do not ask for them, or no pick runs them."""
+    decode = picks.get(PAGED_DECODE)
+    if request.features.decode_query_tokens == 1 or decode is None:
+        return None
+    if PAGED_DECODE in decode.multi_token_wrappers():
+        return PAGED_DECODE
+    prefill = picks.get(PAGED_PREFILL)
+    if prefill is None:
+        return next(iter(decode.multi_token_wrappers()), None)
+    return PAGED_PREFILL if PAGED_PREFILL in prefill.multi_token_wrappers() else None
+
+
+Candidate = tuple[BackendSpec, Any]
+
+
+def _candidates(registry: Registry, request: Request, backends: Mapping[str, BackendSpec],
+                rejected: dict[str, list[str]]) -> Iterator[Candidate]:
+    """(spec, wrapper) of every backend that can serve ``request``'s one capability, in auto's
+    order, judged as they are reached (probes and imports only as far as needed); each one
+    that cannot goes into ``rejected`` with its reasons."""
+    (cap,) = request.capabilities
+    for name in auto_order((cap,), registry, backends):
         spec = backends[name]
         reasons = request.reasons(registry, spec)
         classes: dict[str, Any] = {}
         if not reasons:
-            classes, reasons = registry.wrappers(spec, capabilities)
+            classes, reasons = registry.wrappers(spec, (cap,))
         if reasons:
             rejected[name] = reasons
             continue
-        rejected.update(unsettled)
-        passed = format_rejected(rejected) or "none"
-        log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where, passed)
-        return Selection(name, spec, classes, rejected, AUTO, source)
-    rejected.update(unsettled)
-    detail = format_rejected(rejected) or f"no registered backend provides {', '.join(capabilities)}"
-    raise BackendUnavailable(
-        f"no attention backend can run here ({where}). Reasons: {detail}. "
-        f"Known backends: {', '.join(backends) or 'none'}.",
-        requested=AUTO, reasons=rejected, available=[], known=list(backends))
+        yield spec, classes[cap]
+
+
+def _multi_token_picks(request: Request, picks: dict[str, Candidate], open_: Mapping[str, Iterator[Candidate]],
+                       rejected_by: dict[str, dict[str, list[str]]]) -> str | None:
+    """Change the picks so one of them runs multi-token decode rows, if some candidate can: the
+    first picks as they are; else the first prefill candidate that runs them on its prefill
+    wrapper; else the first decode candidate that runs them on its decode wrapper (only
+    capabilities auto chose, ``open_``, change). Returns the wrapper that runs them."""
+    route = _route(request, {c: spec for c, (spec, _) in picks.items()})
+    if route is not None:
+        return route
+    for cap in (PAGED_PREFILL, PAGED_DECODE):
+        if cap not in open_:
+            continue
+        for spec, wrapper in itertools.chain([picks[cap]], open_[cap]):
+            if cap in spec.multi_token_wrappers():
+                picks[cap] = (spec, wrapper)
+                return cap
+            rejected_by[cap][spec.name] = [f"does not run multi-token decode rows (feature multi_token_decode) on its "
+                                           f"{cap} wrapper"]
+    return None
+
+
+def _select_each(registry: Registry, request: Request, choice: BackendChoice, source: str,
+                 backends: Mapping[str, BackendSpec]) -> Selection:
+    """Each capability from its own pick: the backend ``choice`` names for it, or auto's first
+    that can serve it; then multi-token decode rows placed (:func:`_multi_token_picks`)."""
+    where = str(request)
+    # Multi-token rows may run on the decode pick or on the prefill pick: judged across picks.
+    plain = replace(request, features=replace(request.features, decode_query_tokens=1))
+    picks: dict[str, Candidate] = {}
+    open_: dict[str, Iterator[Candidate]] = {}
+    rejected_by: dict[str, dict[str, list[str]]] = {}
+    for cap in request.capabilities:
+        one = replace(plain, capabilities=(cap,))
+        name = name_for(choice, cap)
+        if name != AUTO:
+            sel = _select_named(registry, name, f"{source}, for {cap}" if not isinstance(choice, str) else source, one,
+                                backends)
+            picks[cap] = (sel.backend, sel.classes[cap])
+            continue
+        rejected = rejected_by.setdefault(cap, {})
+        it = _candidates(registry, one, backends, rejected)
+        first = next(it, None)
+        # Names several distributions claim and no pin settled: never picked, listed with why where
+        # one of the claimants provides the capability.
+        rejected.update({n: [registry.conflict_reason(n)] for n, claims in registry.conflicts.items()
+                         if n not in backends and any(cap in c.provides for c in claims)})
+        if first is None:
+            merged = _merged(rejected_by)
+            detail = format_rejected(rejected) or f"no registered backend provides {cap}"
+            raise BackendUnavailable(
+                f"no attention backend can run here ({where}): none serves {cap}. Reasons: {detail}. "
+                f"Known backends: {', '.join(backends) or 'none'}.",
+                requested=AUTO, reasons=merged, available=[], known=list(backends))
+        picks[cap] = first
+        open_[cap] = it
+    wrapper = None
+    if request.features.decode_query_tokens > 1 and PAGED_DECODE in picks:
+        wrapper = _multi_token_picks(request, picks, open_, rejected_by)
+        if wrapper is None:
+            named = ", ".join(f"{c}: {spec.name}" for c, (spec, _) in picks.items() if c in (PAGED_DECODE, PAGED_PREFILL))
+            raise BackendUnavailable(
+                f"no attention backend can run here ({where}): the features ask for "
+                f"{request.features.decode_query_tokens} query tokens per decode row (multi_token_decode), and no "
+                f"pick runs them ({named}: neither declares it on that wrapper). Reasons: "
+                f"{format_rejected(_merged(rejected_by)) or 'none'}.",
+                requested=AUTO, reasons=_merged(rejected_by), available=[], known=list(backends))
+    specs = {c: spec for c, (spec, _) in picks.items()}
+    distinct = list(dict.fromkeys(spec.name for spec in specs.values()))
+    name = "+".join(distinct)
+    requested = choice if isinstance(choice, str) else _show(choice)
+    merged = _merged(rejected_by)
+    if len(distinct) == 1:
+        spec = specs[request.capabilities[0]]
+        log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where,
+                 format_rejected(merged) or "none")
+    else:
+        log.info("attention backends per capability for %s: %s; rejected: %s", where,
+                 ", ".join(f"{c}: {spec.name} ({spec.label})" for c, spec in specs.items()),
+                 " || ".join(f"{c}: {format_rejected(r)}" for c, r in rejected_by.items() if r) or "none")
+    return Selection(name, specs[request.capabilities[0]], {c: w for c, (_, w) in picks.items()}, merged, requested,
+                     source, specs, {c: dict(r) for c, r in rejected_by.items()}, wrapper)
+
+
+_IN_CAPABILITY = re.compile(r"(.*) in ((?:[a-z_]+)(?:, [a-z_]+)*)")
+
+
+def _merged(rejected_by: Mapping[str, Mapping[str, list[str]]]) -> dict[str, list[str]]:
+    """name -> every reason some capability passed it over for, once each; reasons that differ
+    only in the capabilities they end by naming ("... in paged_decode") are one, naming each."""
+    out: dict[str, dict[str, list[str]]] = {}  # name -> reason stem -> capabilities
+    for rejected in rejected_by.values():
+        for name, reasons in rejected.items():
+            stems = out.setdefault(name, {})
+            for r in reasons:
+                m = _IN_CAPABILITY.fullmatch(r)
+                if m is not None and all(c in CAPABILITIES for c in m.group(2).split(", ")):
+                    caps = stems.setdefault(m.group(1) + " in ", [])
+                    caps.extend(c for c in m.group(2).split(", ") if c not in caps)
+                else:
+                    stems.setdefault(r, [])
+    return {name: [stem + ", ".join(caps) if caps else stem for stem, caps in stems.items()]
+            for name, stems in out.items()}

@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.capabilities import CAPABILITIES
+from mstar_core.capabilities import CAPABILITIES, PAGED, PAGED_DECODE, PAGED_PREFILL
 from mstar_core.errors import InputError, InputTypeError, UnknownName
 from mstar_core.features import FEATURES, AttentionFeatures
 from mstar_core.registry.api import parse_api_version
@@ -67,6 +67,32 @@ class HeadDims:
         return f"{step} up to {self.maximum}" if self.maximum is not None else step
 
 
+# The paged KV layout mstar's cache stores, by the name a backend declares (``kv_layout``): a
+# layer is ``[pages, 2, page_size, kv_heads, head_dim]``, keys at ``[:, 0]``, values at ``[:, 1]``.
+PAGED_NHD = "nhd"
+KV_LAYOUTS: dict[str, str] = {PAGED_NHD: "[pages, 2, page_size, kv_heads, head_dim], keys at [:, 0], values at [:, 1]"}
+
+
+@dataclass(frozen=True)
+class CapabilitySpec:
+    """What one capability runs where it differs from its backend's declaration (plugin API
+    1.1): ``dtypes`` and ``head_dims`` (None: the backend's)."""
+
+    dtypes: tuple[torch.dtype, ...] | None = None
+    head_dims: HeadDims | None = None
+
+    def __post_init__(self) -> None:
+        if self.dtypes is not None:
+            if isinstance(self.dtypes, torch.dtype) or not all(isinstance(d, torch.dtype) for d in self.dtypes):
+                raise InputTypeError(f"CapabilitySpec: dtypes must be a tuple of torch dtypes, got {self.dtypes!r}")
+            object.__setattr__(self, "dtypes", tuple(self.dtypes))
+        if self.head_dims is not None and not isinstance(self.head_dims, HeadDims):
+            raise InputTypeError(f"CapabilitySpec: head_dims must be a HeadDims, got {self.head_dims!r}")
+
+
+# Fields plugin API 1.0 did not have: a spec that sets one declares api_version "1.1" or newer.
+API_1_1_FIELDS = ("per_capability", "kv_layout")
+
 ProbeRef = str | Probe | None
 WarmupRef = str | Callable[..., Any] | None
 
@@ -109,6 +135,12 @@ class BackendSpec:
     # The plugin contract version this backend was written for (registry.api). A spec that
     # leaves it out is held to 1.0, the first versioned contract.
     api_version: str = "1.0"
+    # Plugin API 1.1: capability -> CapabilitySpec, the dtypes and head dims of a capability
+    # that runs fewer (or others) than ``dtypes`` / ``head_dims`` say.
+    per_capability: Mapping[str, CapabilitySpec] = field(default_factory=dict)
+    # Plugin API 1.1: the paged KV layout its paged capabilities read (KV_LAYOUTS); a backend
+    # reading another is never picked over mstar's cache.
+    kv_layout: str = PAGED_NHD
     description: str = ""
     install_hint: str = ""
     distribution: str | None = None
@@ -117,7 +149,14 @@ class BackendSpec:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name.replace("_", "").replace("-", "").isalnum():
             raise InputError(f"backend name must be a non-empty identifier, got {self.name!r}")
-        parse_api_version(self.api_version, f"backend {self.name!r}: api_version")
+        version = parse_api_version(self.api_version, f"backend {self.name!r}: api_version")
+        newer = [f for f in API_1_1_FIELDS if getattr(self, f) != _DEFAULTS[f]]
+        if newer and version < (1, 1):
+            raise InputError(f"backend {self.name!r}: {', '.join(newer)} came with plugin API 1.1, but the spec "
+                             f"declares api_version {self.api_version!r}; declare api_version='1.1'")
+        if not isinstance(self.kv_layout, str) or not self.kv_layout:
+            raise InputTypeError(f"backend {self.name!r}: kv_layout must be a layout name such as {PAGED_NHD!r} "
+                                 f"({KV_LAYOUTS[PAGED_NHD]}), got {self.kv_layout!r}")
         if not is_int(self.priority):
             raise InputTypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
                             f"got {self.priority!r}")
@@ -145,7 +184,18 @@ class BackendSpec:
             if unknown:
                 raise InputError(f"backend {self.name!r}: features[{cap!r}] names unknown features {unknown}; known: "
                                  f"{list(FEATURES)}")
+        if not isinstance(self.per_capability, Mapping):
+            raise InputTypeError(f"backend {self.name!r}: per_capability must map capability names to "
+                                 f"CapabilitySpec, got {type(self.per_capability).__name__}")
+        bad = sorted(set(self.per_capability) - set(self.provides))
+        if bad:
+            raise InputError(f"backend {self.name!r}: per_capability names capabilities it does not provide: {bad}")
+        for cap, decl in self.per_capability.items():
+            if not isinstance(decl, CapabilitySpec):
+                raise InputTypeError(f"backend {self.name!r}: per_capability[{cap!r}] must be a CapabilitySpec, "
+                                     f"got {type(decl).__name__} {decl!r}")
         # Plain copies so a plugin's later mutation cannot change them.
+        object.__setattr__(self, "per_capability", dict(self.per_capability))
         object.__setattr__(self, "provides", dict(self.provides))
         object.__setattr__(self, "features", {c: tuple(n) for c, n in self.features.items()})
 
@@ -160,28 +210,61 @@ class BackendSpec:
         """The features ``capability`` supports here (none if not declared)."""
         return self.features.get(capability, ())
 
+    def dtypes_for(self, capability: str) -> tuple[torch.dtype, ...]:
+        """The dtypes ``capability`` runs: its ``per_capability`` entry's, else the backend's."""
+        decl = self.per_capability.get(capability)
+        return self.dtypes if decl is None or decl.dtypes is None else decl.dtypes
+
+    def head_dims_for(self, capability: str) -> HeadDims:
+        """The head dims ``capability`` runs: its ``per_capability`` entry's, else the backend's."""
+        decl = self.per_capability.get(capability)
+        return self.head_dims if decl is None or decl.head_dims is None else decl.head_dims
+
+    def multi_token_wrappers(self) -> tuple[str, ...]:
+        """Which of its wrappers run uniform multi-token decode rows (``multi_token_decode``):
+        from API 1.1, the capabilities that declare it (paged_decode, paged_prefill); a 1.0 spec
+        declared it on paged_decode for rows its prefill wrapper ran, so that is its prefill."""
+        declared = [c for c in (PAGED_DECODE, PAGED_PREFILL) if "multi_token_decode" in self.supports(c)]
+        if parse_api_version(self.api_version) < (1, 1):
+            return (PAGED_PREFILL,) if PAGED_DECODE in declared and PAGED_PREFILL in self.provides else ()
+        return tuple(declared)
+
     def declared_reasons(
         self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None, head_dim: int | None = None,
         features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Reasons from declared data alone: capabilities, dtype, head_dim, features."""
-        reasons = []
+        """Reasons from declared data alone: capabilities, dtype, head_dim (each capability's own
+        where ``per_capability`` declares one: the reason names it), the KV layout of the paged
+        capabilities, features."""
+        reasons: list[str] = []
         missing = [c for c in capabilities if c not in self.provides]
         if missing:
             reasons.append(f"does not provide {', '.join(missing)} (provides: {', '.join(self.provides)})")
-        if dtype is not None and dtype not in self.dtypes:
-            supported = ", ".join(map(dtype_name, self.dtypes))
-            reasons.append(f"dtype {dtype_name(dtype)} is not supported (supported: {supported})")
-        if head_dim is not None:
-            reasons.extend(self.head_dims.reasons(head_dim))
+        provided = [c for c in capabilities if c in self.provides]
+        for cap in provided or [None]:  # none asked: the backend's own declaration
+            own = f" in {cap}" if cap in self.per_capability else ""
+            dtypes = self.dtypes if cap is None else self.dtypes_for(cap)
+            if dtype is not None and dtype not in dtypes:
+                reasons.append(f"dtype {dtype_name(dtype)} is not supported{own} (supported: "
+                               f"{', '.join(map(dtype_name, dtypes))})")
+            if head_dim is not None:
+                dims = self.head_dims if cap is None else self.head_dims_for(cap)
+                reasons.extend(r.replace(" is not supported", f" is not supported{own}", 1)
+                               for r in dims.reasons(head_dim))
+        if self.kv_layout != PAGED_NHD and any(c in PAGED for c in provided):
+            reasons.append(f"reads KV layout {self.kv_layout!r}; mstar's paged cache stores {PAGED_NHD!r} "
+                           f"({KV_LAYOUTS[PAGED_NHD]})")
         if features is not None:
             reasons.extend(self.feature_reasons(capabilities, features))
-        return reasons
+        return list(dict.fromkeys(reasons))
 
     def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
         """One reason per requested feature some requested capability lacks, naming both (a
         feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
         lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}
+        if PAGED_DECODE in lacking:  # multi-token rows run on whichever wrapper declares them
+            runs = ("multi_token_decode",) if self.multi_token_wrappers() else ()
+            lacking[PAGED_DECODE] = features.lacking(PAGED_DECODE, (*self.supports(PAGED_DECODE), *runs))
         reasons = []
         for feature in features.requested():
             caps = [c for c, missing in lacking.items() if feature in missing]
@@ -193,3 +276,6 @@ class BackendSpec:
     def label(self) -> str:
         """``distribution version`` for listings."""
         return f"{self.distribution or '?'} {self.version or '?'}"
+
+
+_DEFAULTS: dict[str, Any] = {"per_capability": {}, "kv_layout": PAGED_NHD}

@@ -145,7 +145,7 @@ def test_new_backend_writes_nothing_when_it_fails_half_way(tmp_path, monkeypatch
 
 def test_the_skeleton_declares_the_current_api_and_its_spec_loads():
     files = files_for("tpk")
-    assert 'api_version="1.0"' in files["tpk_mstar/plugin.py"]
+    assert 'api_version="1.1"' in files["tpk_mstar/plugin.py"]
     assert 'tpk = "tpk_mstar.plugin"' in files["pyproject.toml"]
     assert 'conformance_test("tpk")' in files["tests/test_conformance.py"]
 
@@ -187,7 +187,7 @@ def test_a_config_file_with_a_utf8_bom_is_read(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,message", [
     ("", None),  # empty: no config
-    ("[attention]\nbackend = 3\n", "attention.backend must be a string, got 3"),
+    ("[attention]\nbackend = 3\n", "attention.backend must be a string (a backend name or 'auto') or a table of capability -> backend name, got 3"),
     ("attention = 3\n", "'attention' must be a table"),
     ("[attention]\nbackend = \"reference\"\ncolour = 1\n", "unknown key 'colour' in [attention]"),
     ("[attention\n", "is not valid TOML"),

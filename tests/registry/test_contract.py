@@ -45,7 +45,8 @@ def plugin(fake_module, module: str, *specs: BackendSpec):
 # -- API versions --------------------------------------------------------------------------------
 
 def test_api_rule():
-    assert api.API_VERSION == "1.0"
+    assert api.API_VERSION == "1.1"
+    assert api.api_reasons("1.0") == []  # a 1.0 plugin still runs on this core
     assert api.api_reasons("1.0", "1.3") == []  # an older minor keeps working
     (newer,) = api.api_reasons("1.4", "1.3")
     assert "plugin API 1.4" in newer and "plugin API 1.3" in newer and "upgrade mstar-core" in newer
@@ -70,7 +71,7 @@ def test_a_malformed_api_version_fails_the_whole_hook(fake_module, make_ep, fake
     (f,) = reg.failures
     assert (f.stage, f.backends) == ("register", ("fine",))
     assert str(f) == ("plugin 'sloppy' (sloppy-kernels 0.1, meant to register 'fine') failed at register: InputError: "
-                      "backend 'sloppy': api_version must be a 'MAJOR.MINOR' string such as '1.0' (the plugin contract "
+                      "backend 'sloppy': api_version must be a 'MAJOR.MINOR' string such as '1.1' (the plugin contract "
                       "version the backend was written for), got '1'; none of its backends is registered")
     with pytest.raises(BackendUnavailable, match=r"'fine' \(from argument\) is unknown: its plugin failed: .*; none "
                                                  r"of its backends is registered"):
@@ -164,9 +165,13 @@ def test_a_conflicted_name_is_passed_over_only_where_a_claimant_provides_the_cap
         two_fasts, fake_module, make_ep, fake_entry_points, monkeypatch, capsys):
     reg = Registry()
     assert "fast" in select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg).rejected
-    for caps in (("prefixed_ragged",), ("bounded",), PAGED):  # both claimants provide paged_decode alone
+    for caps in (("prefixed_ragged",), ("bounded",)):  # both claimants provide paged_decode alone
         sel = select_backend(caps, device=CPU, dtype=F32, registry=reg)
         assert sel.name == "reference" and "fast" not in sel.rejected, caps
+    # the paged group: decode from the decode-only plugin, the conflict listed for decode alone
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "fast_extra", "mixed": "reference"}
+    assert [c for c, r in sel.rejected_by.items() if "fast" in r] == ["paged_decode"]
     with pytest.raises(BackendUnavailable) as e:  # a refusal lists the providers alone too
         select_backend(("prefixed_ragged",), device=CPU, dtype=torch.int8, registry=reg)
     assert list(e.value.reasons) == ["reference"]

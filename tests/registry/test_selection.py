@@ -310,7 +310,7 @@ def test_bad_config_files_and_values_are_named(reg, tmp_path):
     broken.write_text("[attention\nbackend = 1\n")
     with pytest.raises(ValueError, match=r"config file '.*broken.toml' is not valid TOML"):
         select_backend(PAGED, device="cpu", config=broken, registry=reg)
-    with pytest.raises(ValueError, match=r"config: attention.backend must be a string, got 3"):
+    with pytest.raises(ValueError, match=r"config: attention.backend must be a string .* got 3"):
         select_backend(PAGED, device="cpu", config={"attention": {"backend": 3}}, registry=reg)
 
 

@@ -154,7 +154,7 @@ def test_new_backend_skeleton_installs_and_passes_mstar_check(tmp_path, build_wh
     assert r.returncode == 0, r.stderr
     listed = json.loads(_run(site, _cli("--json")).stdout)
     (tpk,) = [b for b in listed["backends"] if b["name"] == "tpk"]
-    assert (tpk["distribution"], tpk["available"], tpk["api_version"]) == ("tpk-mstar", True, "1.0")
+    assert (tpk["distribution"], tpk["available"], tpk["api_version"]) == ("tpk-mstar", True, "1.1")
     check = _run(site, ["-m", "mstar_core.cli", "check", "tpk"])
     assert check.returncode == 0, check.stdout + check.stderr
     counts = re.search(r"(\d+) of (\d+) cases passed", check.stdout)

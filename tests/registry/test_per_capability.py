@@ -1,0 +1,184 @@
+"""Plugin API 1.1: dtypes and head dims declared per capability, a backend's KV layout, each
+paged capability from its own pick (auto, a config table, a name per capability), and where
+multi-token decode rows run."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mstar_core import (
+    AttentionFeatures,
+    BackendSpec,
+    BackendUnavailable,
+    CapabilitySpec,
+    HeadDims,
+    Registry,
+    select_backend,
+)
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.errors import ConfigError
+
+PREFILL = "mstar_core.backends.reference:ReferencePrefillWrapper"
+DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
+MIXED = "mstar_core.backends.reference:ReferenceMixedWrapper"
+PAGED = ("paged_prefill", "paged_decode", "mixed")
+CPU, F32 = "cpu", torch.float32
+MULTI = AttentionFeatures(decode_query_tokens=3)
+
+
+def spec(name: str, provides=None, **kw) -> BackendSpec:
+    kw.setdefault("api_version", "1.1")
+    return BackendSpec(name=name, provides=provides or {"paged_decode": DECODE}, devices=("cpu",),
+                       dtypes=kw.pop("dtypes", (F32,)), **kw)
+
+
+def registry(*specs: BackendSpec) -> Registry:
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0")
+    for s in specs:
+        reg.register(s, distribution=f"{s.name}-kernels", version="1.0")
+    return reg
+
+
+# -- declarations --------------------------------------------------------------------------------
+
+def test_dtypes_and_head_dims_per_capability_are_judged_per_capability():
+    s = spec("split", provides={"paged_prefill": PREFILL, "paged_decode": DECODE},
+             head_dims=HeadDims(values=(64, 128)),
+             per_capability={"paged_decode": CapabilitySpec(dtypes=(torch.float16,), head_dims=HeadDims(values=(64,)))})
+    assert s.dtypes_for("paged_decode") == (torch.float16,) and s.dtypes_for("paged_prefill") == (F32,)
+    assert s.declared_reasons(("paged_prefill",), F32, 128) == []
+    assert s.declared_reasons(("paged_decode",), F32, 128) == [
+        "dtype float32 is not supported in paged_decode (supported: float16)",
+        "head_dim 128 is not supported in paged_decode (supported: 64)"]
+    assert s.declared_reasons(("paged_decode",), torch.float16, 64) == []
+
+
+def test_the_api_1_1_fields_need_api_1_1_and_are_checked():
+    with pytest.raises(ValueError, match=r"per_capability came with plugin API 1.1.*declare api_version='1.1'"):
+        spec("old", api_version="1.0", per_capability={"paged_decode": CapabilitySpec(dtypes=(F32,))})
+    with pytest.raises(ValueError, match="per_capability names capabilities it does not provide: .'mixed'."):
+        spec("x", per_capability={"mixed": CapabilitySpec()})
+    with pytest.raises(TypeError, match=r"per_capability\['paged_decode'\] must be a CapabilitySpec"):
+        spec("x", per_capability={"paged_decode": {"dtypes": (F32,)}})
+    with pytest.raises(TypeError, match="dtypes must be a tuple of torch dtypes"):
+        CapabilitySpec(dtypes=F32)
+    with pytest.raises(TypeError, match="kv_layout must be a layout name such as 'nhd'"):
+        spec("x", kv_layout="")
+
+
+def test_a_backend_reading_another_kv_layout_is_never_picked_for_the_paged_path():
+    hnd = spec("hnd", kv_layout="hnd", priority=5)
+    reg = registry(hnd)
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert sel.names["paged_decode"] == "reference"
+    assert sel.rejected["hnd"] == ["reads KV layout 'hnd'; mstar's paged cache stores 'nhd' "
+                                   "([pages, 2, page_size, kv_heads, head_dim], keys at [:, 0], values at [:, 1])"]
+    with pytest.raises(BackendUnavailable, match="reads KV layout 'hnd'"):
+        select_backend(("paged_decode",), requested="hnd", device=CPU, dtype=F32, registry=reg)
+
+
+def test_a_1_0_plugin_still_loads_and_serves(fake_module, make_ep, fake_entry_points):
+    from mstar_core import hookimpl
+
+    old = BackendSpec(name="legacy", provides={"paged_prefill": PREFILL, "paged_decode": DECODE, "mixed": MIXED},
+                      devices=("cpu",), dtypes=(F32,), priority=1,
+                      features={"paged_decode": ("multi_token_decode",)})  # api_version left out: 1.0
+
+    @hookimpl
+    def hook(register):
+        register(old)
+
+    fake_module("legacy_plugin", mstar_register_backends=hook)
+    fake_entry_points(make_ep("legacy", "legacy_plugin", "legacy-kernels", "0.3"))
+    reg = Registry()
+    assert reg.get("legacy").api_version == "1.0" and not reg.failures
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg, features=MULTI)
+    assert sel.name == "legacy"
+    # 1.0 declared multi-token rows on paged_decode for its prefill wrapper to run: still so
+    assert sel.multi_token_wrapper == "paged_prefill"
+
+
+# -- each capability from its own pick -----------------------------------------------------------
+
+def test_auto_takes_decode_from_a_decode_only_backend_and_the_rest_from_the_reference(caplog):
+    reg = registry(spec("dec"))
+    with caplog.at_level("INFO", logger="mstar.registry"):
+        sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert sel.name == "reference+dec" and sel.backend_for("paged_decode").name == "dec"
+    assert "paged_decode: dec (dec-kernels 1.0)" in caplog.text
+    # a capability's own head dims: where decode cannot run, decode stays on the reference
+    narrow = spec("narrow", per_capability={"paged_decode": CapabilitySpec(head_dims=HeadDims(values=(64,)))})
+    sel = select_backend(PAGED, device=CPU, dtype=F32, head_dim=128, registry=registry(narrow))
+    assert sel.names["paged_decode"] == "reference"
+    assert sel.rejected_by["paged_decode"]["narrow"] == ["head_dim 128 is not supported in paged_decode "
+                                                         "(supported: 64)"]
+
+
+def test_a_name_for_every_capability_still_takes_them_all_from_it():
+    reg = registry(spec("dec"))
+    with pytest.raises(BackendUnavailable, match=r"does not provide paged_prefill, mixed"):
+        select_backend(PAGED, requested="dec", device=CPU, dtype=F32, registry=reg)
+
+
+@pytest.mark.parametrize("where", ["argument", "config"])
+def test_a_table_names_a_backend_per_capability(where):
+    reg = registry(spec("dec"), spec("dec2", priority=9))
+    table = {"paged_decode": "dec", "default": "reference"}
+    kw = {"requested": table} if where == "argument" else {"config": {"attention": {"backend": table}}}
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg, **kw)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert sel.source == where
+    # a capability the table leaves out, with no default: auto (dec2 outranks dec)
+    sel = select_backend(PAGED, requested={"mixed": "reference"}, device=CPU, dtype=F32, registry=reg)
+    assert sel.names["paged_decode"] == "dec2"
+
+
+def test_a_table_s_bad_key_or_value_and_a_named_capability_that_cannot_run_are_named():
+    reg = registry(spec("dec"))
+    with pytest.raises(ConfigError, match=r"unknown key 'paged_decod' \(did you mean 'paged_decode'\?\)"):
+        select_backend(PAGED, config={"attention": {"backend": {"paged_decod": "dec"}}}, device=CPU, registry=reg)
+    with pytest.raises(ConfigError, match="paged_decode = 3: give a backend name or 'auto'"):
+        select_backend(PAGED, requested={"paged_decode": 3}, device=CPU, registry=reg)
+    with pytest.raises(BackendUnavailable, match=r"'dec' \(dec-kernels 1.0, from argument, for paged_decode\) "
+                                                 r"cannot run here.*dtype float16 is not supported"):
+        select_backend(PAGED, requested={"paged_decode": "dec"}, device=CPU, dtype=torch.float16, registry=reg)
+
+
+def test_the_environment_overrides_a_table(monkeypatch):
+    reg = registry(spec("dec"))
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+    sel = select_backend(PAGED, requested={"paged_decode": "dec"}, device=CPU, dtype=F32, registry=reg)
+    assert sel.name == "reference" and sel.source == "env MSTAR_ATTENTION_BACKEND"
+
+
+# -- multi-token decode rows ---------------------------------------------------------------------
+
+def test_multi_token_rows_run_where_a_pick_declares_them():
+    reg = registry()
+    # the reference runs them on its decode wrapper
+    assert select_backend(PAGED, device=CPU, dtype=F32, registry=reg, features=MULTI).multi_token_wrapper == \
+        "paged_decode"
+    # a decode-only backend without them keeps decode; the reference's prefill wrapper runs the rows
+    plain_dec = spec("dec", priority=3)
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=registry(plain_dec), features=MULTI)
+    assert sel.names["paged_decode"] == "dec" and sel.multi_token_wrapper == "paged_prefill"
+    # a prefill backend that does not run them is passed over for one that does
+    pre0 = spec("pre0", provides={"paged_prefill": PREFILL}, priority=3)
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=registry(plain_dec, pre0), features=MULTI)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert "on its paged_prefill wrapper" in sel.rejected_by["paged_prefill"]["pre0"][0]
+    # ... unless no prefill candidate runs them: then decode moves to one that does
+    pre = spec("pre", provides={"paged_prefill": PREFILL, "paged_decode": DECODE}, priority=2,
+               features={"paged_decode": ("multi_token_decode",)})
+    sel = select_backend(PAGED, requested={"paged_prefill": "pre0"}, device=CPU, dtype=F32,
+                         registry=registry(plain_dec, pre0, pre), features=MULTI)
+    assert sel.names["paged_decode"] == "pre" and sel.multi_token_wrapper == "paged_decode"
+    assert "on its paged_decode wrapper" in sel.rejected_by["paged_decode"]["dec"][0]
+    # named picks that cannot run them: refused, naming both
+    with pytest.raises(BackendUnavailable, match=r"3 query tokens per decode row.*paged_prefill: pre0, "
+                                                 r"paged_decode: dec"):
+        select_backend(PAGED, requested={"paged_decode": "dec", "paged_prefill": "pre0"}, device=CPU, dtype=F32,
+                       registry=registry(plain_dec, pre0), features=MULTI)
