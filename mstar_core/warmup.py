@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -119,6 +120,15 @@ class WarmupReport:
         return out
 
 
+def per_backend(sel: Any, caps: Sequence[str]) -> list[tuple[Any, tuple[str, ...]]]:
+    """(backend spec, the capabilities of ``caps`` it serves) of a selection, in pick order."""
+    out: dict[str, tuple[Any, list[str]]] = {}
+    for cap in caps:
+        spec = sel.backend_for(cap)
+        out.setdefault(spec.name, (spec, []))[1].append(cap)
+    return [(spec, tuple(served)) for spec, served in out.values()]
+
+
 def warmup(
     config: WarmupConfig, backend: str | None = "auto", device: torch.device | str = "cuda",
     capabilities: Sequence[str] | None = None,
@@ -164,13 +174,13 @@ def warmup(
                 continue
             raise
         selected += 1
-        spec = sel.backend
-        if spec.warmup is None:
-            notes.append(f"{sel.name} ({', '.join(caps)}): nothing to prepare; it compiles nothing on first use")
-            continue
-        fn = load_ref(spec.warmup) if isinstance(spec.warmup, str) else spec.warmup
-        for item in fn(config, dev, caps):
-            (notes if isinstance(item, str) else kernels).append(item)
+        for spec, served in per_backend(sel, caps):  # each pick warms the capabilities it serves
+            if spec.warmup is None:
+                notes.append(f"{spec.name} ({', '.join(served)}): nothing to prepare; it compiles nothing on first use")
+                continue
+            fn = load_ref(spec.warmup) if isinstance(spec.warmup, str) else spec.warmup
+            for item in fn(config, dev, served):
+                (notes if isinstance(item, str) else kernels).append(item)
     if missed and not selected:  # no group asked for has a backend here: nothing was warmed
         raise BackendUnavailable(
             f"warmup: nothing was warmed on {describe(dev)}: " + " | ".join(str(e) for e in missed)

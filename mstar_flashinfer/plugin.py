@@ -31,10 +31,11 @@ FLASHINFER = BackendSpec(
     # path; windows per layer through the managers (one plan per window). Not declared: sink
     # logits -- FlashInfer 0.5.3's paged wrappers pass `sinks` only to its trtllm-gen backend
     # (sm100); on sm90 they would be dropped silently.
-    # Multi-token decode rows run on the prefill wrapper in graph mode (static rows and tokens).
+    # Multi-token decode rows run on the prefill wrapper in graph mode (static rows and tokens):
+    # declared there (plugin API 1.1); FlashInfer's decode wrapper takes one query per row.
     features={
-        "paged_prefill": PAGED_FEATURES,
-        "paged_decode": (*PAGED_FEATURES, "multi_token_decode"),
+        "paged_prefill": (*PAGED_FEATURES, "multi_token_decode"),
+        "paged_decode": PAGED_FEATURES,
         "mixed": PAGED_FEATURES,
         "prefixed_ragged": ("soft_cap", "layer_windows"),
     },
@@ -43,6 +44,7 @@ FLASHINFER = BackendSpec(
     warmup="mstar_flashinfer.warmup:warmup",
     description="FlashInfer paged prefill/decode/mixed and ragged prefill (JIT-compiled on first use)",
     install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.4'",
+    api_version="1.1",
 )
 
 

@@ -116,16 +116,17 @@ def tiny_graph_node(graphs=True, slots=2, buckets=(2, 4), max_pages=64, layers=2
 
 
 def multi_token_graph_node(query_tokens=4, features=None, wrappers=REF_WRAPPERS, layers=2, head_dim=16,
-                           dtype=torch.float64, device="cpu"):
+                           dtype=torch.float64, device="cpu", multi_token_wrapper="paged_prefill"):
     """The tiny decoder over paged KV and attention whose decode rows carry ``query_tokens``
-    tokens each, under a GraphRunner (buckets 2 and 4, not warmed up). Returns (model, kv, attn,
-    node, runner)."""
+    tokens each (on ``multi_token_wrapper``), under a GraphRunner (buckets 2 and 4, not warmed
+    up). Returns (model, kv, attn, node, runner)."""
     cfg = TinyDecoderConfig(num_layers=layers, hidden=64, mlp=128, num_qo_heads=4, num_kv_heads=2, head_dim=head_dim)
     model = TinyDecoder(cfg, device, dtype, seed=5)
     features = features or AttentionFeatures(decode_query_tokens=query_tokens)
     kvc = KVConfig(layers, 2, head_dim, 16 if device == "cuda" else 4, 64, 4)
     kv = KVManager(kvc, device, dtype, features=features)
-    attn = PagedAttentionManager(kv, device, dtype, kvc, wrappers, accelerator_graph=True)
+    attn = PagedAttentionManager(kv, device, dtype, kvc, wrappers, accelerator_graph=True,
+                                 multi_token_wrapper=multi_token_wrapper)
     node = Node([kv, attn])
     runner = GraphRunner(node, model.step_forward(kv, attn), buckets=[2, 4], device=device, query_tokens=query_tokens)
     return model, kv, attn, node, runner

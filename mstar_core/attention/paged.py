@@ -17,7 +17,7 @@ import torch
 
 from mstar_core import ops
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.capabilities import PAGED, PAGED_DECODE, paged_step_capability
+from mstar_core.capabilities import PAGED, PAGED_DECODE, PAGED_PREFILL, paged_step_capability
 from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.kv.config import KVConfig
@@ -35,17 +35,21 @@ log = logging.getLogger(__name__)
 WrapperKey = tuple[str, str, int, "int | None", int]
 
 
-def capture_kinds(features: AttentionFeatures) -> tuple[str, ...]:
+def capture_kinds(features: AttentionFeatures, multi_token_wrapper: str | None = PAGED_PREFILL) -> tuple[str, ...]:
     """The wrapper kinds a captured decode step runs: multi-token decode rows are captured on
-    the prefill wrapper, so it must be capturable too."""
-    return ("paged_decode",) if features.decode_query_tokens == 1 else ("paged_decode", "paged_prefill")
+    the wrapper that runs them (``multi_token_wrapper``: the selection's; the prefill one unless
+    the decode backend declares them), which must then be capturable too."""
+    if features.decode_query_tokens == 1 or multi_token_wrapper == PAGED_DECODE:
+        return (PAGED_DECODE,)
+    return (PAGED_DECODE, PAGED_PREFILL)
 
 
-def decode_capturable(capturable: Iterable[str], features: AttentionFeatures) -> bool:
-    """Whether a backend whose ``capturable`` kinds (its selection's) are these can have its
-    decode steps captured: the ``graph_capturable`` a manager is built with."""
+def decode_capturable(capturable: Iterable[str], features: AttentionFeatures,
+                      multi_token_wrapper: str | None = PAGED_PREFILL) -> bool:
+    """Whether a selection whose ``capturable`` kinds are these can have its decode steps
+    captured: the ``graph_capturable`` a manager is built with."""
     have = set(capturable)
-    return all(k in have for k in capture_kinds(features))
+    return all(k in have for k in capture_kinds(features, multi_token_wrapper))
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,15 @@ def full_past_capacity(features: AttentionFeatures, kv_config: KVConfig) -> Atte
     return replace(features, layer_windows=tuple(-1 if w >= capacity else w for w in windows))
 
 
+def selected(sel: Any, features: AttentionFeatures) -> dict[str, Any]:
+    """The keywords a ``Selection`` gives the manager besides its wrapper classes: the backend
+    names (per capability), where multi-token decode rows run, and whether decode steps can be
+    captured."""
+    wrapper = sel.multi_token_wrapper or PAGED_PREFILL
+    return {"backend_name": sel.name, "backend_names": sel.names, "multi_token_wrapper": wrapper,
+            "graph_capturable": decode_capturable(sel.capturable, features, wrapper)}
+
+
 class PagedAttentionManager(AttentionManager):
     """Attention through a backend's paged prefill / decode / mixed wrappers."""
 
@@ -127,10 +140,15 @@ class PagedAttentionManager(AttentionManager):
         graph_capturable: bool | None = None,
         features: AttentionFeatures | None = None,
         backend_name: str | None = None,
+        multi_token_wrapper: str = PAGED_PREFILL,
+        backend_names: Mapping[str, str] | None = None,
     ) -> None:
         missing = [c for c in PAGED if c not in wrappers]
         if missing:
             raise InputError(f"PagedAttentionManager needs wrappers for {list(PAGED)}; missing {missing}")
+        if multi_token_wrapper not in (PAGED_DECODE, PAGED_PREFILL):
+            raise InputError(f"PagedAttentionManager: multi_token_wrapper must be {PAGED_DECODE!r} or "
+                             f"{PAGED_PREFILL!r} (the selection's), got {multi_token_wrapper!r}")
         # The model's features; the KV manager's by default (it stores what they ask for).
         self.features = kv_cache.features if features is None else features
         if self.features.kv_dtype != kv_cache.features.kv_dtype:
@@ -144,6 +162,12 @@ class PagedAttentionManager(AttentionManager):
         self.kv_config = kv_config
         self.wrapper_classes = dict(wrappers)
         self.backend_name = backend_name
+        # Which backend each kind's wrapper comes from (errors name it); the one name by default.
+        self.backend_names = dict(backend_names) if backend_names else dict.fromkeys(PAGED, backend_name)
+        # Uniform rows of decode_query_tokens > 1 run on the decode wrapper (its backend declares
+        # them there) or on the prefill wrapper.
+        self.multi_token_wrapper = multi_token_wrapper
+        self._multi_on_decode = multi_token_wrapper == PAGED_DECODE and self.features.decode_query_tokens > 1
         self.flashinfer_backend = flashinfer_backend
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens
@@ -188,9 +212,7 @@ class PagedAttentionManager(AttentionManager):
         )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        capturable = decode_capturable(sel.capturable, kv.features)
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes, graph_capturable=capturable,
-                   backend_name=sel.name, **extra)
+        return cls(kv, info.device, info.dtype, kv.config, sel.classes, **selected(sel, kv.features), **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
@@ -204,7 +226,7 @@ class PagedAttentionManager(AttentionManager):
             try:
                 w = self._build_wrapper(cls, kind, bucket, graph_tokens)
             except Exception as e:
-                blame(e, self.backend_name, cls, "__init__")
+                blame(e, self.backend_names.get(kind), cls, "__init__")
                 raise
             self._wrappers[key] = w
         return w
@@ -216,10 +238,12 @@ class PagedAttentionManager(AttentionManager):
             # One graph-mode wrapper per (bucket, slot): its static buffers are what the graph
             # captured for that bucket reads; padding rows add one page each. Multi-token decode
             # rows run on the prefill wrapper, sized for the bucket's tokens.
-            size = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
+            size: dict[str, int | None] = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
+            if kind == PAGED_DECODE and self._multi_on_decode:  # the bucket's rows of t tokens each
+                size = {"query_tokens": self.features.decode_query_tokens}
             # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
             # sizes its split-KV scratch for the static maximum).
-            ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if size else 1)
+            ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if kind == "paged_prefill" else 1)
             return cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
                        device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
         if kind == "mixed":
@@ -245,7 +269,7 @@ class PagedAttentionManager(AttentionManager):
         graph_tokens = ctx.graph_tokens
         entries = []
         for label, lay in kv_plan.labels:
-            kind = PAGED_DECODE if lay.decode else self._kind(lay.q_lens)
+            kind = PAGED_DECODE if lay.decode else self._kind(lay.q_lens, a.causal)
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx, lay)
             plans = []
@@ -263,8 +287,12 @@ class PagedAttentionManager(AttentionManager):
         self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
 
-    def _kind(self, q_lens: tuple[int, ...]) -> str:
-        """The wrapper a label's rows need (decode ones are known from the layout)."""
+    def _kind(self, q_lens: tuple[int, ...], causal: bool) -> str:
+        """The wrapper a label's rows need (one-token decode rows are known from the layout):
+        uniform causal rows of ``decode_query_tokens`` go to the decode wrapper where it runs them."""
+        t = self.features.decode_query_tokens
+        if self._multi_on_decode and causal and q_lens and all(n == t for n in q_lens):
+            return PAGED_DECODE
         kind = paged_step_capability(q_lens)
         if kind == "mixed" and sum(1 for n in q_lens if n > 1) > self.max_prefill_rows:
             kind = "paged_prefill"  # more prompt rows than the mixed plan holds: one packed plan
@@ -302,7 +330,7 @@ class PagedAttentionManager(AttentionManager):
         declared = self.graph_capturable
         if declared is None:
             declared = all(getattr(self.wrapper_classes[k], "graph_capturable", True)
-                           for k in capture_kinds(self.features))
+                           for k in capture_kinds(self.features, self.multi_token_wrapper))
         return self.accelerator_graph and (self.device.type == "cpu" or declared)
 
     def depends_on(self) -> tuple[str, ...]:
@@ -317,6 +345,8 @@ class PagedAttentionManager(AttentionManager):
                       kw: dict[str, Any]) -> None:
         try:
             if kind == "paged_decode":
+                if self._multi_on_decode and lay.num_tokens != len(lay.q_lens):
+                    kw = {**kw, "query_tokens": self.features.decode_query_tokens}
                 w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
                        window_left=window_left, **kw)
             else:
@@ -326,7 +356,7 @@ class PagedAttentionManager(AttentionManager):
                 w.plan(lay.qo_indptr, lay.kv_indptr, indices, lay.kv_last_page_len, causal=causal,
                        dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
         except Exception as e:
-            blame(e, self.backend_name, w, "plan")
+            blame(e, self.backend_names.get(kind), w, "plan")
             raise
 
     def run(
@@ -394,8 +424,8 @@ class PagedAttentionManager(AttentionManager):
             kw = {**kw, "sinks": sinks}
         try:
             return wrapper.run(q, kv_cache_layer, **kw)
-        except Exception as e:
-            blame(e, self.backend_name, wrapper, "run")
+        except Exception as err:
+            blame(err, self.backend_names.get(e.kind), wrapper, "run")
             raise
 
     def fingerprint(self) -> bytes:

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
+from mstar_core.attention.paged import PagedAttentionManager, selected
 from mstar_core.capabilities import PAGED
 from mstar_core.compiling import CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
@@ -183,8 +183,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
     kv = KVManager(kvc, dev, dt, features=features, tp=tp)
     attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
-                                 graph_capturable=decode_capturable(sel.capturable, features),
-                                 max_batch_size=max(o.batch, 1), backend_name=sel.name)
+                                 max_batch_size=max(o.batch, 1), **selected(sel, features))
     node = Node([kv, attn])
 
     forward = model.step_forward(kv, attn, LABEL, CompileOptions(o.compile_backend))

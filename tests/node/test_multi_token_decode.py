@@ -12,7 +12,9 @@ from mstar_core import (
     Step,
 )
 
-from ..helpers import multi_token_graph_node, verify_multi_token_decode
+from mstar_core.backends import reference as R
+
+from ..helpers import REF_WRAPPERS, multi_token_graph_node, verify_multi_token_decode
 
 
 @pytest.mark.parametrize("t", [2, 4, 8])
@@ -45,3 +47,29 @@ def test_graph_steps_beyond_the_features_query_tokens_are_refused():
     assert kv.sink_page is None and kv.num_free_pages == kv.config.max_pages
     with pytest.raises(ValueError, match=r"query_tokens must be an int in 1..8"):
         GraphRunner(node, lambda ctx, t: t, [2], "cpu", query_tokens=9)
+
+
+class SpyDecode(R.ReferenceDecodeWrapper):
+    """The reference decode wrapper, recording what each plan asked for."""
+
+    planned: list = []
+
+    def plan(self, *args, **kw):
+        SpyDecode.planned.append(kw.get("query_tokens", 1))
+        return super().plan(*args, **kw)
+
+
+@pytest.mark.parametrize("t", [2, 4])
+def test_multi_token_rows_on_a_decode_wrapper_that_declares_them(t):
+    """Where the selection says the decode wrapper runs them, uniform rows of t go there -- in the
+    graph steps and eagerly -- with query_tokens=t; the logits match the full forward."""
+    SpyDecode.planned = []
+    wrappers = {**REF_WRAPPERS, "paged_decode": SpyDecode}
+    model, kv, attn, node, runner = multi_token_graph_node(t, wrappers=wrappers, multi_token_wrapper="paged_decode")
+    runner.warmup()
+    verify_multi_token_decode(model, node, runner, t)
+    assert t in SpyDecode.planned
+    assert [k[1] for k in attn._wrappers if k[3] is not None] == ["paged_decode"] * len(
+        [k for k in attn._wrappers if k[3] is not None])  # no graph-mode prefill wrapper was built
+    with pytest.raises(ValueError, match="multi_token_wrapper must be 'paged_decode' or 'paged_prefill'"):
+        multi_token_graph_node(t, multi_token_wrapper="mixed")

@@ -168,7 +168,8 @@ class ReferencePrefillWrapper:
 
 
 class ReferenceDecodeWrapper(ReferencePrefillWrapper):
-    """One query token per row: a prefill whose ``qo_indptr`` is ``0 .. rows``."""
+    """One query token per row -- or ``query_tokens`` per row (multi-token decode, declared on
+    paged_decode), causal -- a prefill whose ``qo_indptr`` is ``0, t, 2t ..``."""
 
     def __init__(
         self,
@@ -183,9 +184,12 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         accelerator_graph: bool = False,
         enable_nvtx: bool = False,
         backend: str = "auto",
+        query_tokens: int = 1,
     ) -> None:
+        # graph mode: a bucket of batch_size rows, query_tokens each
+        static = None if batch_size is None or query_tokens == 1 else batch_size * query_tokens
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
-                         None, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+                         static, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
         self._ones = torch.ones(0, dtype=torch.int64)
 
     # The decode protocol's plan (no qo_indptr, no causal) over the prefill plan it reuses:
@@ -198,9 +202,18 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: torch.Tensor | None = None,
         window_left: int = -1,
+        query_tokens: int = 1,
         **kwargs: Any,
     ) -> None:
         rows = paged_kv_indptr.numel() - 1
+        if not isinstance(query_tokens, int) or isinstance(query_tokens, bool) or query_tokens < 1:
+            raise InputError(f"{type(self).__name__}.plan: query_tokens must be an int >= 1 (query tokens per row), "
+                             f"got {query_tokens!r}")
+        if query_tokens > 1:
+            self._plan_rows(torch.full((rows,), query_tokens, dtype=torch.int64), rows * query_tokens,
+                            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, kv_lens, window_left,
+                            kwargs)
+            return
         if self._ones.numel() < rows:  # one query per row: a slice of a grown tensor of ones
             self._ones = torch.ones(max(rows, 2 * self._ones.numel()), dtype=torch.int64)
         self._plan_rows(self._ones[:rows], rows, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,

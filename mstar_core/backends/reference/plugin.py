@@ -26,13 +26,16 @@ REFERENCE = BackendSpec(
     capturable=(),
     # Every feature, as the float64 oracle defines it (the bounded kernels take none of them:
     # the bounded manager refuses them with its own reason).
+    # Multi-token decode rows on either wrapper (plugin API 1.1: declared where they run): its
+    # decode wrapper takes them, and its prefill wrapper runs them for a decode pick that does not.
     features={
-        "paged_prefill": PAGED_FEATURES,
+        "paged_prefill": (*PAGED_FEATURES, "multi_token_decode"),
         "paged_decode": (*PAGED_FEATURES, "multi_token_decode"),
         "mixed": PAGED_FEATURES,
         "prefixed_ragged": ("soft_cap", "sink_logits", "layer_windows"),
     },
     description="plain PyTorch; the oracle every backend is tested against",
+    api_version="1.1",
 )
 
 

@@ -17,7 +17,7 @@ that build once and generate several times (benchmarks).
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
@@ -52,11 +52,12 @@ ENGINE_OPTIONS = tuple(f.name for f in fields(EngineOptions))
 register()
 
 
-def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, backend: str | None = None,
-             **options: Any) -> list[list[int]]:
+def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
+             backend: str | Mapping[str, str] | None = None, **options: Any) -> list[list[int]]:
     """Generation through mstar: ``prompts`` are token-id lists; returns each prompt's new token
     ids (stopping after the model's end-of-sequence token, which is kept, as ``model.generate``
-    does). ``backend``: a name or ``"auto"`` (None: config, env, then auto). Greedy unless
+    does). ``backend``: a name or ``"auto"``, or capability -> name (``"default"``: the others;
+    each paged capability from its own pick) (None: config, env, then auto). Greedy unless
     ``sampling`` says otherwise.
 
     ``options``: :class:`EngineOptions` fields (``page_size``, ``max_pages`` (default: room for
@@ -72,7 +73,7 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int, 
 
 
 def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    backend: str | None = None, **options: Any) -> Generation:
+                    backend: str | Mapping[str, str] | None = None, **options: Any) -> Generation:
     """:func:`generate`, returning the :class:`Generation` (ids, steps, timings)."""
     unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:

@@ -13,12 +13,13 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Self
 
 import torch
 
-from mstar_core.attention.paged import PagedAttentionManager, decode_capturable
+from mstar_core.attention.paged import PagedAttentionManager, selected
 from mstar_core.capabilities import PAGED
 from mstar_core.compiling import CompiledForward, compile_options
 from mstar_core.config import load_config
@@ -200,7 +201,8 @@ class Engine:
     one model (each with its own cache): they share its attention switch, which the last to close
     gives back. A closed engine refuses to run."""
 
-    def __init__(self, model: Any, backend: str | None = None, options: EngineOptions | None = None) -> None:
+    def __init__(self, model: Any, backend: str | Mapping[str, str] | None = None,
+                 options: EngineOptions | None = None) -> None:
         from mstar_core.registry import select_backend
 
         check_model(model)
@@ -226,7 +228,8 @@ class Engine:
             sel = select_backend(capabilities=PAGED, requested=backend, device=self.device,
                                  dtype=self.dtype, head_dim=a.head_dim, features=features, config=o.config)
             self.backend = sel.name
-            log.info("%s on backend %s", a.describe(), sel.name)  # describe() names the features
+            self.backends = sel.names  # capability -> the backend serving it
+            log.info("%s on backend %s", a.describe(), sel.summary)  # describe() names the features
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             # Refused before anything is allocated: a cache that does not fit would otherwise run
             # until the allocator fails, naming no option.
@@ -250,11 +253,10 @@ class Engine:
                 log.warning("graphs off: %s; every step runs eagerly%s", why, "" if compiling is None else
                             ", uncompiled")
                 graphs, compiling = False, None
-            capturable = decode_capturable(sel.capturable, features)
             self.attn = PagedAttentionManager(
                 self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
-                graph_capturable=capturable, max_batch_size=o.max_batch_size,
-                max_total_tokens=o.max_prefill_tokens + o.max_batch_size, features=features, backend_name=sel.name)
+                max_batch_size=o.max_batch_size, max_total_tokens=o.max_prefill_tokens + o.max_batch_size,
+                features=features, **selected(sel, features))
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
             # What the prefix cache keys this engine's pages under (None: the cache is off): the

@@ -1,0 +1,46 @@
+"""A decode-only third-party backend under ``auto``: it serves every decode step of a
+transformers model while the reference serves prefill and mixed steps, and the greedy ids are
+transformers' own."""
+
+from __future__ import annotations
+
+import torch
+
+from mstar_core import BackendSpec, Registry, generate_report
+from mstar_core.backends.reference import ReferenceDecodeWrapper
+from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.testing.hf_models import build
+
+from ...helpers import hf_greedy
+
+
+class CountingDecode(ReferenceDecodeWrapper):
+    """A decode kernel of a third-party distribution: counts its runs."""
+
+    runs = 0
+
+    def run(self, *args, **kw):
+        CountingDecode.runs += 1
+        return super().run(*args, **kw)
+
+
+def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_module, monkeypatch):
+    fake_module("fastdecode_mstar", CountingDecode=CountingDecode)
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0")
+    reg.register(BackendSpec(name="fastdecode", provides={"paged_decode": "fastdecode_mstar:CountingDecode"},
+                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1"),
+                 distribution="fastdecode-mstar", version="0.1")
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+    model = build("llama")
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 9)]
+    want = [hf_greedy(model, p, 12) for p in prompts]
+    CountingDecode.runs = 0
+    rep = generate_report(model, prompts, 12, arrivals=[0, 0, 2])
+    assert rep.ids == want
+    assert rep.backend == "reference+fastdecode"
+    layers = model.config.num_hidden_layers
+    assert CountingDecode.runs == rep.kinds["decode"] * layers > 0  # every decode step's layers, nothing else
+    assert rep.kinds["prefill"] >= 1 and rep.kinds["mixed"] >= 1  # the reference's steps
