@@ -127,41 +127,63 @@ class Report:
                 "results": [dataclasses.asdict(r) for r in self.results]}
 
 
-def default_head_dims(spec: BackendSpec) -> tuple[int, ...]:
-    """64 and 128 where declared, else the first declared among common head dims, else the
-    first value the backend lists."""
-    ok = [d for d in HEAD_DIM_CANDIDATES if not spec.head_dims.reasons(d)]
+def default_head_dims(spec: BackendSpec, capability: str | None = None) -> tuple[int, ...]:
+    """64 and 128 where declared (by ``capability``; None: the backend), else the first declared
+    among common head dims, else the first value it lists."""
+    dims = spec.head_dims if capability is None else spec.head_dims_for(capability)
+    ok = [d for d in HEAD_DIM_CANDIDATES if not dims.reasons(d)]
     both = tuple(d for d in (64, 128) if d in ok)
-    return both or tuple(ok[:1]) or tuple((spec.head_dims.values or ())[:1])
+    return both or tuple(ok[:1]) or tuple((dims.values or ())[:1])
+
+
+def _declared_anywhere(spec: BackendSpec) -> tuple[list[torch.dtype], list[Any]]:
+    """Every dtype and every head-dim declaration some capability of ``spec`` has."""
+    caps = list(spec.provides)
+    dtypes = list(dict.fromkeys(d for c in caps for d in spec.dtypes_for(c)))
+    return dtypes, [spec.head_dims_for(c) for c in caps]
 
 
 def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims: Sequence[int] | None
-             ) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
-    """The dtypes and head dims to check: the given ones, each declared by the backend and (a
-    dtype) known to the suite, or the defaults; a bad one raises, naming what is allowed."""
+             ) -> tuple[tuple[torch.dtype, ...], tuple[int, ...] | None]:
+    """The dtypes and head dims to check: the given ones, each declared by some capability of
+    the backend and (a dtype) known to the suite, or the defaults (head dims None: each
+    capability's own); a bad one raises, naming what is allowed."""
     usable = default_dtypes(spec)
     dtypes = tuple(dtypes) if dtypes is not None else usable
+    declared, dims = _declared_anywhere(spec)
     bad = [dtype_name(d) for d in dtypes if d not in usable]
     if bad:
         raise InputError(f"backend {spec.name!r}: cannot check dtype {', '.join(bad)}; it declares "
-                         f"{', '.join(map(dtype_name, spec.dtypes))}, and the suite checks "
+                         f"{', '.join(map(dtype_name, declared))}, and the suite checks "
                          f"{', '.join(map(dtype_name, C.TOLERANCE))}")
-    head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
-    for d in head_dims:
-        why = spec.head_dims.reasons(d)
-        if why:
-            raise InputError(f"backend {spec.name!r}: cannot check {why[0]}")
-    if not dtypes or not head_dims:
+    if head_dims is not None:
+        head_dims = tuple(head_dims)
+        for d in head_dims:
+            if all(h.reasons(d) for h in dims):
+                raise InputError(f"backend {spec.name!r}: cannot check {dims[0].reasons(d)[0]}")
+    if not dtypes or (head_dims is not None and not head_dims) or not any(default_head_dims(spec, c)
+                                                                          for c in spec.provides):
         raise InputError(f"backend {spec.name!r}: no dtype or head dim to check "
                          f"(dtypes {list(map(dtype_name, dtypes))}, "
-                         f"head dims {list(head_dims)}); it declares dtypes {[dtype_name(d) for d in spec.dtypes]}, "
-                         f"head dims {spec.head_dims}")
+                         f"head dims {list(head_dims or ())}); it declares dtypes {[dtype_name(d) for d in declared]}, "
+                         f"head dims {', '.join(sorted(set(map(str, dims))))}")
     return dtypes, head_dims
 
 
 def default_dtypes(spec: BackendSpec) -> tuple[torch.dtype, ...]:
-    """Every declared dtype the suite has a tolerance for."""
-    return tuple(d for d in spec.dtypes if d in C.TOLERANCE)
+    """Every dtype some capability declares that the suite has a tolerance for."""
+    return tuple(d for d in _declared_anywhere(spec)[0] if d in C.TOLERANCE)
+
+
+def _for_capability(spec: BackendSpec, cap: str, dtypes: Sequence[torch.dtype], declared_dtypes: bool,
+                    head_dims: Sequence[int] | None) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
+    """The dtypes and head dims ``cap`` is checked at: the declared ones it runs (given head dims
+    it declares; dtypes given by the caller as they are)."""
+    if declared_dtypes:
+        dtypes = [d for d in dtypes if d in spec.dtypes_for(cap)]
+    if head_dims is None:
+        return tuple(dtypes), default_head_dims(spec, cap)
+    return tuple(dtypes), tuple(d for d in head_dims if not spec.head_dims_for(cap).reasons(d))
 
 
 def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
@@ -219,10 +241,10 @@ def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: 
     return [(g, c) for g, cases in groups for c in cases]
 
 
-def multi_token_declared(spec: BackendSpec, classes: Mapping[str, Any]) -> bool:
-    """``multi_token_decode`` is declared (on paged_decode) and the prefill wrapper that runs it
-    is provided."""
-    return "multi_token_decode" in spec.supports("paged_decode") and "paged_prefill" in classes
+def multi_token_kinds(spec: BackendSpec, classes: Mapping[str, Any]) -> tuple[str, ...]:
+    """The step kinds ("decode", "prefill") whose provided wrapper runs multi-token decode
+    rows, as ``spec`` declares them (:meth:`BackendSpec.multi_token_wrappers`)."""
+    return tuple(STEP_KINDS[c] for c in spec.multi_token_wrappers() if c in classes)
 
 
 def _other_cuda(device: torch.device) -> torch.device | None:
@@ -242,13 +264,13 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
     ``quick``: a short subset -- the first head dim only, fewer plain and feature cases; every
     group and rule still checked. Nothing runs until a check's ``run()``."""
     device = torch.device(device)
-    dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
-    head_dims = tuple(head_dims) if head_dims is not None else default_head_dims(spec)
-    if quick:
-        head_dims = head_dims[:1]
+    declared_dtypes = dtypes is None
+    all_dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
+    given_dims = tuple(head_dims) if head_dims is not None else None
     other = _other_cuda(device)
+    multi = multi_token_kinds(spec, classes)
     checks: list[Check] = []
-    for dtype in dtypes:
+    for dtype in all_dtypes:
         def wrapper_set(dev: torch.device, dtype: torch.dtype = dtype) -> C.WrapperSet:
             return C.WrapperSet(
                 spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
@@ -260,10 +282,15 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
         for cap, kind in STEP_KINDS.items():
             if cap not in classes:
                 continue
+            cap_dtypes, head_dims = _for_capability(spec, cap, all_dtypes, declared_dtypes, given_dims)
+            if dtype not in cap_dtypes or not head_dims:
+                continue  # this capability declares other dtypes or head dims
+            if quick:
+                head_dims = head_dims[:1]
             fn = C.CHECKS[kind]
             for group, case in _cases(kind, spec.supports(cap), head_dims, quick):
                 checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
-            if kind == "prefill" and multi_token_declared(spec, classes):
+            if kind in multi:
                 for d in head_dims:
                     for case in C.multi_token_cases(d):
                         checks.append(Check(cap, "features", dtype, f"multi_token-{case}",
@@ -277,10 +304,10 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
                 checks.append(Check(cap, "layers", dtype, f"{kind}-d{d}{windows}",
                                     functools.partial(reuse.check_layers, ws, kind, d)))
             if cap in spec.capturable and device.type == "cuda":
-                multi = kind == "prefill" and multi_token_declared(spec, classes)
+                replay_multi = kind == "prefill" and kind in multi
                 for d in head_dims:
-                    checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}" + ("-multi_token" if multi else ""),
-                                        functools.partial(reuse.check_replay, ws, kind, d, multi)))
+                    checks.append(Check(cap, "replay", dtype, f"{kind}-d{d}" + ("-multi_token" if replay_multi else ""),
+                                        functools.partial(reuse.check_replay, ws, kind, d, replay_multi)))
             if other is not None:  # the data on a device that is not the current one
                 far = wrapper_set(other)
                 d = head_dims[-1]
@@ -333,9 +360,14 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
 def not_covered(spec: BackendSpec, classes: Mapping[str, Any]) -> dict[str, str]:
     """What ``spec`` provides or declares that the suite cannot check, and why."""
     out = {c: NOT_COVERED[c] for c in spec.provides if c in NOT_COVERED}
-    if "multi_token_decode" in spec.supports("paged_decode") and "paged_prefill" not in classes:
-        out["multi_token_decode"] = ("declared on paged_decode, but the managers run it on the paged_prefill "
-                                     "wrapper, which this backend does not provide")
+    declared = any("multi_token_decode" in spec.supports(c) for c in ("paged_decode", "paged_prefill"))
+    if declared and not multi_token_kinds(spec, classes):
+        out["multi_token_decode"] = (f"declared on paged_decode by a plugin API {spec.api_version} spec, whose "
+                                     "managers ran it on the paged_prefill wrapper, which this backend does not "
+                                     "provide; from plugin API 1.1 it is declared on the wrapper that runs it")
+    if "decode" in multi_token_kinds(spec, classes) and "paged_decode" in spec.capturable:
+        out["multi_token_decode replay"] = ("multi-token rows on the decode wrapper are checked eagerly; their graph "
+                                            "replay is not checked yet")
     return out
 
 
@@ -358,7 +390,7 @@ def check_backend(name: str, device: torch.device | str | None = None, dtypes: S
     short subset). ``on_start`` gets the checks before any runs, ``on_result`` each result."""
     sel, device = select_for_check(name, device, registry, config)
     spec = sel.backend
-    dtypes, head_dims = _checked(spec, dtypes, head_dims)
+    _checked(spec, dtypes, head_dims)  # given ones must be declared (None: each capability's own)
     checks = plan_checks(spec, sel.classes, device, dtypes, head_dims, quick=quick)
     if on_start is not None:
         on_start(checks)
@@ -397,7 +429,8 @@ def conformance_test(name: str, *, device: torch.device | str | None = None,
             raise AssertionError("skipped")
 
         return test_conformance_unavailable
-    checks = plan_checks(sel.backend, sel.classes, dev, *_checked(sel.backend, dtypes, head_dims), quick=quick)
+    _checked(sel.backend, dtypes, head_dims)
+    checks = plan_checks(sel.backend, sel.classes, dev, dtypes, head_dims, quick=quick)
 
     @pytest.mark.parametrize("check", checks, ids=[c.id for c in checks])
     def test_conformance(check: Check) -> None:

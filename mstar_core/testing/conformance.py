@@ -258,7 +258,7 @@ def shape_cases(kind: str, head_dim: int = 128) -> list[PagedCase] | list[Ragged
 
 def multi_token_cases(head_dim: int = 128) -> list[PagedCase]:
     """Uniform rows of 2..8 queries, causal, as the managers plan multi-token decode
-    (speculative verification) on the prefill wrapper; one with a window that bites."""
+    (speculative verification) on the wrapper that declares it; one with a window that bites."""
     return [
         PagedCase(16, head_dim, 4, (2,) * 16, _cycle((0, 15, 16, 30, 3, 99), 16), seed=1400),
         PagedCase(1, head_dim, 8, (4,) * 9, _cycle((12, 1, 40, 5), 9), seed=1410),
@@ -654,6 +654,8 @@ def plan_paged(backend: WrapperSet, kind: str, case: PagedCase, data: PagedData,
     a = arrays if arrays is not None else paged_arrays(backend, kind, data)
     kw = {**_scale_kwargs(backend, case), **(extra or {})}
     if kind == "decode":
+        if case.q_lens and case.q_lens[0] > 1:  # multi-token decode rows on a decode wrapper that declares them
+            kw["query_tokens"] = case.q_lens[0]
         w.plan(a["paged_kv_indptr"], a["paged_kv_indices"], a["paged_kv_last_page_len"], dtype=data.q.dtype,
                kv_lens=a["kv_lens"], window_left=case.window_left, **kw)
         return
@@ -666,7 +668,7 @@ def run_paged(backend: WrapperSet, kind: str, case: PagedCase, wrapper: Any = No
     """One paged case (``kind``: "prefill", "decode", "mixed") through a fresh wrapper (or
     ``wrapper``, planned again: see :mod:`.reuse`), run as :func:`exercise` says."""
     if kind == "decode":
-        assert all(n == 1 for n in case.q_lens), "decode cases have one query per row"
+        assert len(set(case.q_lens)) == 1 and case.causal, "decode cases have uniform causal rows"
     # NaN in what no row owns, except where a poisoned row's NaN is the point (so that NaN in
     # another row tells which rule it broke)
     data = make_paged(case, backend.device, backend.dtype, stale_nan=case.poison_row is None)

@@ -118,6 +118,20 @@ class PrefillMultiTokenNoCausal(R.ReferencePrefillWrapper):
         super().plan(qo_indptr, *args, causal=causal, **kwargs)
 
 
+class DecodeMultiTokenNoCausal(R.ReferenceDecodeWrapper):
+    """Multi-token rows on a decode wrapper that declares them (plugin API 1.1): every query of
+    a row sees every key of the row."""
+
+    def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=torch.bfloat16, kv_lens=None,
+             window_left=-1, query_tokens=1, **kwargs):
+        if query_tokens == 1:
+            return super().plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=dtype,
+                                kv_lens=kv_lens, window_left=window_left, **kwargs)
+        rows = paged_kv_indptr.numel() - 1
+        self._plan_rows(torch.full((rows,), query_tokens, dtype=torch.int64), rows * query_tokens, paged_kv_indptr,
+                        paged_kv_indices, paged_kv_last_page_len, False, kv_lens, window_left, kwargs)
+
+
 # -- the output: a view of a buffer the wrapper keeps ---------------------------------------------
 
 

@@ -31,6 +31,8 @@ PLANTS: dict[str, tuple[dict[str, type], tuple[torch.dtype, ...], dict[str, tupl
                      "independent-wrappers", ("layers", "ragged")),
     "multi_token": ({"paged_prefill": P.PrefillMultiTokenNoCausal, "paged_decode": R.ReferenceDecodeWrapper}, (F32,),
                     {"paged_decode": ("multi_token_decode",)}, "oracle", ("features", "multi_token-")),
+    "multi_token_on_decode": ({"paged_decode": P.DecodeMultiTokenNoCausal}, (F32,),
+                              {"paged_decode": ("multi_token_decode",)}, "oracle", ("features", "multi_token-")),
     "persistent_output": ({"paged_decode": P.DecodePersistentOutput}, (F32,), {}, "owned-output", ("replan", "")),
     "random_splits": ({"prefixed_ragged": P.RaggedRandomSplits}, (BF16,), {}, "deterministic", ("plain", "")),
     "contiguous_ragged": ({"prefixed_ragged": P.RaggedAssumesContiguous}, (F32,), {}, "strided-inputs",
@@ -45,6 +47,8 @@ PLANTS: dict[str, tuple[dict[str, type], tuple[torch.dtype, ...], dict[str, tupl
     "writes_q_ragged": ({"prefixed_ragged": P.RaggedWritesQ}, (F32,), {}, "inputs-unchanged", ("plain", "")),
     "writes_q_decode": ({"paged_decode": P.DecodeWritesQ}, (F32,), {}, "inputs-unchanged", ("plain", "")),
 }
+# Written for plugin API 1.1: multi-token rows declared on (and run by) the decode wrapper.
+API_1_1 = {"multi_token_on_decode"}
 PASSES = {"cast_to_plan_dtype": ({"paged_decode": P.DecodeCastToPlanDtype}, (F32, BF16), {})}
 ON_CUDA = {
     "output_on_host": ({"paged_decode": P.DecodeOutputOnHost}, (BF16,), {}),
@@ -63,7 +67,7 @@ def _registry(monkeypatch, plants) -> Registry:
             setattr(mod, attr, cls)
             provides[cap] = f"{MODULE}:{attr}"
         reg.register(BackendSpec(name=name, provides=provides, devices=("cpu", "cuda"), dtypes=dtypes,
-                                 features=features))
+                                 features=features, api_version="1.1" if name in API_1_1 else "1.0"))
     return reg
 
 
