@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.capabilities import FEATURE_REACH
+from mstar_core.capabilities import FEATURE_REACH, PAGED
 from mstar_core.cli.options import parse_device, parse_kv_dtype
 from mstar_core.errors import InputError
 from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
@@ -168,6 +168,10 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
                                        if spec.min_compute_capability else None),
             "dtypes": [dtype_name(d) for d in spec.dtypes],
             "head_dims": str(spec.head_dims),
+            # capability -> its own dtypes / head dims where they differ from the backend's
+            "per_capability": {cap: {"dtypes": [dtype_name(d) for d in spec.dtypes_for(cap)],
+                                     "head_dims": str(spec.head_dims_for(cap))} for cap in spec.per_capability},
+            "kv_layout": spec.kv_layout,
             "capturable": list(spec.capturable),
             # every capability it provides -> the features it supports there ([]: none)
             "features": {cap: list(spec.supports(cap)) for cap in spec.provides},
@@ -186,6 +190,14 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             auto[cap] = {"pick": None, "rejected": e.reasons}
         # requested features auto did not judge this capability on, and why
         auto[cap]["not_asked"] = not_asked(cap, features)
+    # The paged manager takes each paged capability from its own pick (over mstar's KV layout);
+    # where multi-token decode rows run depends on the picks together.
+    try:
+        sel = select_backend(capabilities=PAGED, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
+                             registry=registry, honor_env=False, features=features)
+        paged: dict[str, Any] = {"picks": sel.names, "multi_token_wrapper": sel.multi_token_wrapper, "error": None}
+    except BackendUnavailable as e:
+        paged = {"picks": None, "multi_token_wrapper": None, "error": str(e)}
     return {
         "device": describe(device),
         "arch": device_arch(device),
@@ -199,6 +211,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         "plugin_api": API_VERSION,
         "backends": backends,
         "auto": auto,
+        "paged": paged,
         "plugins": [{"entry_point": p.entry_point, "distribution": p.distribution, "version": p.version,
                      "backends": list(p.backends)} for p in registry.plugins],
         "failed_plugins": [{"entry_point": f.entry_point, "distribution": f.distribution, "version": f.version,
@@ -240,8 +253,13 @@ def render(data: dict[str, Any]) -> str:
     rows = [("backend", "distribution", "provides", "dtypes", "head dims", "status")]
     for b in data["backends"]:
         status = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
-        rows.append((b["name"], f"{b['distribution']} {b['version']}", ", ".join(b["provides"]),
-                     ", ".join(b["dtypes"]), b["head_dims"], status))
+        own = b["per_capability"]  # a capability's own declaration, after the backend's
+        dtypes = "; ".join([", ".join(b["dtypes"])] + [f"{c}: {', '.join(o['dtypes'])}" for c, o in own.items()
+                                                       if o["dtypes"] != b["dtypes"]])
+        dims = "; ".join([b["head_dims"]] + [f"{c}: {o['head_dims']}" for c, o in own.items()
+                                             if o["head_dims"] != b["head_dims"]])
+        rows.append((b["name"], f"{b['distribution']} {b['version']}", ", ".join(b["provides"]), dtypes, dims,
+                     status))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]) - 1)]
     for r in rows:  # the last column (status) is not padded: widths stop one short
         lines.append("  ".join(c.ljust(w) for c, w in zip(r, widths, strict=False)) + "  " + r[-1])
@@ -254,6 +272,18 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"  {'':<16}   {f} is not asked of {cap}: {why}")
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
+    paged = data["paged"]
+    if paged["picks"] is not None:
+        picks = paged["picks"]
+        one = len(set(picks.values())) == 1
+        lines += ["", "the paged manager takes " + (f"every paged capability from {next(iter(picks.values()))}" if one
+                                                    else ", ".join(f"{c} from {n}" for c, n in picks.items()))
+                  + " (each capability from its own pick, over mstar's KV layout)"]
+        if paged["multi_token_wrapper"]:
+            lines.append(f"  multi-token decode rows run on the {paged['multi_token_wrapper']} wrapper of "
+                         f"{picks[paged['multi_token_wrapper']]}")
+    else:
+        lines += ["", f"the paged manager cannot be built here: {paged['error']}"]
     if data["env_override"]:
         lines += ["", f"{ENV_BACKEND}={data['env_override']}: every selection uses it, overriding config and "
                       "the name code gives (select_backend(requested=), a manager spec's \"backend\", --backend)"]

@@ -120,9 +120,9 @@ def test_features_per_backend_and_capability_in_json(registry, run_json):
     assert ref["paged_decode"] == ALL_SIX and ref["bounded"] == []
     assert ref["prefixed_ragged"] == ["soft_cap", "sink_logits", "layer_windows"]
     fi = by_name["flashinfer"]["features"]
-    # no sink logits; multi-token decode rows on the decode path
-    assert fi["paged_decode"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "multi_token_decode"]
-    assert fi["paged_prefill"] == fi["mixed"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows"]
+    # no sink logits; multi-token decode rows on the prefill wrapper, which runs them
+    assert fi["paged_prefill"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "multi_token_decode"]
+    assert fi["paged_decode"] == fi["mixed"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows"]
     # plain attention: nothing is refused for a feature
     assert not any("feature" in r for a in data["auto"].values() for rs in a["rejected"].values() for r in rs)
 
@@ -132,11 +132,11 @@ def test_features_per_backend_and_capability_in_the_table(registry, run_text):
     lines = out.splitlines()
     i = lines.index("features per capability:")
     assert lines[i + 1:i + 8] == [
-        "  flashinfer  paged_prefill, mixed: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows",
-        "              paged_decode: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows, multi_token_decode",
+        "  flashinfer  paged_prefill: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows, multi_token_decode",
+        "              paged_decode, mixed: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows",
         "              prefixed_ragged: soft_cap, layer_windows",
-        "  reference   paged_prefill, mixed: " + ", ".join(ALL_SIX[:5]),
-        "              paged_decode: " + ", ".join(ALL_SIX),
+        "  reference   paged_prefill, paged_decode: " + ", ".join(ALL_SIX),
+        "              mixed: " + ", ".join(ALL_SIX[:5]),
         "              prefixed_ragged: soft_cap, sink_logits, layer_windows",
         "              bounded: none",
     ]
