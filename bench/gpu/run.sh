@@ -39,12 +39,16 @@
 #                       bench/compiled_decode.py (MODELS=smollm2,llama1b by default; SmolLM2 where /tmp/smollm2 holds it)
 #   sampling            as transformers: the sampler's and compiled steps' GPU tests, bench/sampled_decode.py (sampled against
 #                       greedy decode steps inside graphs)
+#   check               .gpu/flashinfer and .gpu/flashinfer-aot-0.5.3.tgz, then (a second call on that machine) .gpu/fa3:
+#                       `mstar check NAME --device cuda` for each of BACKENDS (default: flashinfer, or fa3 where
+#                       .gpu/fa3 came), CHECK_ARGS added (e.g. --dtype bfloat16), each report as <name>.json, and
+#                       the kit's own GPU tests (its device plants)
 #   prefix              as transformers (on the smollm2 machine for SmolLM2's own weights; .gpu/flashinfer may stay behind
 #                       where an earlier call on that machine installed it): bench/prefix_cache.py (MODELS=smollm2,smollm2_shape)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix | check"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -209,6 +213,20 @@ prefix)
   export PYTHONPATH=$PYTHONPATH:/tmp/site-gguf
   smol=(); [ -f /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && smol=(--smol /tmp/smollm2)
   T 540 prefix_cache python3 bench/prefix_cache.py --out "$R" --models "${MODELS:-smollm2,smollm2_shape}" "${smol[@]}"
+  flashinfer_modules_out "$FI" ;;
+check)  # the conformance kit on the real libraries; FlashInfer stays installed in /tmp/fi-0.5.3 between calls
+  if [ -d .gpu/fa3 ]; then source .gpu/env.sh fa3 || exit 1; fi
+  if [ -d .gpu/flashinfer ] || [ -d "/tmp/fi-$FI/flashinfer" ]; then
+    EXTRA_PATH=$PYTHONPATH flashinfer_site "$FI" || exit 1
+  fi
+  project flashinfer fa3; envinfo
+  for b in ${BACKENDS:-$([ -d .gpu/fa3 ] && echo fa3 || echo flashinfer)}; do
+    # the report (JSON) into its own file; the progress lines and the table's exit status into the log
+    T 540 "check_$b" bash -c "python3 -m mstar_core.cli check $b --device cuda --json $CHECK_ARGS > $R/check_$b.json"
+    python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['backend'], d['label'], 'ok' if d['ok'] else 'FAILED', d['passed'], 'passed', d['failed'], 'failed; not covered:', d['not_covered'])" \
+      "$R/check_$b.json" >> "$R/summary.txt" 2>&1
+  done
+  [ -n "$KIT_TESTS" ] && gpu_tests 120 kit_tests tests/testing tests/registry
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac
