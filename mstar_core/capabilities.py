@@ -14,11 +14,11 @@ MIXED = "mixed"
 PREFIXED_RAGGED = "prefixed_ragged"  # the dense path's wrapper
 BOUNDED = "bounded"
 
-# The paged manager selects these three from one backend, over one paged KV layout.
+# The paged manager's three, each from its own pick over one paged KV layout.
 PAGED: tuple[str, ...] = (PAGED_PREFILL, PAGED_DECODE, MIXED)
 CAPABILITIES: tuple[str, ...] = (*PAGED, PREFIXED_RAGGED, BOUNDED)
 
-# The groups a build selects one backend for (what `mstar warmup` warms): the paged manager and
+# The groups a build selects together (what `mstar warmup` warms): the paged manager and
 # the dense path.
 GROUPS: tuple[tuple[str, ...], ...] = (PAGED, (PREFIXED_RAGGED,))
 

@@ -85,8 +85,10 @@ class PagedPrefillWrapper(Protocol):
 @runtime_checkable
 class PagedDecodeWrapper(Protocol):
     """Batched decode; ``run(q [rows, Hq, D], layer) -> [rows, Hq, D]``: one query per row, the
-    row's last position (with the ``multi_token_decode`` feature the managers plan uniform rows of
-    2..8 queries on the prefill wrapper instead).
+    row's last position. A wrapper whose backend declares ``multi_token_decode`` on paged_decode
+    (plugin API 1.1) also gets uniform rows of 2..8 queries: ``plan(..., query_tokens=t)`` and
+    ``q [rows * t, Hq, D]``, causal (graph mode: built with ``query_tokens=t`` too); elsewhere the
+    managers plan those rows on a prefill wrapper that declares them.
 
     Constructor: ``(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size,
     batch_size=None, max_num_pages=None, device=..., accelerator_graph=False, enable_nvtx=False,

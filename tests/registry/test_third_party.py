@@ -95,6 +95,8 @@ def test_mstar_backends_lists_the_plugin_and_the_broken_one(site):
     assert data["auto"]["paged_decode"]["pick"] == "plainattn"
     assert data["auto"]["prefixed_ragged"]["pick"] == "plainattn"
     assert data["auto"]["bounded"]["pick"] == "reference"  # plainattn does not provide it
+    # a decode-only plugin written for 1.0 serves the paged manager's decode steps
+    assert data["paged"]["picks"] == {"paged_prefill": "reference", "paged_decode": "plainattn", "mixed": "reference"}
 
     table = _run(site, _cli())
     assert table.returncode == 0, table.stderr
