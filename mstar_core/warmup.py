@@ -150,7 +150,8 @@ def warmup(
     if bad or not wanted:
         raise InputError(f"capabilities to warm must be a non-empty subset of {list(WARMABLE)} (bounded compiles "
                          f"nothing on first use: PyTorch, or Triton's own cache), got {list(wanted)}")
-    name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
+    choice, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
+    name = choice if isinstance(choice, str) else "auto"  # a name or auto here: no config is read
     auto = name == "auto"
     named = None if auto else get_registry().get(name)
     features = config.features

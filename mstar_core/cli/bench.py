@@ -23,8 +23,9 @@ def register(sub: argparse._SubParsersAction) -> None:
         "path's (paged_prefill, paged_decode and mixed, each from its own pick), chosen as --backend says; the "
         "output's first line (--json: \"backend\") names the ones that ran. Under auto, on a CPU, that is the "
         "reference unless an installed plugin provides a paged capability and can run here (device, dtype, head dim): "
-        "auto tries third-party plugins before the reference (`mstar backends` shows auto's picks). The KV cache and weights the sizes ask "
-        "for are estimated first: sizes that do not fit the device's free memory are refused, naming the options. "
+        "auto tries third-party plugins before the reference (`mstar backends` shows auto's picks). The KV cache "
+        "and weights the sizes ask for are estimated first: sizes that do not fit the device's free memory are "
+        "refused, naming the options. "
         "With --tp N (launched by torchrun) the model is sharded over N ranks and rank 0 prints, adding the time of "
         "the step's all-reduces alone.",
     )
