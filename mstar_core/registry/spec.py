@@ -263,8 +263,10 @@ class BackendSpec:
         feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
         lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}
         if PAGED_DECODE in lacking:  # multi-token rows run on whichever wrapper declares them
+            # (a 1.0 spec's declaration on paged_decode alone, with no prefill wrapper, runs them nowhere)
             runs = ("multi_token_decode",) if self.multi_token_wrappers() else ()
-            lacking[PAGED_DECODE] = features.lacking(PAGED_DECODE, (*self.supports(PAGED_DECODE), *runs))
+            own = tuple(f for f in self.supports(PAGED_DECODE) if f != "multi_token_decode")
+            lacking[PAGED_DECODE] = features.lacking(PAGED_DECODE, (*own, *runs))
         reasons = []
         for feature in features.requested():
             caps = [c for c, missing in lacking.items() if feature in missing]

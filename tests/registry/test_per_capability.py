@@ -182,3 +182,35 @@ def test_multi_token_rows_run_where_a_pick_declares_them():
                                                  r"paged_decode: dec"):
         select_backend(PAGED, requested={"paged_decode": "dec", "paged_prefill": "pre0"}, device=CPU, dtype=F32,
                        registry=registry(plain_dec, pre0), features=MULTI)
+
+
+def test_a_prefill_pick_no_candidate_could_replace_is_not_listed_as_passed_over():
+    """No prefill candidate runs multi-token rows, so decode moves to one that does: the prefill
+    pick stays, and is not among those passed over for prefill."""
+    reg = Registry(discover=False)  # no reference: nothing else serves prefill
+    both = spec("both", provides={"paged_prefill": PREFILL, "paged_decode": DECODE, "mixed": MIXED}, priority=5)
+    runs = spec("runs", priority=1, features={"paged_decode": ("multi_token_decode",)})
+    for s in (both, runs):
+        reg.register(s, distribution=f"{s.name}-kernels", version="1.0")
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg, features=MULTI)
+    assert sel.names == {"paged_prefill": "both", "paged_decode": "runs", "mixed": "both"}
+    assert sel.multi_token_wrapper == "paged_decode"
+    assert "both" not in sel.rejected_by["paged_prefill"]
+    assert "on its paged_decode wrapper" in sel.rejected_by["paged_decode"]["both"][0]
+    assert not any("paged_prefill wrapper" in r for r in sel.rejected.get("both", []))
+
+
+def test_a_1_0_decode_only_backend_is_refused_for_multi_token_rows_by_name_as_by_auto():
+    """Written for 1.0, multi_token_decode on paged_decode meant rows on the backend's prefill
+    wrapper; with none, it runs them nowhere: auto passes it over and a name is refused."""
+    old = BackendSpec(name="olddec", provides={"paged_decode": DECODE}, devices=("cpu",), dtypes=(F32,), priority=9,
+                      features={"paged_decode": ("multi_token_decode",)})  # api_version left out: 1.0
+    reg = registry(old)
+    assert old.multi_token_wrappers() == ()
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, features=MULTI)
+    assert sel.names == {"paged_decode": "reference"} and sel.multi_token_wrapper == "paged_decode"
+    with pytest.raises(BackendUnavailable, match=r"'olddec' .*cannot run here.*does not support feature "
+                                                 r"multi_token_decode .* in paged_decode. Backends that can: reference"):
+        select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg, features=MULTI)
+    # without multi-token rows it serves decode by name, as before
+    assert select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg).name == "olddec"
