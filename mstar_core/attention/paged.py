@@ -435,7 +435,9 @@ class PagedAttentionManager(AttentionManager):
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written
         # under another kernel or dtype are not interchangeable (the dense manager says the same).
         names = ",".join(f"{c.__module__}:{c.__qualname__}" for _, c in sorted(self.wrapper_classes.items()))
-        return f"attn.paged:{names}:{self.dtype}:{self.features!r}".encode()
+        # Multi-token decode rows on the decode wrapper are another kernel's than on the prefill one.
+        where = f":multi_token_on:{PAGED_DECODE}" if self._multi_on_decode else ""
+        return f"attn.paged:{names}:{self.dtype}:{self.features!r}{where}".encode()
 
     @property
     def force_double_buffer(self) -> bool:
