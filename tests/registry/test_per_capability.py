@@ -214,3 +214,41 @@ def test_a_1_0_decode_only_backend_is_refused_for_multi_token_rows_by_name_as_by
         select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg, features=MULTI)
     # without multi-token rows it serves decode by name, as before
     assert select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg).name == "olddec"
+
+
+# -- the two paths' Selection ----------------------------------------------------------------------
+
+def test_a_selection_by_name_and_one_per_capability_answer_the_same_questions():
+    reg = registry(spec("dec", capturable=("paged_decode",)))
+    by_name = select_backend(PAGED, requested="reference", device=CPU, dtype=F32, registry=reg)
+    assert by_name.picks == {} and by_name.rejected_by == {}  # one backend serves every capability
+    assert by_name.names == dict.fromkeys(PAGED, "reference")
+    assert all(by_name.backend_for(c).name == "reference" for c in PAGED)
+    assert by_name.summary == by_name.name == "reference" and by_name.capturable == ()
+    split = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert {c: s.name for c, s in split.picks.items()} == split.names == {
+        "paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert split.backend.name == "reference"  # the first capability's
+    assert split.summary == "paged_prefill: reference, paged_decode: dec, mixed: reference"
+    assert split.capturable == ("paged_decode",)  # each capability by its own pick's declaration
+    # every capability named one backend in a table: one backend, as by name
+    table = select_backend(PAGED, requested={"default": "reference"}, device=CPU, dtype=F32, registry=reg)
+    assert table.name == table.summary == "reference" and table.names == by_name.names
+    assert table.classes == by_name.classes
+
+
+def test_a_decode_only_selection_with_multi_token_rows_keeps_a_decode_pick_that_runs_them_itself():
+    """Decode asked alone: no prefill pick to run the rows, so the decode pick must, on a wrapper
+    of its own (a 1.1 spec declaring them on its prefill wrapper: there)."""
+    on_prefill = spec("onpre", provides={"paged_prefill": PREFILL, "paged_decode": DECODE}, priority=5,
+                      features={"paged_prefill": ("multi_token_decode",)})
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=registry(on_prefill), features=MULTI)
+    assert sel.names == {"paged_decode": "onpre"} and sel.multi_token_wrapper == "paged_prefill"
+    # prefill asked alone: multi-token rows are not its to judge
+    pre0 = spec("pre0", provides={"paged_prefill": PREFILL}, priority=3)
+    sel = select_backend(("paged_prefill",), device=CPU, dtype=F32, registry=registry(pre0), features=MULTI)
+    assert sel.names == {"paged_prefill": "pre0"} and sel.multi_token_wrapper is None
+    # a decode pick named alone that cannot run them is refused, naming it
+    with pytest.raises(BackendUnavailable, match=r"3 query tokens per decode row .*\(paged_decode: dec: "):
+        select_backend(("paged_decode",), requested={"paged_decode": "dec"}, device=CPU, dtype=F32,
+                       registry=registry(spec("dec")), features=MULTI)
