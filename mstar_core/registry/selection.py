@@ -402,7 +402,8 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
     if request.features.decode_query_tokens > 1 and PAGED_DECODE in picks:
         wrapper = _multi_token_picks(request, picks, open_, rejected_by)
         if wrapper is None:
-            named = ", ".join(f"{c}: {spec.name}" for c, (spec, _) in picks.items() if c in (PAGED_DECODE, PAGED_PREFILL))
+            named = ", ".join(f"{c}: {spec.name}" for c, (spec, _) in picks.items()
+                              if c in (PAGED_DECODE, PAGED_PREFILL))
             raise BackendUnavailable(
                 f"no attention backend can run here ({where}): the features ask for "
                 f"{request.features.decode_query_tokens} query tokens per decode row (multi_token_decode), and no "

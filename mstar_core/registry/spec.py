@@ -241,7 +241,8 @@ class BackendSpec:
         if missing:
             reasons.append(f"does not provide {', '.join(missing)} (provides: {', '.join(self.provides)})")
         provided = [c for c in capabilities if c in self.provides]
-        for cap in provided or [None]:  # none asked: the backend's own declaration
+        judged: list[str | None] = [*provided] or [None]  # none asked: the backend's own declaration
+        for cap in judged:
             own = f" in {cap}" if cap in self.per_capability else ""
             dtypes = self.dtypes if cap is None else self.dtypes_for(cap)
             if dtype is not None and dtype not in dtypes:

@@ -11,7 +11,6 @@ from mstar_core import (
     KVStep,
     Step,
 )
-
 from mstar_core.backends import reference as R
 
 from ..helpers import REF_WRAPPERS, multi_token_graph_node, verify_multi_token_decode

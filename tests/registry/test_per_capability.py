@@ -210,7 +210,8 @@ def test_a_1_0_decode_only_backend_is_refused_for_multi_token_rows_by_name_as_by
     sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, features=MULTI)
     assert sel.names == {"paged_decode": "reference"} and sel.multi_token_wrapper == "paged_decode"
     with pytest.raises(BackendUnavailable, match=r"'olddec' .*cannot run here.*does not support feature "
-                                                 r"multi_token_decode .* in paged_decode. Backends that can: reference"):
+                                                 r"multi_token_decode .* in paged_decode. Backends that can: "
+                                                 r"reference"):
         select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg, features=MULTI)
     # without multi-token rows it serves decode by name, as before
     assert select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg).name == "olddec"
