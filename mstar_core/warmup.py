@@ -130,12 +130,13 @@ def per_backend(sel: Any, caps: Sequence[str]) -> list[tuple[Any, tuple[str, ...
 
 
 def warmup(
-    config: WarmupConfig, backend: str | None = "auto", device: torch.device | str = "cuda",
+    config: WarmupConfig, backend: str | Mapping[str, str] | None = "auto", device: torch.device | str = "cuda",
     capabilities: Sequence[str] | None = None,
 ) -> WarmupReport:
-    """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) selects as a
-    build would, per group (paged steps; the dense path), for ``config.features``; a name warms
-    that backend alone. ``capabilities`` limits what is warmed (default: all the selected
+    """Prepare every kernel ``config`` uses on ``device``. ``backend`` "auto" (or None) -- or a
+    capability table, capability -> name (``"default"``: the others) -- selects as a build would,
+    per group (paged steps; the dense path), for ``config.features``; a name warms that backend
+    alone. ``capabilities`` limits what is warmed (default: all the selected
     backends provide). A group no backend can run is a note; when that is every group, nothing
     would be warmed and :class:`BackendUnavailable` says why."""
     from mstar_core.registry import (  # plugins load here
@@ -150,10 +151,10 @@ def warmup(
     if bad or not wanted:
         raise InputError(f"capabilities to warm must be a non-empty subset of {list(WARMABLE)} (bounded compiles "
                          f"nothing on first use: PyTorch, or Triton's own cache), got {list(wanted)}")
-    choice, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
-    name = choice if isinstance(choice, str) else "auto"  # a name or auto here: no config is read
-    auto = name == "auto"
-    named = None if auto else get_registry().get(name)
+    name, _ = resolve_requested(backend, None)  # $MSTAR_ATTENTION_BACKEND overrides, as in a build
+    # "auto", or a capability table (each capability its entry, else auto): selected per group
+    auto = not isinstance(name, str) or name == "auto"
+    named = None if auto else get_registry().get(str(name))
     features = config.features
     kernels: list[WarmedKernel] = []
     notes: list[str] = []
@@ -186,7 +187,8 @@ def warmup(
         raise BackendUnavailable(
             f"warmup: nothing was warmed on {describe(dev)}: " + " | ".join(str(e) for e in missed)
             + ("; device cpu runs the reference backend" if dev.type != "cpu" else ""),
-            requested=name, reasons={k: v for e in missed for k, v in e.reasons.items()})
+            requested=name if isinstance(name, str) else "auto",
+            reasons={k: v for e in missed for k, v in e.reasons.items()})
     if named is not None and not kernels and not notes:
         raise InputError(f"backend {name!r} provides none of {', '.join(wanted)} (it provides "
                          f"{', '.join(named.provides)})")

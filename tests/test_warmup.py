@@ -239,3 +239,43 @@ def test_warmup_selects_for_the_soft_cap():
     rep = warmup(WarmupConfig(torch.float32, 16, 4, 4, 2, soft_cap=30.0), "auto", "cpu", ("paged_decode",))
     assert rep.notes[0].startswith("reference (paged_decode):")
     assert WarmupConfig(soft_cap=30.0, windows=(-1, 8)).features.requested() == ("soft_cap", "layer_windows")
+
+
+def test_auto_over_a_split_pick_warms_each_backend_for_the_capabilities_it_serves():
+    calls = []
+
+    def fake_warmup(cfg, device, caps):
+        calls.append(caps)
+        return [WarmedKernel("fastdec", c, "full", 0.25, "compiled 1 module") for c in caps]
+
+    get_registry().register(BackendSpec(
+        name="fastdec", provides={"paged_decode": "mstar_core.backends.reference.paged:ReferenceDecodeWrapper"},
+        devices=("cpu",), dtypes=(torch.float32,), warmup=fake_warmup, api_version="1.1"))
+    cfg = WarmupConfig(torch.float32, 16, 4, 4, 2)
+    rep = warmup(cfg, "auto", "cpu")
+    assert calls == [("paged_decode",)]  # auto's decode pick, for decode alone
+    assert [(k.backend, k.capability) for k in rep.kernels] == [("fastdec", "paged_decode")]
+    assert rep.notes[0] == ("reference (paged_prefill, mixed): nothing to prepare; it compiles nothing on first use")
+    # limited to capabilities the reference serves: the decode pick is not warmed
+    calls.clear()
+    rep = warmup(cfg, "auto", "cpu", capabilities=("paged_prefill", "mixed"))
+    assert calls == [] and rep.kernels == ()
+
+
+def test_a_capability_table_warms_each_capability_s_named_backend():
+    calls = []
+
+    def fake_warmup(cfg, device, caps):
+        calls.append(caps)
+        return [WarmedKernel("fastdec", c, "full", 0.25, "compiled 1 module") for c in caps]
+
+    get_registry().register(BackendSpec(
+        name="fastdec", provides={"paged_decode": "mstar_core.backends.reference.paged:ReferenceDecodeWrapper"},
+        devices=("cpu",), dtypes=(torch.float32,), warmup=fake_warmup, api_version="1.1"))
+    cfg = WarmupConfig(torch.float32, 16, 4, 4, 2)
+    rep = warmup(cfg, {"default": "reference"}, "cpu")  # every capability from the reference
+    assert calls == [] and rep.kernels == ()
+    assert rep.notes[0] == ("reference (paged_prefill, paged_decode, mixed): nothing to prepare; it compiles "
+                            "nothing on first use")
+    rep = warmup(cfg, {"paged_decode": "fastdec", "default": "reference"}, "cpu")
+    assert calls == [("paged_decode",)] and [k.capability for k in rep.kernels] == ["paged_decode"]

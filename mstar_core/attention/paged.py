@@ -239,8 +239,9 @@ class PagedAttentionManager(AttentionManager):
             # captured for that bucket reads; padding rows add one page each. Multi-token decode
             # rows run on the prefill wrapper, sized for the bucket's tokens.
             size: dict[str, int | None] = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
-            if kind == PAGED_DECODE and self._multi_on_decode:  # the bucket's rows of t tokens each
-                size = {"query_tokens": self.features.decode_query_tokens}
+            if kind == PAGED_DECODE and self._multi_on_decode and graph_tokens is not None and graph_tokens > bucket:
+                # the bucket's rows of the runner's query tokens each (a one-token runner: one)
+                size = {"query_tokens": graph_tokens // bucket}
             # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
             # sizes its split-KV scratch for the static maximum).
             ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if kind == "paged_prefill" else 1)
@@ -269,7 +270,8 @@ class PagedAttentionManager(AttentionManager):
         graph_tokens = ctx.graph_tokens
         entries = []
         for label, lay in kv_plan.labels:
-            kind = PAGED_DECODE if lay.decode else self._kind(lay.q_lens, a.causal)
+            kind = PAGED_DECODE if lay.decode else self._kind(lay.q_lens, a.causal,
+                                                              None if ctx.bucket is None else ctx.query_tokens)
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx, lay)
             plans = []
@@ -287,11 +289,12 @@ class PagedAttentionManager(AttentionManager):
         self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
 
-    def _kind(self, q_lens: tuple[int, ...], causal: bool) -> str:
+    def _kind(self, q_lens: tuple[int, ...], causal: bool, query_tokens: int | None = None) -> str:
         """The wrapper a label's rows need (one-token decode rows are known from the layout):
-        uniform causal rows of ``decode_query_tokens`` go to the decode wrapper where it runs them."""
-        t = self.features.decode_query_tokens
-        if self._multi_on_decode and causal and q_lens and all(n == t for n in q_lens):
+        uniform causal rows of ``decode_query_tokens`` -- in a graph step, of its runner's
+        ``query_tokens``, at most that many -- go to the decode wrapper where it runs them."""
+        t = self.features.decode_query_tokens if query_tokens is None else query_tokens
+        if self._multi_on_decode and t > 1 and causal and q_lens and all(n == t for n in q_lens):
             return PAGED_DECODE
         kind = paged_step_capability(q_lens)
         if kind == "mixed" and sum(1 for n in q_lens if n > 1) > self.max_prefill_rows:
@@ -345,8 +348,8 @@ class PagedAttentionManager(AttentionManager):
                       kw: dict[str, Any]) -> None:
         try:
             if kind == "paged_decode":
-                if self._multi_on_decode and lay.num_tokens != len(lay.q_lens):
-                    kw = {**kw, "query_tokens": self.features.decode_query_tokens}
+                if self._multi_on_decode and lay.num_tokens != len(lay.q_lens):  # uniform rows (_kind)
+                    kw = {**kw, "query_tokens": lay.num_tokens // len(lay.q_lens)}
                 w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
                        window_left=window_left, **kw)
             else:
@@ -432,7 +435,9 @@ class PagedAttentionManager(AttentionManager):
         # Layer L's stored K/V depend on the attention outputs of layers < L, so pages written
         # under another kernel or dtype are not interchangeable (the dense manager says the same).
         names = ",".join(f"{c.__module__}:{c.__qualname__}" for _, c in sorted(self.wrapper_classes.items()))
-        return f"attn.paged:{names}:{self.dtype}:{self.features!r}".encode()
+        # Multi-token decode rows on the decode wrapper are another kernel's than on the prefill one.
+        where = f":multi_token_on:{PAGED_DECODE}" if self._multi_on_decode else ""
+        return f"attn.paged:{names}:{self.dtype}:{self.features!r}{where}".encode()
 
     @property
     def force_double_buffer(self) -> bool:

@@ -411,6 +411,8 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
                 f"{format_rejected(_merged(rejected_by)) or 'none'}.",
                 requested=AUTO, reasons=_merged(rejected_by), available=[], known=list(backends))
     specs = {c: spec for c, (spec, _) in picks.items()}
+    for c, spec in specs.items():  # a pick kept where no candidate ran the rows is not passed over
+        rejected_by.get(c, {}).pop(spec.name, None)
     distinct = list(dict.fromkeys(spec.name for spec in specs.values()))
     name = "+".join(distinct)
     requested = choice if isinstance(choice, str) else _show(choice)

@@ -241,8 +241,8 @@ class BackendSpec:
         if missing:
             reasons.append(f"does not provide {', '.join(missing)} (provides: {', '.join(self.provides)})")
         provided = [c for c in capabilities if c in self.provides]
-        asked: list[str | None] = [*provided] or [None]  # none asked: the backend's own declaration
-        for cap in asked:
+        judged: list[str | None] = [*provided] or [None]  # none asked: the backend's own declaration
+        for cap in judged:
             own = f" in {cap}" if cap in self.per_capability else ""
             dtypes = self.dtypes if cap is None else self.dtypes_for(cap)
             if dtype is not None and dtype not in dtypes:
@@ -264,8 +264,10 @@ class BackendSpec:
         feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
         lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}
         if PAGED_DECODE in lacking:  # multi-token rows run on whichever wrapper declares them
+            # (a 1.0 spec's declaration on paged_decode alone, with no prefill wrapper, runs them nowhere)
             runs = ("multi_token_decode",) if self.multi_token_wrappers() else ()
-            lacking[PAGED_DECODE] = features.lacking(PAGED_DECODE, (*self.supports(PAGED_DECODE), *runs))
+            own = tuple(f for f in self.supports(PAGED_DECODE) if f != "multi_token_decode")
+            lacking[PAGED_DECODE] = features.lacking(PAGED_DECODE, (*own, *runs))
         reasons = []
         for feature in features.requested():
             caps = [c for c, missing in lacking.items() if feature in missing]

@@ -178,9 +178,14 @@ def default_dtypes(spec: BackendSpec) -> tuple[torch.dtype, ...]:
 def _for_capability(spec: BackendSpec, cap: str, dtypes: Sequence[torch.dtype], declared_dtypes: bool,
                     head_dims: Sequence[int] | None) -> tuple[tuple[torch.dtype, ...], tuple[int, ...]]:
     """The dtypes and head dims ``cap`` is checked at: the declared ones it runs (given head dims
-    it declares; dtypes given by the caller as they are)."""
+    it declares; given dtypes it declares, and those no capability declares as they are: a
+    stand-in tested in float32 on a CPU -- a dtype another capability declares is not this one's)."""
+    own = spec.dtypes_for(cap)
     if declared_dtypes:
-        dtypes = [d for d in dtypes if d in spec.dtypes_for(cap)]
+        dtypes = [d for d in dtypes if d in own]
+    else:
+        elsewhere = _declared_anywhere(spec)[0]
+        dtypes = [d for d in dtypes if d in own or d not in elsewhere]
     if head_dims is None:
         return tuple(dtypes), default_head_dims(spec, cap)
     return tuple(dtypes), tuple(d for d in head_dims if not spec.head_dims_for(cap).reasons(d))

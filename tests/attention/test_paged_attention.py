@@ -137,6 +137,22 @@ def test_fingerprint_names_the_kernels_and_dtype():
     assert fp != attn32.fingerprint()  # pages computed in another dtype are not interchangeable
 
 
+def test_fingerprint_says_which_wrapper_runs_multi_token_decode_rows():
+    from mstar_core import AttentionFeatures, KVConfig, KVManager
+
+    def fp(features, wrapper):
+        kv = KVManager(KVConfig(2, 2, 8, 4, 32, 4), "cpu", torch.float64, features=features)
+        return PagedAttentionManager(kv, "cpu", torch.float64, kv.config, REF_WRAPPERS,
+                                     multi_token_wrapper=wrapper).fingerprint()
+
+    multi = AttentionFeatures(decode_query_tokens=3)
+    # the same kernels, the rows on another wrapper: pages written under one are not the other's
+    assert fp(multi, "paged_decode") != fp(multi, "paged_prefill")
+    # one-token decode: where multi-token rows would run changes nothing
+    plain = AttentionFeatures()
+    assert fp(plain, "paged_decode") == fp(plain, "paged_prefill")
+
+
 def test_build_from_spec_selects_through_the_registry():
     from mstar_core import BuildInfo
 

@@ -264,3 +264,24 @@ def test_feature_values_at_the_edges_are_accepted(registry, run_json):
     assert data["auto"]["paged_decode"]["pick"] == "reference"
     # one window for every layer asks for no per-layer windows
     assert run_json("--layer-windows", "128,128", "--decode-query-tokens", "1")["features_requested"] == []
+
+
+def test_json_and_table_say_why_the_paged_manager_cannot_be_built(monkeypatch, capsys):
+    """A decode-only plugin and no reference: auto picks it for paged_decode, and the paged
+    manager (which needs every paged kind) has no picks, with the selection's reason."""
+    reg = Registry(discover=False)
+    reg.register(BackendSpec(name="dec", provides={"paged_decode": REFERENCE.provides["paged_decode"]},
+                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1"),
+                 distribution="dec-mstar", version="0.1")
+    monkeypatch.setattr(cli, "get_registry", lambda: reg)
+    args = _args("--json", "--device", "cpu")
+    assert args.func(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["auto"]["paged_decode"]["pick"] == "dec" and data["auto"]["paged_prefill"]["pick"] is None
+    assert data["paged"]["picks"] is None and data["paged"]["multi_token_wrapper"] is None
+    assert "none serves paged_prefill" in data["paged"]["error"]
+    args = _args("--device", "cpu")
+    assert args.func(args) == 0
+    out = capsys.readouterr().out
+    assert "the paged manager cannot be built here: no attention backend can run here" in out
+    assert "none serves paged_prefill" in out

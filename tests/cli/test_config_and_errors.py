@@ -187,7 +187,8 @@ def test_a_config_file_with_a_utf8_bom_is_read(tmp_path, capsys):
 
 @pytest.mark.parametrize("text,message", [
     ("", None),  # empty: no config
-    ("[attention]\nbackend = 3\n", "attention.backend must be a string (a backend name or 'auto') or a table of capability -> backend name, got 3"),
+    ("[attention]\nbackend = 3\n", "attention.backend must be a string (a backend name or 'auto') or a table of "
+                                   "capability -> backend name, got 3"),
     ("attention = 3\n", "'attention' must be a table"),
     ("[attention]\nbackend = \"reference\"\ncolour = 1\n", "unknown key 'colour' in [attention]"),
     ("[attention\n", "is not valid TOML"),

@@ -72,3 +72,37 @@ def test_multi_token_rows_on_a_decode_wrapper_that_declares_them(t):
         [k for k in attn._wrappers if k[3] is not None])  # no graph-mode prefill wrapper was built
     with pytest.raises(ValueError, match="multi_token_wrapper must be 'paged_decode' or 'paged_prefill'"):
         multi_token_graph_node(t, multi_token_wrapper="mixed")
+
+
+class SizedDecode(R.ReferenceDecodeWrapper):
+    """The reference decode wrapper, recording the query tokens per row each graph-mode wrapper
+    was built for and each plan asked for."""
+
+    built: list = []
+    planned: list = []
+
+    def __init__(self, *args, query_tokens=1, **kw):
+        if kw.get("accelerator_graph"):
+            SizedDecode.built.append(query_tokens)
+        super().__init__(*args, query_tokens=query_tokens, **kw)
+
+    def plan(self, *args, **kw):
+        SizedDecode.planned.append(kw.get("query_tokens", 1))
+        return super().plan(*args, **kw)
+
+
+@pytest.mark.parametrize("runner_tokens", [1, 2])
+def test_a_runner_of_fewer_query_tokens_than_the_features_allow_replays_them_on_the_decode_wrapper(runner_tokens):
+    """Features allowing 4 query tokens per row, a runner capturing fewer: the decode wrapper
+    that runs multi-token rows is built and planned for the runner's rows (one token: a plain
+    decode wrapper), never a graph-mode prefill wrapper; the logits match the full forward."""
+    SizedDecode.built, SizedDecode.planned = [], []
+    wrappers = {**REF_WRAPPERS, "paged_decode": SizedDecode}
+    model, _, attn, node, runner = multi_token_graph_node(runner_tokens, AttentionFeatures(decode_query_tokens=4),
+                                                          wrappers=wrappers, multi_token_wrapper="paged_decode")
+    runner.warmup()
+    verify_multi_token_decode(model, node, runner, runner_tokens)
+    graph_kinds = {k[1] for k in attn._wrappers if k[3] is not None}
+    assert graph_kinds == {"paged_decode"}
+    assert SizedDecode.built and set(SizedDecode.built) == {runner_tokens}
+    assert set(SizedDecode.planned) == {runner_tokens}

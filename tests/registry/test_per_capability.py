@@ -182,3 +182,74 @@ def test_multi_token_rows_run_where_a_pick_declares_them():
                                                  r"paged_decode: dec"):
         select_backend(PAGED, requested={"paged_decode": "dec", "paged_prefill": "pre0"}, device=CPU, dtype=F32,
                        registry=registry(plain_dec, pre0), features=MULTI)
+
+
+def test_a_prefill_pick_no_candidate_could_replace_is_not_listed_as_passed_over():
+    """No prefill candidate runs multi-token rows, so decode moves to one that does: the prefill
+    pick stays, and is not among those passed over for prefill."""
+    reg = Registry(discover=False)  # no reference: nothing else serves prefill
+    both = spec("both", provides={"paged_prefill": PREFILL, "paged_decode": DECODE, "mixed": MIXED}, priority=5)
+    runs = spec("runs", priority=1, features={"paged_decode": ("multi_token_decode",)})
+    for s in (both, runs):
+        reg.register(s, distribution=f"{s.name}-kernels", version="1.0")
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg, features=MULTI)
+    assert sel.names == {"paged_prefill": "both", "paged_decode": "runs", "mixed": "both"}
+    assert sel.multi_token_wrapper == "paged_decode"
+    assert "both" not in sel.rejected_by["paged_prefill"]
+    assert "on its paged_decode wrapper" in sel.rejected_by["paged_decode"]["both"][0]
+    assert not any("paged_prefill wrapper" in r for r in sel.rejected.get("both", []))
+
+
+def test_a_1_0_decode_only_backend_is_refused_for_multi_token_rows_by_name_as_by_auto():
+    """Written for 1.0, multi_token_decode on paged_decode meant rows on the backend's prefill
+    wrapper; with none, it runs them nowhere: auto passes it over and a name is refused."""
+    old = BackendSpec(name="olddec", provides={"paged_decode": DECODE}, devices=("cpu",), dtypes=(F32,), priority=9,
+                      features={"paged_decode": ("multi_token_decode",)})  # api_version left out: 1.0
+    reg = registry(old)
+    assert old.multi_token_wrappers() == ()
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg, features=MULTI)
+    assert sel.names == {"paged_decode": "reference"} and sel.multi_token_wrapper == "paged_decode"
+    with pytest.raises(BackendUnavailable, match=r"'olddec' .*cannot run here.*does not support feature "
+                                                 r"multi_token_decode .* in paged_decode. Backends that can: "
+                                                 r"reference"):
+        select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg, features=MULTI)
+    # without multi-token rows it serves decode by name, as before
+    assert select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg).name == "olddec"
+
+
+# -- the two paths' Selection ----------------------------------------------------------------------
+
+def test_a_selection_by_name_and_one_per_capability_answer_the_same_questions():
+    reg = registry(spec("dec", capturable=("paged_decode",)))
+    by_name = select_backend(PAGED, requested="reference", device=CPU, dtype=F32, registry=reg)
+    assert by_name.picks == {} and by_name.rejected_by == {}  # one backend serves every capability
+    assert by_name.names == dict.fromkeys(PAGED, "reference")
+    assert all(by_name.backend_for(c).name == "reference" for c in PAGED)
+    assert by_name.summary == by_name.name == "reference" and by_name.capturable == ()
+    split = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert {c: s.name for c, s in split.picks.items()} == split.names == {
+        "paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert split.backend.name == "reference"  # the first capability's
+    assert split.summary == "paged_prefill: reference, paged_decode: dec, mixed: reference"
+    assert split.capturable == ("paged_decode",)  # each capability by its own pick's declaration
+    # every capability named one backend in a table: one backend, as by name
+    table = select_backend(PAGED, requested={"default": "reference"}, device=CPU, dtype=F32, registry=reg)
+    assert table.name == table.summary == "reference" and table.names == by_name.names
+    assert table.classes == by_name.classes
+
+
+def test_a_decode_only_selection_with_multi_token_rows_keeps_a_decode_pick_that_runs_them_itself():
+    """Decode asked alone: no prefill pick to run the rows, so the decode pick must, on a wrapper
+    of its own (a 1.1 spec declaring them on its prefill wrapper: there)."""
+    on_prefill = spec("onpre", provides={"paged_prefill": PREFILL, "paged_decode": DECODE}, priority=5,
+                      features={"paged_prefill": ("multi_token_decode",)})
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=registry(on_prefill), features=MULTI)
+    assert sel.names == {"paged_decode": "onpre"} and sel.multi_token_wrapper == "paged_prefill"
+    # prefill asked alone: multi-token rows are not its to judge
+    pre0 = spec("pre0", provides={"paged_prefill": PREFILL}, priority=3)
+    sel = select_backend(("paged_prefill",), device=CPU, dtype=F32, registry=registry(pre0), features=MULTI)
+    assert sel.names == {"paged_prefill": "pre0"} and sel.multi_token_wrapper is None
+    # a decode pick named alone that cannot run them is refused, naming it
+    with pytest.raises(BackendUnavailable, match=r"3 query tokens per decode row .*\(paged_decode: dec: "):
+        select_backend(("paged_decode",), requested={"paged_decode": "dec"}, device=CPU, dtype=F32,
+                       registry=registry(spec("dec")), features=MULTI)

@@ -49,3 +49,19 @@ def test_multi_token_rows_are_checked_on_the_wrapper_declared_to_run_them():
     report = K.check_backend("k", device="cpu", registry=_registry(old), quick=True)
     assert not any(r.name.startswith("multi_token-") for r in report.results)
     assert "plugin API 1.0 spec" in report.not_covered["multi_token_decode"]
+
+
+def test_a_given_dtype_only_another_capability_declares_is_not_checked_on_this_one():
+    spec = BackendSpec(name="k", provides={"paged_prefill": PREFILL, "paged_decode": DECODE}, devices=("cpu",),
+                       dtypes=(F32, F64), api_version="1.1",
+                       per_capability={"paged_decode": CapabilitySpec(dtypes=(F32,))})
+    classes = {"paged_prefill": object, "paged_decode": object}
+    checks = K.plan_checks(spec, classes, "cpu", dtypes=[F64], quick=True)
+    assert checks and {(c.capability, c.dtype) for c in checks} == {("paged_prefill", F64)}
+    report = K.check_backend("k", device="cpu", dtypes=[F64], registry=_registry(spec), quick=True)
+    assert report.ok, report.render(all_rows=False)
+    assert report.results and {r.capability for r in report.results} == {"paged_prefill"}
+    # a dtype no capability declares is checked as given on every one (a stand-in on a CPU)
+    half = BackendSpec(name="h", provides={"paged_prefill": PREFILL, "paged_decode": DECODE}, devices=("cpu",),
+                       dtypes=(torch.float16,), api_version="1.1")
+    assert {c.capability for c in K.plan_checks(half, classes, "cpu", dtypes=[F32], quick=True)} == set(classes)

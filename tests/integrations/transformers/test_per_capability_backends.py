@@ -24,7 +24,7 @@ class CountingDecode(ReferenceDecodeWrapper):
         return super().run(*args, **kw)
 
 
-def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_module, monkeypatch):
+def _install(fake_module, monkeypatch) -> None:
     fake_module("fastdecode_mstar", CountingDecode=CountingDecode)
     reg = Registry(discover=False)
     reg.register(REFERENCE, distribution="mstar-core", version="0")
@@ -33,6 +33,10 @@ def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_m
                  distribution="fastdecode-mstar", version="0.1")
     monkeypatch.setattr("mstar_core.registry.registry._default", reg)
     monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+
+
+def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_module, monkeypatch):
+    _install(fake_module, monkeypatch)
     model = build("llama")
     g = torch.Generator().manual_seed(4)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 9)]
@@ -44,3 +48,20 @@ def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_m
     layers = model.config.num_hidden_layers
     assert CountingDecode.runs == rep.kinds["decode"] * layers > 0  # every decode step's layers, nothing else
     assert rep.kinds["prefill"] >= 1 and rep.kinds["mixed"] >= 1  # the reference's steps
+
+
+def test_a_capability_table_as_the_argument_or_in_config_decides_who_serves_decode(fake_module, monkeypatch):
+    _install(fake_module, monkeypatch)
+    model = build("llama")
+    prompts = [[5, 9, 2], [7, 1, 4, 4, 8, 3]]
+    want = [hf_greedy(model, p, 6) for p in prompts]
+    CountingDecode.runs = 0
+    rep = generate_report(model, prompts, 6, backend={"default": "reference"})  # every capability from it
+    assert rep.ids == want and rep.backend == "reference" and CountingDecode.runs == 0
+    table = {"paged_decode": "fastdecode", "default": "reference"}
+    rep = generate_report(model, prompts, 6, config={"attention": {"backend": table}})
+    assert rep.ids == want and rep.backend == "reference+fastdecode" and CountingDecode.runs > 0
+    # the argument's table wins over config's
+    CountingDecode.runs = 0
+    rep = generate_report(model, prompts, 6, backend={"default": "reference"}, config={"attention": {"backend": table}})
+    assert rep.backend == "reference" and CountingDecode.runs == 0
