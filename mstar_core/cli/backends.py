@@ -196,6 +196,9 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         sel = select_backend(capabilities=PAGED, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
                              registry=registry, honor_env=False, features=features)
         paged: dict[str, Any] = {"picks": sel.names, "multi_token_wrapper": sel.multi_token_wrapper, "error": None}
+        # a paged capability's pick is the one the manager takes (multi-token rows may move one)
+        for cap in PAGED:
+            auto[cap].update(pick=sel.names[cap], rejected=dict(sel.rejected_by.get(cap, {})))
     except BackendUnavailable as e:
         paged = {"picks": None, "multi_token_wrapper": None, "error": str(e)}
     return {

@@ -417,7 +417,7 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
     name = "+".join(distinct)
     requested = choice if isinstance(choice, str) else _show(choice)
     merged = _merged(rejected_by)
-    if len(distinct) == 1:
+    if len(distinct) == 1 and isinstance(choice, str):  # auto for every capability, one backend serving all
         spec = specs[request.capabilities[0]]
         log.info("auto picked attention backend %r (%s) for %s; rejected: %s", name, spec.label, where,
                  format_rejected(merged) or "none")

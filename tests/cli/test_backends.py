@@ -285,3 +285,22 @@ def test_json_and_table_say_why_the_paged_manager_cannot_be_built(monkeypatch, c
     out = capsys.readouterr().out
     assert "the paged manager cannot be built here: no attention backend can run here" in out
     assert "none serves paged_prefill" in out
+
+
+def test_the_auto_column_shows_the_paged_managers_picks_when_multi_token_rows_move_one(monkeypatch, capsys):
+    """Decode asked alone must run multi-token rows itself; in the paged group the reference's
+    prefill wrapper runs them and the decode-only plugin keeps decode. The column shows the
+    group's picks, the ones the manager takes."""
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0")
+    reg.register(BackendSpec(name="dec", provides={"paged_decode": REFERENCE.provides["paged_decode"]},
+                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1", priority=1),
+                 distribution="dec-mstar", version="0.1")
+    monkeypatch.setattr(cli, "get_registry", lambda: reg)
+    args = _args("--json", "--device", "cpu", "--decode-query-tokens", "3")
+    assert args.func(args) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["paged"]["picks"] == {"paged_prefill": "reference", "paged_decode": "dec", "mixed": "reference"}
+    assert data["paged"]["multi_token_wrapper"] == "paged_prefill"
+    assert {c: data["auto"][c]["pick"] for c in data["paged"]["picks"]} == data["paged"]["picks"]
+    assert "dec" not in data["auto"]["paged_decode"]["rejected"]

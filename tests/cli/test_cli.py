@@ -132,4 +132,5 @@ def test_bench_on_a_cpu_runs_what_auto_picks_and_its_help_says_so(monkeypatch, c
     help_text = " ".join(build_parser()._subparsers._group_actions[0].choices["bench"].format_help().split())
     assert "On a CPU it runs on the reference backend" not in help_text
     assert ("Under auto, on a CPU, that is the reference unless an installed plugin provides a paged capability "
-            "and can run here (device, dtype, head dim): auto tries third-party plugins before the reference") in help_text
+            "and can run here (device, dtype, head dim): auto tries third-party plugins before the "
+            "reference") in help_text
