@@ -504,6 +504,22 @@ def run_long(sc: Scenario, n_steps: int, max_span: int) -> None:
 # -- transformers ------------------------------------------------------------------------------
 
 
+def install_decode_backend(fake_module, monkeypatch, name: str, cls: type) -> None:
+    """A third-party backend ``name`` providing ``paged_decode`` alone (``cls``, importable as
+    ``<name>_mstar:<cls name>``) beside the reference, as the process-wide registry."""
+    from mstar_core import BackendSpec, Registry
+    from mstar_core.backends.reference.plugin import REFERENCE
+
+    fake_module(f"{name}_mstar", **{cls.__name__: cls})
+    reg = Registry(discover=False)
+    reg.register(REFERENCE, distribution="mstar-core", version="0")
+    reg.register(BackendSpec(name=name, provides={"paged_decode": f"{name}_mstar:{cls.__name__}"},
+                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1"),
+                 distribution=f"{name}-mstar", version="0.1")
+    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
+    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+
+
 def hf_greedy(model, prompt: list[int], new: int, **kw) -> list[int]:
     """transformers' own greedy generation of ``new`` tokens, eager attention, one prompt at a time
     (the model's attention implementation is restored afterwards)."""

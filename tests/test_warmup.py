@@ -241,8 +241,9 @@ def test_warmup_selects_for_the_soft_cap():
     assert WarmupConfig(soft_cap=30.0, windows=(-1, 8)).features.requested() == ("soft_cap", "layer_windows")
 
 
-def test_auto_over_a_split_pick_warms_each_backend_for_the_capabilities_it_serves():
-    calls = []
+def _register_fastdec() -> list:
+    """A decode-only backend whose warm-up records the capabilities it was asked for (returned)."""
+    calls: list = []
 
     def fake_warmup(cfg, device, caps):
         calls.append(caps)
@@ -251,6 +252,11 @@ def test_auto_over_a_split_pick_warms_each_backend_for_the_capabilities_it_serve
     get_registry().register(BackendSpec(
         name="fastdec", provides={"paged_decode": "mstar_core.backends.reference.paged:ReferenceDecodeWrapper"},
         devices=("cpu",), dtypes=(torch.float32,), warmup=fake_warmup, api_version="1.1"))
+    return calls
+
+
+def test_auto_over_a_split_pick_warms_each_backend_for_the_capabilities_it_serves():
+    calls = _register_fastdec()
     cfg = WarmupConfig(torch.float32, 16, 4, 4, 2)
     rep = warmup(cfg, "auto", "cpu")
     assert calls == [("paged_decode",)]  # auto's decode pick, for decode alone
@@ -263,15 +269,7 @@ def test_auto_over_a_split_pick_warms_each_backend_for_the_capabilities_it_serve
 
 
 def test_a_capability_table_warms_each_capability_s_named_backend():
-    calls = []
-
-    def fake_warmup(cfg, device, caps):
-        calls.append(caps)
-        return [WarmedKernel("fastdec", c, "full", 0.25, "compiled 1 module") for c in caps]
-
-    get_registry().register(BackendSpec(
-        name="fastdec", provides={"paged_decode": "mstar_core.backends.reference.paged:ReferenceDecodeWrapper"},
-        devices=("cpu",), dtypes=(torch.float32,), warmup=fake_warmup, api_version="1.1"))
+    calls = _register_fastdec()
     cfg = WarmupConfig(torch.float32, 16, 4, 4, 2)
     rep = warmup(cfg, {"default": "reference"}, "cpu")  # every capability from the reference
     assert calls == [] and rep.kernels == ()

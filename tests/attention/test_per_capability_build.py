@@ -7,11 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core import BackendSpec, BuildInfo, DenseAttentionManager, PagedAttentionManager, Registry
+from mstar_core import BuildInfo, DenseAttentionManager, PagedAttentionManager
 from mstar_core.backends import reference as R
-from mstar_core.backends.reference.plugin import REFERENCE
 
-from ..helpers import step
+from ..helpers import install_decode_backend, step
 
 
 class BrokenDecode(R.ReferenceDecodeWrapper):
@@ -23,14 +22,7 @@ class BrokenDecode(R.ReferenceDecodeWrapper):
 
 @pytest.fixture
 def info(fake_module, monkeypatch):
-    fake_module("brokendec_mstar", BrokenDecode=BrokenDecode)
-    reg = Registry(discover=False)
-    reg.register(REFERENCE, distribution="mstar-core", version="0")
-    reg.register(BackendSpec(name="brokendec", provides={"paged_decode": "brokendec_mstar:BrokenDecode"},
-                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1"),
-                 distribution="brokendec-mstar", version="0.1")
-    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
-    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+    install_decode_backend(fake_module, monkeypatch, "brokendec", BrokenDecode)
     from mstar_core import KVConfig, KVManager
 
     kv = KVManager(KVConfig(2, 2, 8, 4, 32, 4), "cpu", torch.float32)

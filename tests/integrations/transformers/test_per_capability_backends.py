@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core import BackendSpec, Registry, generate_report
+from mstar_core import generate_report
 from mstar_core.backends.reference import ReferenceDecodeWrapper
-from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.testing.hf_models import build
 
-from ...helpers import hf_greedy
+from ...helpers import hf_greedy, install_decode_backend
 
 
 class CountingDecode(ReferenceDecodeWrapper):
@@ -25,14 +24,7 @@ class CountingDecode(ReferenceDecodeWrapper):
 
 
 def _install(fake_module, monkeypatch) -> None:
-    fake_module("fastdecode_mstar", CountingDecode=CountingDecode)
-    reg = Registry(discover=False)
-    reg.register(REFERENCE, distribution="mstar-core", version="0")
-    reg.register(BackendSpec(name="fastdecode", provides={"paged_decode": "fastdecode_mstar:CountingDecode"},
-                             devices=("cpu",), dtypes=(torch.float32,), api_version="1.1"),
-                 distribution="fastdecode-mstar", version="0.1")
-    monkeypatch.setattr("mstar_core.registry.registry._default", reg)
-    monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
+    install_decode_backend(fake_module, monkeypatch, "fastdecode", CountingDecode)
 
 
 def test_a_decode_only_backend_serves_decode_under_auto_with_the_same_ids(fake_module, monkeypatch):
