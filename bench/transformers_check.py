@@ -50,6 +50,14 @@ def eager_logits(model, seq: list[int], start: int) -> torch.Tensor:
     return out.float().cpu()
 
 
+class LogitsEngine(Engine):
+    """The engine whose steps give each row's logits (teacher forcing compares them) where the
+    engine's own give its next token."""
+
+    def _next_tokens(self, logits: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return logits
+
+
 def teacher_forced(engine: Engine, prompts: list[list[int]], conts: list[list[int]]) -> list[torch.Tensor]:
     """mstar's logits for each prompt's last token and then each continuation token but the last,
     fed as decode steps (replayed from graphs where captured)."""
@@ -99,10 +107,10 @@ def check(arch: str, backend: str, device: str, new: int, seed: int, size: str =
     used, why = backend, ""
     pages = sum(-(-(len(p) + new) // 16) for p in prompts) + 16
     try:
-        engine = Engine(model, backend, EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
+        engine = LogitsEngine(model, backend, EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
     except BackendUnavailable as e:
         used, why = "auto", str(e).split(": ", 1)[-1][:160]
-        engine = Engine(model, "auto", EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
+        engine = LogitsEngine(model, "auto", EngineOptions(max_pages=pages, max_batch_size=len(prompts)))
     with engine:
         got = teacher_forced(engine, prompts, conts)
         picked, graphs = engine.backend, engine.runner.enabled
