@@ -180,27 +180,32 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "install_hint": spec.install_hint,
             "description": spec.description,
         })
+    def select(caps: tuple[str, ...]) -> Any:
+        return select_backend(capabilities=caps, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
+                              registry=registry, honor_env=False, features=features)
+
     auto: dict[str, dict[str, Any]] = {}
-    for cap in CAPABILITIES:
-        try:
-            sel = select_backend(capabilities=(cap,), requested="auto", device=device, dtype=dtype,
-                                 head_dim=head_dim, registry=registry, honor_env=False, features=features)
-            auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
-        except BackendUnavailable as e:
-            auto[cap] = {"pick": None, "rejected": e.reasons}
-        # requested features auto did not judge this capability on, and why
-        auto[cap]["not_asked"] = not_asked(cap, features)
     # The paged manager takes each paged capability from its own pick (over mstar's KV layout);
-    # where multi-token decode rows run depends on the picks together.
+    # where multi-token decode rows run depends on the picks together, so a paged capability's
+    # pick is the group's (alone only where the group cannot be built).
     try:
-        sel = select_backend(capabilities=PAGED, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
-                             registry=registry, honor_env=False, features=features)
-        paged: dict[str, Any] = {"picks": sel.names, "multi_token_wrapper": sel.multi_token_wrapper, "error": None}
-        # a paged capability's pick is the one the manager takes (multi-token rows may move one)
-        for cap in PAGED:
-            auto[cap].update(pick=sel.names[cap], rejected=dict(sel.rejected_by.get(cap, {})))
+        group = select(PAGED)
+        paged: dict[str, Any] = {"picks": group.names, "multi_token_wrapper": group.multi_token_wrapper,
+                                 "error": None}
+        auto.update({cap: {"pick": group.names[cap], "rejected": dict(group.rejected_by.get(cap, {}))}
+                     for cap in PAGED})
     except BackendUnavailable as e:
         paged = {"picks": None, "multi_token_wrapper": None, "error": str(e)}
+    for cap in CAPABILITIES:
+        if cap not in auto:
+            try:
+                sel = select((cap,))
+                auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
+            except BackendUnavailable as e:
+                auto[cap] = {"pick": None, "rejected": e.reasons}
+        # requested features auto did not judge this capability on, and why
+        auto[cap]["not_asked"] = not_asked(cap, features)
+    auto = {cap: auto[cap] for cap in CAPABILITIES}  # in the capability table's order
     return {
         "device": describe(device),
         "arch": device_arch(device),

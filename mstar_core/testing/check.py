@@ -143,11 +143,9 @@ def _declared_anywhere(spec: BackendSpec) -> tuple[list[torch.dtype], list[Any]]
     return dtypes, [spec.head_dims_for(c) for c in caps]
 
 
-def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims: Sequence[int] | None
-             ) -> tuple[tuple[torch.dtype, ...], tuple[int, ...] | None]:
-    """The dtypes and head dims to check: the given ones, each declared by some capability of
-    the backend and (a dtype) known to the suite, or the defaults (head dims None: each
-    capability's own); a bad one raises, naming what is allowed."""
+def check_given(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims: Sequence[int] | None) -> None:
+    """Refuse dtypes and head dims to check (None: the declared ones) that no capability of the
+    backend declares or (a dtype) the suite has no tolerance for, naming what is allowed."""
     usable = default_dtypes(spec)
     dtypes = tuple(dtypes) if dtypes is not None else usable
     declared, dims = _declared_anywhere(spec)
@@ -167,7 +165,6 @@ def _checked(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_dims:
                          f"(dtypes {list(map(dtype_name, dtypes))}, "
                          f"head dims {list(head_dims or ())}); it declares dtypes {[dtype_name(d) for d in declared]}, "
                          f"head dims {', '.join(sorted(set(map(str, dims))))}")
-    return dtypes, head_dims
 
 
 def default_dtypes(spec: BackendSpec) -> tuple[torch.dtype, ...]:
@@ -395,7 +392,7 @@ def check_backend(name: str, device: torch.device | str | None = None, dtypes: S
     short subset). ``on_start`` gets the checks before any runs, ``on_result`` each result."""
     sel, device = select_for_check(name, device, registry, config)
     spec = sel.backend
-    _checked(spec, dtypes, head_dims)  # given ones must be declared (None: each capability's own)
+    check_given(spec, dtypes, head_dims)
     checks = plan_checks(spec, sel.classes, device, dtypes, head_dims, quick=quick)
     if on_start is not None:
         on_start(checks)
@@ -434,7 +431,7 @@ def conformance_test(name: str, *, device: torch.device | str | None = None,
             raise AssertionError("skipped")
 
         return test_conformance_unavailable
-    _checked(sel.backend, dtypes, head_dims)
+    check_given(sel.backend, dtypes, head_dims)
     checks = plan_checks(sel.backend, sel.classes, dev, dtypes, head_dims, quick=quick)
 
     @pytest.mark.parametrize("check", checks, ids=[c.id for c in checks])

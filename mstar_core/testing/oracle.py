@@ -7,6 +7,18 @@ import math
 import torch
 
 
+def visible(q_len: int, kv_len: int, causal: bool, window_left: int) -> torch.Tensor:
+    """``[q_len, kv_len]``: which keys each query sees (bottom-right alignment, as below)."""
+    pos = torch.arange(q_len)[:, None] + (kv_len - q_len)
+    j = torch.arange(kv_len)[None, :]
+    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
+    if causal:
+        allowed &= j <= pos
+    if window_left >= 0:
+        allowed &= j >= pos - window_left
+    return allowed
+
+
 def attention_oracle(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool = True, window_left: int = -1,
     sm_scale: float | None = None, soft_cap: float | None = None, sinks: torch.Tensor | None = None,
@@ -28,14 +40,7 @@ def attention_oracle(
     scores = torch.einsum("qhd,khd->hqk", q, k) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
-    pos = torch.arange(q_len)[:, None] + (kv_len - q_len)
-    j = torch.arange(kv_len)[None, :]
-    allowed = torch.ones(q_len, kv_len, dtype=torch.bool)
-    if causal:
-        allowed &= j <= pos
-    if window_left >= 0:
-        allowed &= j >= pos - window_left
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~visible(q_len, kv_len, causal, window_left), float("-inf"))
     if sinks is not None:
         sink = sinks.detach().to("cpu", torch.float64)[:, None, None].expand(hq, q_len, 1)
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]

@@ -9,6 +9,7 @@ import math
 import torch
 
 from mstar_core.backends import reference as R
+from mstar_core.testing.oracle import visible
 
 TILE_ROWS, TILE_HEADS = 8, 16
 
@@ -155,14 +156,7 @@ def split_kv_attend(q, k, v, causal, window_left, scale, splits):
     group = q.shape[1] // k.shape[1]
     kf, vf = k.float().repeat_interleave(group, 1), v.float().repeat_interleave(group, 1)
     s = torch.einsum("qhd,khd->hqk", q.float(), kf) * scale
-    pos = torch.arange(n)[:, None] + (m - n)
-    j = torch.arange(m)[None, :]
-    allowed = torch.ones(n, m, dtype=torch.bool)
-    if causal:
-        allowed &= j <= pos
-    if window_left >= 0:
-        allowed &= j >= pos - window_left
-    s = s.masked_fill(~allowed, float("-inf"))
+    s = s.masked_fill(~visible(n, m, causal, window_left), float("-inf"))
     bounds = torch.linspace(0, m, splits + 1).round().long().tolist()
     outs, lses = [], []
     for a, b in zip(bounds, bounds[1:], strict=False):
