@@ -46,16 +46,21 @@ def check_scale(value: Any, name: str, who: str) -> None:
 
 
 # The keyword arguments a paged wrapper's plan takes beyond its layout (FlashInfer's names).
-PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type")
+# ``sink_logits=True`` says this plan's runs bring ``sinks`` (a kernel that builds a variant for
+# them, FlashInfer's, must know before run).
+PLAN_KWARGS = ("sm_scale", "logits_soft_cap", "kv_data_type", "sink_logits")
 
 
 def check_plan_kwargs(kwargs: dict[str, Any], who: str) -> tuple[float | None, float | None, torch.dtype | None]:
     """``(sm_scale, logits_soft_cap, kv_data_type)`` of a paged plan, refusing unknown keywords
-    and bad values before the plan changes anything."""
+    and bad values before the plan changes anything (``sink_logits`` is checked; a wrapper that
+    takes ``sinks`` at run needs nothing more from it)."""
     unknown = sorted(set(kwargs) - set(PLAN_KWARGS))
     if unknown:
         raise InputTypeError(f"{who}.plan got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KWARGS)}")
-    sm_scale, cap, kv_dtype = (kwargs.get(k) for k in PLAN_KWARGS)
+    sm_scale, cap, kv_dtype, sinks = (kwargs.get(k) for k in PLAN_KWARGS)
+    if sinks is not None and not isinstance(sinks, bool):
+        raise InputTypeError(f"{who}.plan: sink_logits must be a bool, got {sinks!r}")
     check_window_and_scale(f"{who}.plan", -1, sm_scale)
     if kv_dtype is not None and (not isinstance(kv_dtype, torch.dtype) or not kv_dtype.is_floating_point):
         raise InputError(f"{who}.plan: kv_data_type must be a float torch.dtype (the query dtype, or "

@@ -188,7 +188,8 @@ class PagedAttentionManager(AttentionManager):
             self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i), strict=True))
                                    for i in range(kv_config.num_layers))
         self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
-                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None)
+                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None,
+                                            sink_logits=True if f.sink_logits else None)
         self._graph_max_bs = 0
         self._wrappers: dict[WrapperKey, Any] = {}
         self._plans = 0

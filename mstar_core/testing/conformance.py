@@ -602,6 +602,8 @@ def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
         kw["logits_soft_cap"] = case.soft_cap
     if KV_DTYPES[case.kv_dtype] is not None:
         kw["kv_data_type"] = KV_DTYPES[case.kv_dtype]
+    if case.sinks:
+        kw["sink_logits"] = True
     return kw
 
 
