@@ -27,6 +27,7 @@ from mstar_core.registry.device import (
     device_kind,
 )
 from mstar_core.registry.discovery import LoadedPlugin, PluginFailure
+from mstar_core.registry.measured import MeasuredTable
 from mstar_core.registry.spec import BackendSpec, load_ref
 
 log = logging.getLogger("mstar.registry")
@@ -76,6 +77,7 @@ class Registry:
         self.pins: dict[str, str] = discovery.pins_from_env() if pins is None else check_pins(
             pins, "Registry(pins=...)")
         self._probe_cache: dict[tuple[str, str | None, str], tuple[str, ...]] = {}
+        self._measured: dict[tuple[str, str | None], MeasuredTable | None] = {}
         # (name, distribution) -> (capability -> loaded wrapper, reasons): provides resolved once.
         self._resolved: dict[tuple[str, str | None], Resolved] = {}
         # Answers derived from probes (dense_or_flashinfer's selections): they live and die with
@@ -301,6 +303,29 @@ class Registry:
         if not reasons:
             reasons.extend(self.wrappers(spec, tuple(capabilities) or tuple(spec.provides))[1])
         return reasons
+
+    def measured(self, backend: str | BackendSpec) -> MeasuredTable | None:
+        """The backend's measured kernel times (``BackendSpec.measured``), loaded once; None
+        where it declares none or its table cannot be read (logged: auto then ignores it)."""
+        spec = self._spec(backend)
+        if spec.measured is None:
+            return None
+        key = (spec.name, spec.distribution)
+        with self._lock:
+            if key in self._measured:
+                return self._measured[key]
+        table: MeasuredTable | None = None
+        try:
+            table = load_ref(spec.measured)()
+            if not isinstance(table, MeasuredTable):
+                raise InputTypeError(f"returned {type(table).__name__}, not a MeasuredTable")
+        except Exception as e:  # a table that cannot be read must not break selection
+            log.warning("backend %r: its measured table %s cannot be read (%s: %s); auto ignores it", spec.name,
+                        spec.measured, type(e).__name__, e)
+            table = None
+        with self._lock:
+            self._measured[key] = table
+        return table
 
     def wrappers(self, backend: str | BackendSpec, capabilities: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
         """``(capability -> loaded wrapper, reasons)`` for ``capabilities``: every ``provides``

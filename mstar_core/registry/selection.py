@@ -19,8 +19,9 @@ from mstar_core.config import DEFAULT_KEY, ConfigSource, check_backend_table, di
 from mstar_core.config import short as _short
 from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
 from mstar_core.features import PLAIN, AttentionFeatures
-from mstar_core.registry.device import as_device, describe
+from mstar_core.registry.device import as_device, describe, device_arch
 from mstar_core.registry.discovery import ENV_ALLOWLIST, FIRST_PARTY, install_hint
+from mstar_core.registry.measured import measured_order
 from mstar_core.registry.registry import Registry, get_registry
 from mstar_core.registry.spec import CAPABILITIES, BackendSpec, dtype_name
 from mstar_core.step import is_int
@@ -64,6 +65,9 @@ class Selection:
     # The capability whose wrapper runs uniform multi-token decode rows (features
     # decode_query_tokens > 1): "paged_decode" or "paged_prefill"; None: not asked.
     multi_token_wrapper: str | None = None
+    # capability -> how measured kernel times ordered auto's candidates for it (the backends'
+    # committed tables: registry.measured); absent where none did.
+    measured: Mapping[str, str] = field(default_factory=dict)
 
     def backend_for(self, capability: str) -> BackendSpec:
         """The backend serving ``capability``."""
@@ -325,13 +329,27 @@ def _route(request: Request, picks: Mapping[str, BackendSpec]) -> str | None:
 Candidate = tuple[BackendSpec, Any]
 
 
-def _candidates(registry: Registry, request: Request, backends: Mapping[str, BackendSpec],
-                rejected: dict[str, list[str]]) -> Iterator[Candidate]:
-    """(spec, wrapper) of every backend that can serve ``request``'s one capability, in auto's
-    order, judged as they are reached (probes and imports only as far as needed); each one
-    that cannot goes into ``rejected`` with its reasons."""
+def candidate_order(registry: Registry, request: Request, backends: Mapping[str, BackendSpec]
+                    ) -> tuple[list[str], str | None]:
+    """Auto's order for ``request``'s one capability: :func:`auto_order`, then the backends with
+    measured times on this GPU architecture first, fastest first (:mod:`.measured`); and why."""
     (cap,) = request.capabilities
-    for name in auto_order((cap,), registry, backends):
+    order = auto_order((cap,), registry, backends)
+    if request.device.type != "cuda":
+        return order, None
+    tables = {n: t for n in order if (t := registry.measured(backends[n])) is not None}
+    if len(tables) < 2:
+        return order, None
+    return measured_order(order, tables, cap, device_arch(request.device))
+
+
+def _candidates(registry: Registry, request: Request, backends: Mapping[str, BackendSpec],
+                rejected: dict[str, list[str]], order: Sequence[str] | None = None) -> Iterator[Candidate]:
+    """(spec, wrapper) of every backend that can serve ``request``'s one capability, in auto's
+    order (``order``: :func:`candidate_order`'s), judged as they are reached (probes and imports
+    only as far as needed); each one that cannot goes into ``rejected`` with its reasons."""
+    (cap,) = request.capabilities
+    for name in order if order is not None else auto_order((cap,), registry, backends):
         spec = backends[name]
         reasons = request.reasons(registry, spec)
         classes: dict[str, Any] = {}
@@ -374,6 +392,7 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
     picks: dict[str, Candidate] = {}
     open_: dict[str, Iterator[Candidate]] = {}
     rejected_by: dict[str, dict[str, list[str]]] = {}
+    measured: dict[str, str] = {}
     for cap in request.capabilities:
         one = replace(plain, capabilities=(cap,))
         name = name_for(choice, cap)
@@ -383,7 +402,11 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
             picks[cap] = (sel.backend, sel.classes[cap])
             continue
         rejected = rejected_by.setdefault(cap, {})
-        it = _candidates(registry, one, backends, rejected)
+        order, why = candidate_order(registry, one, backends)
+        if why is not None:
+            measured[cap] = why
+            log.info("auto order by measured kernel times: %s", why)
+        it = _candidates(registry, one, backends, rejected, order)
         first = next(it, None)
         # Names several distributions claim and no pin settled: never picked, listed with why where
         # one of the claimants provides the capability.
@@ -426,7 +449,7 @@ def _select_each(registry: Registry, request: Request, choice: BackendChoice, so
                  ", ".join(f"{c}: {spec.name} ({spec.label})" for c, spec in specs.items()),
                  " || ".join(f"{c}: {format_rejected(r)}" for c, r in rejected_by.items() if r) or "none")
     return Selection(name, specs[request.capabilities[0]], {c: w for c, (_, w) in picks.items()}, merged, requested,
-                     source, specs, {c: dict(r) for c, r in rejected_by.items()}, wrapper)
+                     source, specs, {c: dict(r) for c, r in rejected_by.items()}, wrapper, measured)
 
 
 _IN_CAPABILITY = re.compile(r"(.*) in ((?:[a-z_]+)(?:, [a-z_]+)*)")

@@ -91,7 +91,7 @@ class CapabilitySpec:
 
 
 # Fields plugin API 1.0 did not have: a spec that sets one declares api_version "1.1" or newer.
-API_1_1_FIELDS = ("per_capability", "kv_layout")
+API_1_1_FIELDS = ("per_capability", "kv_layout", "measured")
 
 ProbeRef = str | Probe | None
 WarmupRef = str | Callable[..., Any] | None
@@ -141,6 +141,9 @@ class BackendSpec:
     # Plugin API 1.1: the paged KV layout its paged capabilities read (KV_LAYOUTS); a backend
     # reading another is never picked over mstar's cache.
     kv_layout: str = PAGED_NHD
+    # Plugin API 1.1: "module:attr" of a zero-argument function returning the backend's
+    # measured kernel times (registry.measured.MeasuredTable), which order auto's candidates.
+    measured: str | None = None
     description: str = ""
     install_hint: str = ""
     distribution: str | None = None
@@ -157,6 +160,9 @@ class BackendSpec:
         if not isinstance(self.kv_layout, str) or not self.kv_layout:
             raise InputTypeError(f"backend {self.name!r}: kv_layout must be a layout name such as {PAGED_NHD!r} "
                                  f"({KV_LAYOUTS[PAGED_NHD]}), got {self.kv_layout!r}")
+        if self.measured is not None and (not isinstance(self.measured, str) or ":" not in self.measured):
+            raise InputTypeError(f"backend {self.name!r}: measured must be 'module:attr' of a function returning its "
+                                 f"MeasuredTable, got {self.measured!r}")
         if not is_int(self.priority):
             raise InputTypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
                             f"got {self.priority!r}")
@@ -281,4 +287,4 @@ class BackendSpec:
         return f"{self.distribution or '?'} {self.version or '?'}"
 
 
-_DEFAULTS: dict[str, Any] = {"per_capability": {}, "kv_layout": PAGED_NHD}
+_DEFAULTS: dict[str, Any] = {"per_capability": {}, "kv_layout": PAGED_NHD, "measured": None}
