@@ -7,9 +7,20 @@ import torch
 
 from mstar_core.registry import BackendSpec, HeadDims, hookimpl
 
+# flash_attn_with_kvcache's window_size and sinks arguments on every paged path. Not soft-cap: the
+# known prebuilt (tokenspeed-fa3 3.0.0) is compiled with FLASHATTENTION_DISABLE_SOFTCAP (every kernel
+# instance Has_softcap=false) and refuses softcap != 0. Not FP8 KV: the kernel takes FP8 K/V only
+# with FP8 queries (one dtype for q, k and v).
+PAGED_FEATURES = ("sink_logits", "layer_windows")
+
 FA3 = BackendSpec(
     name="fa3",
-    provides={"prefixed_ragged": "mstar_fa3.ragged:FA3PrefixedPrefillWrapper"},
+    provides={
+        "paged_prefill": "mstar_fa3.paged:FA3PrefillWrapper",
+        "paged_decode": "mstar_fa3.paged:FA3DecodeWrapper",
+        "mixed": "mstar_fa3.paged:FA3MixedWrapper",
+        "prefixed_ragged": "mstar_fa3.ragged:FA3PrefixedPrefillWrapper",
+    },
     devices=("cuda",),
     # FA3 is Hopper's kernel; the known prebuilt (tokenspeed-fa3) is compiled with
     # FLASHATTENTION_DISABLE_SM8x. The probe's tiny call confirms it on the device.
@@ -18,15 +29,23 @@ FA3 = BackendSpec(
     # flash_attn_interface rounds head dims up to its compiled buckets (64..256) and needs
     # multiples of 8.
     head_dims=HeadDims(multiple_of=8, maximum=256),
-    capturable=(),  # the dense path runs eagerly: its shapes change every step
-    # flash_attn_varlen_func's window_size and sinks arguments. Not soft-cap: the known prebuilt
-    # (tokenspeed-fa3 3.0.0) is compiled with FLASHATTENTION_DISABLE_SOFTCAP (every kernel instance
-    # Has_softcap=false) and refuses softcap != 0. An FP8 KV cache reaches the dense path's wrappers
-    # dequantised (the dense manager does it), so it is not asked of them.
-    features={"prefixed_ragged": ("sink_logits", "layer_windows")},
+    # The paged prefill and decode wrappers keep every tensor the kernel reads in static buffers
+    # (graph mode); mixed steps and the dense path run eagerly (their shapes change every step).
+    capturable=("paged_prefill", "paged_decode"),
+    # Multi-token decode rows run on the decode wrapper (q [rows, t, Hq, D], causal).
+    features={
+        "paged_prefill": PAGED_FEATURES,
+        "paged_decode": (*PAGED_FEATURES, "multi_token_decode"),
+        "mixed": PAGED_FEATURES,
+        # An FP8 KV cache reaches the dense path's wrappers dequantised (the dense manager does it).
+        "prefixed_ragged": ("sink_logits", "layer_windows"),
+    },
     probe="mstar_fa3.probe:probe",
-    description="FlashAttention-3 varlen prefill (Hopper)",
+    description="FlashAttention-3 paged prefill/decode/mixed and varlen prefill (Hopper)",
     install_hint="pip install tokenspeed-fa3 (or build flash-attention's hopper/ from source)",
+    # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
+    measured="mstar_fa3.measured:table",
+    api_version="1.1",
 )
 
 

@@ -44,6 +44,8 @@ FLASHINFER = BackendSpec(
     warmup="mstar_flashinfer.warmup:warmup",
     description="FlashInfer paged prefill/decode/mixed and ragged prefill (JIT-compiled on first use)",
     install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.4'",
+    # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
+    measured="mstar_flashinfer.measured:table",
     api_version="1.1",
 )
 

@@ -150,7 +150,9 @@ def test_plugin_modules_import_no_kernel_library(fake_entry_points, make_ep, mon
     )
     reg = Registry(strict=True)
     assert reg.names() == ["fa3", "flashinfer", "reference", "rocm"]
-    assert reg.get("fa3").provides == {"prefixed_ragged": "mstar_fa3.ragged:FA3PrefixedPrefillWrapper"}
+    assert reg.get("fa3").provides == {
+        "paged_prefill": "mstar_fa3.paged:FA3PrefillWrapper", "paged_decode": "mstar_fa3.paged:FA3DecodeWrapper",
+        "mixed": "mstar_fa3.paged:FA3MixedWrapper", "prefixed_ragged": "mstar_fa3.ragged:FA3PrefixedPrefillWrapper"}
 
 
 def test_probe_is_cached_per_device(fake_gpu):

@@ -75,8 +75,9 @@ def test_auto_on_cpu_picks_the_reference_and_says_why_not_the_others(reg, caplog
     assert sel.name == "reference" and sel.requested == "auto"
     assert set(sel.classes) == set(PAGED)
     assert sel.classes["paged_decode"].__name__ == "ReferenceDecodeWrapper"
-    assert list(sel.rejected) == ["flashinfer"]
+    assert list(sel.rejected) == ["flashinfer", "fa3"]
     assert "runs on cuda, not on cpu" in sel.rejected["flashinfer"]
+    assert "runs on cuda, not on cpu" in sel.rejected["fa3"]
     assert any("flashinfer is not installed" in r for r in sel.rejected["flashinfer"])
     assert "auto picked attention backend 'reference'" in caplog.text and "flashinfer: runs on cuda" in caplog.text
 
@@ -157,9 +158,10 @@ def test_auto_head_dim_and_dtype_decide_too(reg, fake_gpu, fake_installed, fa3_k
     fake_installed(ALL_LIBS)
     fa3_kernel([])
     paged = pick(reg, PAGED, head_dim=96)
-    assert paged.name == "reference"
+    assert paged.name == "fa3"  # FA3 takes multiples of 8
     assert paged.rejected["flashinfer"] == ["head_dim 96 is not supported (supported: 64, 128, 256)"]
-    assert pick(reg, ("prefixed_ragged",), head_dim=96).name == "fa3"  # FA3 takes multiples of 8
+    assert pick(reg, ("prefixed_ragged",), head_dim=96).name == "fa3"
+    assert pick(reg, PAGED, head_dim=100).name == "reference"
     odd = pick(reg, ("prefixed_ragged",), head_dim=100)
     assert odd.name == "reference"
     assert odd.rejected["fa3"] == ["head_dim 100 is not supported (supported: multiples of 8 up to 256)"]
@@ -172,9 +174,9 @@ def test_auto_order_puts_third_party_plugins_before_the_reference(reg):
     reg.register(BackendSpec(name="toy", provides={"paged_decode": REFERENCE.provides["paged_decode"],
                                                    "bounded": REFERENCE.provides["bounded"]}, priority=1))
     reg.register(BackendSpec(name="zzz", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=5))
-    assert auto_order(("paged_decode",), reg) == ["flashinfer", "zzz", "toy", "reference"]
+    assert auto_order(("paged_decode",), reg) == ["flashinfer", "zzz", "toy", "fa3", "reference"]
     assert auto_order(("bounded",), reg) == ["toy", "reference"]
-    assert auto_order(PAGED, reg) == ["flashinfer", "reference"]  # zzz/toy lack prefill and mixed
+    assert auto_order(PAGED, reg) == ["flashinfer", "fa3", "reference"]  # zzz/toy lack prefill and mixed
 
 
 def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
@@ -189,8 +191,8 @@ def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
 def test_auto_when_nothing_can_run_raises_with_every_reason(reg):
     with pytest.raises(BackendUnavailable, match="no attention backend can run here") as e:
         pick(reg, ("paged_decode",), device="cpu", dtype=torch.int8)
-    # every backend that provides paged_decode, with its reasons; fa3 and rocm do not provide it
-    assert set(e.value.reasons) == {"flashinfer", "reference"}
+    # every backend that provides paged_decode, with its reasons; rocm does not provide it
+    assert set(e.value.reasons) == {"flashinfer", "fa3", "reference"}
     assert "dtype int8 is not supported" in e.value.reasons["reference"][0]
     assert e.value.known == ["fa3", "flashinfer", "reference", "rocm"]
 
@@ -388,7 +390,7 @@ def test_auto_sm90_passes_over_flashinfer_for_sink_logits_and_logs_why(reg, fake
     f = AttentionFeatures(sink_logits=True)
     with caplog.at_level(logging.INFO, logger="mstar.registry"):
         sel = pick(reg, PAGED, features=f)
-    assert sel.name == "reference"
+    assert sel.name == "fa3"  # FA3's paged wrappers take sinks
     assert sel.rejected["flashinfer"] == [f"{SINK_REASON} paged_prefill, paged_decode, mixed"]
     assert f"rejected: flashinfer: {SINK_REASON} paged_prefill, paged_decode, mixed" in caplog.text
     # the dense path: FA3 declares sink logits, so it keeps its place

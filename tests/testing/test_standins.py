@@ -31,11 +31,14 @@ def test_flashinfer_wrappers_on_the_standin():
     assert _failures(FLASHINFER, classes, [torch.float32], [64]) == []
 
 
-def test_fa3_wrapper_on_the_standin(fa3_standin):
+def test_fa3_wrappers_on_the_standin(fa3_standin):
+    from mstar_fa3.paged import FA3DecodeWrapper, FA3MixedWrapper, FA3PrefillWrapper
     from mstar_fa3.plugin import FA3
     from mstar_fa3.ragged import FA3PrefixedPrefillWrapper
 
-    assert _failures(FA3, {"prefixed_ragged": FA3PrefixedPrefillWrapper}, [torch.bfloat16], [128]) == []
+    classes = {"paged_prefill": FA3PrefillWrapper, "paged_decode": FA3DecodeWrapper, "mixed": FA3MixedWrapper,
+               "prefixed_ragged": FA3PrefixedPrefillWrapper}
+    assert _failures(FA3, classes, [torch.bfloat16], [128]) == []
 
 
 def test_aiter_wrapper_on_the_standin(aiter_standin):

@@ -1,0 +1,425 @@
+"""FA3's paged prefill, decode and mixed wrappers: ``flash_attn_interface.flash_attn_with_kvcache``
+over mstar's KV layout, as it is.
+
+A layer is ``[pages, 2, page_size, kv_heads, head_dim]``; its K and V are the strided views
+``layer[:, 0]`` and ``layer[:, 1]`` (page stride ``2 * page_size * kv_heads * head_dim``), which the
+kernel reads without a copy: it needs a unit stride in the last dimension only and takes the
+page stride from the tensor. mstar plans rows as page lists (``kv_indptr`` / ``kv_indices``); the
+kernel takes a padded ``page_table [rows, width]``, built on the device at plan by one scatter
+(no host pass over the pages), ``cache_seqlens`` (each row's keys, this step's included: the KV
+manager writes them before attention) and, for prefill and mixed steps, ``cu_seqlens_q`` and
+``max_seqlen_q``. Its causal mask is bottom-right aligned, which is where a row's queries sit.
+
+Pre-planning: ``plan`` also computes the kernel's tile schedule (``get_scheduler_metadata``) once
+per step, so each layer's call skips that work. Graph mode (``accelerator_graph=True``): every
+tensor the kernel reads is a static buffer that ``plan`` rewrites in place; the page table is
+``batch_size x max_num_pages`` wide (no row can hold more pages), padding rows have no keys and
+return zeros, and the split count is fixed (the schedule shrinks it per row).
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any, ClassVar
+
+import torch
+
+from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
+from mstar_core.errors import InputError, InputTypeError, StateError, Unsupported
+from mstar_core.step import check_window_and_scale, is_int
+
+MODULE = "flash_attn_interface"
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+MAX_HEAD_DIM = 256
+# hopper's flash_api checks "sinks must have dtype bfloat16"
+SINKS_DTYPE = torch.bfloat16
+# Graph mode fixes the split count at capture (the host heuristic would see the static page table's
+# full width); the precomputed schedule gives each row at most this many.
+GRAPH_NUM_SPLITS = 16
+
+
+def _host_i32(name: str, value: Any, who: str) -> torch.Tensor:
+    """A 1-D int32 host tensor (a device tensor is read back: the managers pass host rows)."""
+    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
+    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
+        raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
+    if t.dim() != 1:
+        raise InputError(f"{who}: {name} must be 1-D, got shape {tuple(t.shape)}")
+    return t.to("cpu", torch.int32)
+
+
+def _check_indptr(name: str, t: torch.Tensor, who: str, rows: int | None = None) -> torch.Tensor:
+    if t.numel() < 1 or int(t[0]) != 0:
+        raise InputError(f"{who}: {name} must start at 0 (row starts, then the total), got {t[:4].tolist()}")
+    if rows is not None and t.numel() != rows + 1:
+        raise InputError(f"{who}: {name} has {t.numel()} entries, expected {rows + 1} (rows + 1)")
+    lens = t[1:] - t[:-1]
+    if bool((lens < 0).any()):
+        i = int((lens < 0).nonzero()[0, 0])
+        raise InputError(f"{who}: {name} must be non-decreasing, got {name}[{i}] = {int(t[i])} > "
+                         f"{name}[{i + 1}] = {int(t[i + 1])}")
+    return lens
+
+
+class FA3PagedWrapper:
+    """What the three share: build-time checks, the plan (page table, lengths, schedule) and
+    ``run``. Subclasses say how rows and queries are laid out."""
+
+    kind: ClassVar[str] = "paged"
+    graph_capturable: ClassVar[bool] = True
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_total_tokens: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device | str = "cuda",
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+    ) -> None:
+        name = type(self).__name__
+        for what, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
+            if not is_int(v) or v < 1:
+                raise InputError(f"{name}: {what} must be a positive int, got {v!r}")
+        if num_qo_heads % num_kv_heads:
+            raise InputError(f"{name}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
+                             f"({num_kv_heads})")
+        if not is_int(head_dim) or head_dim < 8 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
+            raise InputError(f"{name}: FA3 needs head_dim a multiple of 8 in 8..{MAX_HEAD_DIM}, got {head_dim!r}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
+        self.page_size = page_size
+        self.device = torch.device(device)
+        self.accelerator_graph = bool(accelerator_graph)
+        self.batch_size, self.max_total_tokens, self.max_num_pages = batch_size, max_total_tokens, max_num_pages
+        if self.accelerator_graph:
+            for what, size in (("batch_size", batch_size), ("max_num_pages", max_num_pages)):
+                if not is_int(size) or size is None or size < 1:
+                    raise InputError(f"{name} with accelerator_graph=True needs {what} (a positive int), got {size!r}")
+        # Imported here, not at module import: the plugin must load where FA3 is not installed.
+        fa3 = importlib.import_module(MODULE)
+        self._kernel = fa3.flash_attn_with_kvcache
+        self._schedule = getattr(fa3, "get_scheduler_metadata", None)  # builds without it: per-call scheduling
+        self._static: dict[str, torch.Tensor] | None = None
+        self._planned: dict[str, Any] | None = None
+
+    # -- layout, per subclass ----------------------------------------------------------------------
+    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
+        """``(cu_seqlens_q as host int32 or an empty tensor, tokens, max_seqlen_q)``."""
+        raise NotImplementedError
+
+    def _static_q_rows(self) -> int:
+        """The q rows a captured run sees."""
+        raise NotImplementedError
+
+    def _q_view(self, q: torch.Tensor, rows: int) -> torch.Tensor:
+        return q
+
+    # -- plan --------------------------------------------------------------------------------------
+    def _plan(self, qo_indptr: Any, indptr: Any, indices: Any, last: Any, causal: bool, dtype: torch.dtype,
+              kv_lens: Any, window_left: int, kwargs: dict[str, Any]) -> None:
+        who = f"{type(self).__name__}.plan"
+        # Every check first: a refused plan keeps the previous one.
+        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, who) if kwargs else (None, None, None)
+        if dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"{who}: FA3 computes in {', '.join(map(str, SUPPORTED_DTYPES))}, got {dtype}")
+        if kv_dtype is not None and kv_dtype != dtype:
+            raise Unsupported(f"{who}: FA3 reads an FP8 cache only with FP8 queries (q, k and v share one dtype); "
+                              f"this plan has {dtype} queries over a {kv_dtype} cache")
+        check_window_and_scale(who, window_left, sm_scale)
+        indptr_t = _host_i32("kv_indptr", indptr, who)
+        pages = _check_indptr("kv_indptr", indptr_t, who)
+        rows = pages.numel()
+        last_t = _host_i32("last_page_len", last, who)
+        if last_t.numel() != rows:
+            raise InputError(f"{who}: last_page_len has {last_t.numel()} entries, expected {rows} (one per row)")
+        has = pages > 0
+        bad = torch.where(has, (last_t < 1) | (last_t > self.page_size), last_t != 0)
+        if bool(bad.any()):
+            i = int(bad.nonzero()[0, 0])
+            raise InputError(f"{who}: last_page_len[{i}] = {int(last_t[i])} for a row with {int(pages[i])} pages; "
+                             f"allowed: {f'1..{self.page_size}' if bool(has[i]) else '0 (no pages)'}")
+        lens = (pages - has.to(torch.int32)) * self.page_size + last_t
+        if kv_lens is not None:
+            given = _host_i32("kv_lens", kv_lens, who)
+            if given.numel() != rows or not torch.equal(given, lens):
+                raise InputError(f"{who}: kv_lens {given[:8].tolist()} disagrees with the rows' pages "
+                                 f"({lens[:8].tolist()})")
+        if not isinstance(indices, torch.Tensor):
+            indices = torch.as_tensor(indices, dtype=torch.int32)
+        if indices.dim() != 1 or indices.dtype != torch.int32:
+            raise InputTypeError(f"{who}: kv_indices must be a 1-D int32 tensor, got {indices.dtype} "
+                                 f"{tuple(indices.shape)}")
+        total_pages = int(indptr_t[-1])
+        if total_pages > indices.numel():
+            raise InputError(f"{who}: kv_indptr[-1] = {total_pages} exceeds len(kv_indices) = {indices.numel()}")
+        if not indices.is_cuda and total_pages and bool((indices[:total_pages] < 0).any()):
+            raise InputError(f"{who}: kv_indices holds a negative page index; page indices must be >= 0")
+        cu_q, tokens, max_q = self._rows(who, qo_indptr, rows)
+        if cu_q.numel():
+            q_lens = cu_q[1:] - cu_q[:-1]
+            if bool((q_lens > lens).any()):  # a row's queries are its last keys
+                i = int((q_lens > lens).nonzero()[0, 0])
+                raise InputError(f"{who}: row {i} has {int(q_lens[i])} queries but {int(lens[i])} keys; a row's "
+                                 "queries are among its keys")
+        width = int(pages.max()) if rows else 0
+        st = self._static
+        if self.accelerator_graph:
+            assert self.batch_size is not None and self.max_num_pages is not None
+            if rows > self.batch_size:
+                raise InputError(f"{who}: {rows} rows exceed batch_size={self.batch_size} of the static buffers")
+            if total_pages > self.max_num_pages:
+                raise InputError(f"{who}: {total_pages} pages exceed max_num_pages={self.max_num_pages} of the "
+                                 "static buffers")
+            static_q = self._static_q_rows()
+            if tokens > static_q:
+                raise InputError(f"{who}: {tokens} query tokens exceed the static {static_q}")
+            if st is None:
+                st = self._static = self._static_buffers()
+        # -- stage: nothing above changed state --------------------------------------------------
+        dev = self.device
+        b = self.batch_size if st is not None else rows
+        assert b is not None
+        seqlens_h = torch.zeros(b, dtype=torch.int32)
+        seqlens_h[:rows] = lens
+        counts_h = torch.zeros(b, dtype=torch.int32)
+        counts_h[:rows] = pages
+        host = [seqlens_h, counts_h]
+        if cu_q.numel():
+            cu_h = torch.full((b + 1,), int(cu_q[-1]), dtype=torch.int32)
+            cu_h[: rows + 1] = cu_q
+            host.append(cu_h)
+        packed = torch.cat(host)
+        if dev.type == "cuda":
+            packed = packed.pin_memory()
+        if st is not None:
+            rows_d = st["rows"][: packed.numel()]
+            rows_d.copy_(packed, non_blocking=True)
+            table = st["page_table"]
+        else:
+            rows_d = packed.to(dev, non_blocking=True)
+            table = torch.zeros((max(rows, 1), max(width, 1)), dtype=torch.int32, device=dev)
+        seqlens_d, counts_d = rows_d[:b], rows_d[b: 2 * b]
+        cu_d = rows_d[2 * b:] if cu_q.numel() else None
+        if total_pages:
+            # page j of row r -> table[r, j], on the device: the row of each page, then its column
+            idx = indices[:total_pages].to(dev, non_blocking=True)
+            row_of = torch.repeat_interleave(torch.arange(b, device=dev), counts_d, output_size=total_pages)
+            starts = torch.cumsum(counts_d, 0, dtype=torch.int32) - counts_d
+            col = torch.arange(total_pages, device=dev, dtype=torch.int32) - starts.index_select(0, row_of)
+            table.index_put_((row_of, col.long()), idx)
+        causal = bool(causal)
+        window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
+        num_splits = GRAPH_NUM_SPLITS if st is not None else 0
+        max_q_static = self._static_q_rows() if st is not None and cu_d is not None else max_q
+        meta = None
+        if self._schedule is not None:
+            meta = self._schedule(
+                b, max_q_static, table.shape[1] * self.page_size, self.num_qo_heads, self.num_kv_heads,
+                self.head_dim, seqlens_d, qkv_dtype=dtype, cu_seqlens_q=cu_d, page_size=self.page_size,
+                causal=causal, window_size=window, has_softcap=soft_cap is not None, num_splits=num_splits)
+            if st is not None:
+                kept = st.get("schedule")
+                if kept is None or kept.shape != meta.shape:
+                    # sized by the first plan: its shape depends only on the static batch
+                    kept = st["schedule"] = torch.empty_like(meta)
+                kept.copy_(meta)
+                meta = kept
+        self._planned = {
+            "rows": rows, "tokens": tokens, "dtype": dtype, "table": table, "seqlens": seqlens_d, "cu": cu_d,
+            "max_q": max_q_static, "causal": causal, "window": window, "scale": sm_scale,
+            "softcap": soft_cap or 0.0, "splits": num_splits, "meta": meta,
+        }
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        assert self.batch_size is not None and self.max_num_pages is not None
+        b, dev = self.batch_size, self.device
+        return {"rows": torch.zeros(3 * b + 1, dtype=torch.int32, device=dev),
+                "page_table": torch.zeros((b, self.max_num_pages), dtype=torch.int32, device=dev)}
+
+    # -- run ---------------------------------------------------------------------------------------
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """``q [tokens, Hq, D]`` over ``kv_cache_layer [pages, 2, page_size, Hkv, D]``; returns
+        ``[tokens, Hq, D]``. ``sinks [Hq]``: a logit per query head in each softmax denominator."""
+        who = f"{type(self).__name__}.run"
+        p = self._planned
+        if p is None:
+            raise StateError(f"{who} before plan")
+        check_scale(k_scale, "k_scale", who)
+        check_scale(v_scale, "v_scale", who)
+        if (k_scale not in (None, 1.0)) or (v_scale not in (None, 1.0)):
+            raise Unsupported(f"{who}: FA3's paged path has no K/V scales (no FP8 cache under 16-bit queries)")
+        n = q.shape[0]
+        static = self._static is not None and n == self._static_q_rows()
+        if self._static is not None and self.kind == "decode" and not static:
+            raise InputError(f"{who}: a graph-mode decode wrapper reads every static row: q must have "
+                             f"{self._static_q_rows()} rows, got {n}")
+        if q.dim() != 3 or (n != p["tokens"] and not static) or tuple(q.shape[1:]) != (self.num_qo_heads,
+                                                                                       self.head_dim):
+            want = f"{p['tokens']}" + (f" or {self._static_q_rows()} (static)" if self._static is not None else "")
+            raise InputError(f"{who}: q has shape {tuple(q.shape)}, expected [{want}, {self.num_qo_heads}, "
+                             f"{self.head_dim}]")
+        if q.dtype != p["dtype"]:
+            raise InputTypeError(f"{who}: q has dtype {q.dtype}, planned {p['dtype']}")
+        want_kv = (2, self.page_size, self.num_kv_heads, self.head_dim)
+        if kv_cache_layer.dim() != 5 or tuple(kv_cache_layer.shape[1:]) != want_kv:
+            raise InputError(f"{who}: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
+                             f"[max_pages, {', '.join(map(str, want_kv))}]")
+        if kv_cache_layer.dtype != q.dtype:
+            raise InputTypeError(f"{who}: kv_cache_layer is {kv_cache_layer.dtype}, q {q.dtype}: FA3 reads one dtype")
+        if q.device != kv_cache_layer.device or q.device.type != self.device.type:
+            raise InputError(f"{who}: q is on {q.device}, kv_cache_layer on {kv_cache_layer.device}, the plan on "
+                             f"{self.device}")
+        extra: dict[str, Any] = {}
+        if sinks is not None:
+            check_sinks(sinks, self.num_qo_heads, q.device, who)
+            extra["sinks"] = sinks.to(SINKS_DTYPE).contiguous()
+        if p["softcap"]:
+            extra["softcap"] = p["softcap"]
+        if p["cu"] is not None:
+            extra.update(cu_seqlens_q=p["cu"], max_seqlen_q=p["max_q"])
+        out = self._kernel(
+            self._q_view(q, p["table"].shape[0]), kv_cache_layer[:, 0], kv_cache_layer[:, 1],
+            cache_seqlens=p["seqlens"], page_table=p["table"], softmax_scale=p["scale"], causal=p["causal"],
+            window_size=p["window"], scheduler_metadata=p["meta"], num_splits=p["splits"], **extra)
+        return out.reshape(n, self.num_qo_heads, self.head_dim)
+
+
+class FA3PrefillWrapper(FA3PagedWrapper):
+    """Paged prefill: rows of any number of queries (``qo_indptr``), packed."""
+
+    kind = "prefill"
+
+    def plan(
+        self,
+        qo_indptr: torch.Tensor,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        causal: bool = True,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        **kwargs: Any,
+    ) -> None:
+        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal, dtype, kv_lens,
+                   window_left, kwargs)
+
+    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
+        cu = _host_i32("qo_indptr", qo_indptr, who)
+        q_lens = _check_indptr("qo_indptr", cu, who, rows)
+        return cu, int(cu[-1]), int(q_lens.max()) if rows else 0
+
+    def _static_q_rows(self) -> int:
+        if self.max_total_tokens is None:
+            raise InputError(f"{type(self).__name__} with accelerator_graph=True needs max_total_tokens")
+        return self.max_total_tokens
+
+    def _static_buffers(self) -> dict[str, torch.Tensor]:
+        self._static_q_rows()  # refused now, not at the first run
+        return super()._static_buffers()
+
+
+class FA3DecodeWrapper(FA3PagedWrapper):
+    """Paged decode: every row ``query_tokens`` queries (1, or 2..8 for multi-token decode, causal),
+    as ``q [rows * t, Hq, D]``, given to the kernel as ``[rows, t, Hq, D]``."""
+
+    kind = "decode"
+
+    def __init__(
+        self,
+        workspace_buffer: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int | None = None,
+        max_num_pages: int | None = None,
+        device: torch.device | str = "cuda",
+        accelerator_graph: bool = False,
+        enable_nvtx: bool = False,
+        backend: str = "auto",
+        query_tokens: int = 1,
+    ) -> None:
+        if not is_int(query_tokens) or query_tokens < 1:
+            raise InputError(f"{type(self).__name__}: query_tokens must be an int >= 1, got {query_tokens!r}")
+        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size, None,
+                         max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+        self.query_tokens = query_tokens  # graph mode: the bucket's rows have this many each
+        self._t = query_tokens
+
+    def plan(  # the decode protocol's plan: no qo_indptr, no causal
+        self,
+        paged_kv_indptr: torch.Tensor,
+        paged_kv_indices: torch.Tensor,
+        paged_kv_last_page_len: torch.Tensor,
+        dtype: torch.dtype = torch.bfloat16,
+        kv_lens: torch.Tensor | None = None,
+        window_left: int = -1,
+        query_tokens: int = 1,
+        **kwargs: Any,
+    ) -> None:
+        who = f"{type(self).__name__}.plan"
+        if not is_int(query_tokens) or query_tokens < 1:
+            raise InputError(f"{who}: query_tokens must be an int >= 1 (query tokens per row), got {query_tokens!r}")
+        if self.accelerator_graph and query_tokens != self.query_tokens:
+            raise InputError(f"{who}: this graph-mode wrapper was built for {self.query_tokens} query tokens per row, "
+                             f"planned with {query_tokens}")
+        t_before = self._t
+        self._t = query_tokens
+        try:
+            self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, dtype, kv_lens,
+                       window_left, kwargs)
+        except BaseException:
+            self._t = t_before
+            raise
+
+    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
+        return torch.zeros(0, dtype=torch.int32), rows * self._t, self._t
+
+    def _static_q_rows(self) -> int:
+        assert self.batch_size is not None
+        return self.batch_size * self.query_tokens
+
+    def _q_view(self, q: torch.Tensor, rows: int) -> torch.Tensor:
+        return q.view(rows, self._t, self.num_qo_heads, self.head_dim)
+
+    def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
+            v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
+        p = self._planned
+        if p is not None and self._static is None and q.shape[0] == p["tokens"] and p["rows"] == 0:
+            return q.new_zeros(q.shape)  # no rows: nothing to attend
+        return super().run(q, kv_cache_layer, k_scale=k_scale, v_scale=v_scale, sinks=sinks)
+
+
+class FA3MixedWrapper(FA3PrefillWrapper):
+    """One-token rows and prompt rows in one step: one varlen call (``cu_seqlens_q`` tells each
+    row's queries), so no split into two plans is needed. Runs eagerly."""
+
+    kind = "mixed"
+    graph_capturable = False
+
+    def __init__(
+        self,
+        decode_workspace: torch.Tensor | None,
+        prefill_workspace: torch.Tensor | None,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        page_size: int,
+        batch_size: int,
+        max_total_tokens: int,
+        max_num_pages: int,
+        max_prefill_rows: int,
+        device: torch.device | str,
+        backend: str = "auto",
+    ) -> None:
+        super().__init__(prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
+                         max_total_tokens, max_num_pages, device)
+        self.max_prefill_rows = max_prefill_rows
