@@ -97,6 +97,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda")
     p.add_argument("--backend", default="flashinfer")
+    p.add_argument("--arch", default="llama_1b",
+                   help="llama_1b (the default model above), or an architecture of mstar_core.testing.hf_models at its "
+                        "GPU size with --layers layers (e.g. gpt_oss: alternating windows, sink logits)")
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--prompt-len", type=int, default=512)
     p.add_argument("--new", type=int, default=128)
@@ -113,11 +116,20 @@ def main(argv: list[str] | None = None) -> int:
         a.device, a.backend, a.batch, a.prompt_len, a.new, a.layers, a.hidden, a.vocab = (
             "cpu", "reference", 4, 16, 6, 2, 128, 512)
     dtype = torch.bfloat16 if a.device == "cuda" else torch.float32
-    model = llama_1b(a.vocab, a.hidden, a.layers, dtype, a.device)
+    if a.arch == "llama_1b":
+        model = llama_1b(a.vocab, a.hidden, a.layers, dtype, a.device)
+    else:
+        from mstar_core.testing.hf_models import build
+
+        # eager: gpt-oss has no sdpa path in transformers (its sink logits); mstar replaces attention anyway
+        model = build(a.arch, "tiny" if a.smoke else "gpu", dtype, a.device, attn_implementation="eager",
+                      num_hidden_layers=a.layers)
+        a.vocab, a.hidden = model.config.vocab_size, model.config.hidden_size
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, a.vocab, (a.prompt_len,), generator=g).tolist() for _ in range(a.batch)]
     res: dict = {"env": report.environment("transformers"),
-                 "workload": {k: getattr(a, k) for k in ("batch", "prompt_len", "new", "layers", "hidden", "vocab")}}
+                 "workload": {k: getattr(a, k)
+                              for k in ("arch", "batch", "prompt_len", "new", "layers", "hidden", "vocab")}}
     if a.device == "cuda":
         res["copy"] = copy_bandwidth()
     print(json.dumps(res), flush=True)
@@ -141,11 +153,12 @@ def main(argv: list[str] | None = None) -> int:
         res[path] = r
         print(json.dumps({path: {k: v for k, v in (r or {}).items() if k not in ("ids", "output_ids")}}, default=str),
               flush=True)
-    lines = ["# A Llama-3.2-1B-shaped model: mstar's generate loop against transformers' own", "",
+    shaped = "A Llama-3.2-1B-shaped model" if a.arch == "llama_1b" else f"A {a.arch}-shaped model ({a.layers} layers)"
+    lines = [f"# {shaped}: mstar's generate loop against transformers' own", "",
              report.environment_line(res["env"]), "", *summary(res, model, a.batch), "",
              *report.targets_table(res["targets"])]
     if a.out:
-        report.write(a.out, "transformers_decode", res, lines)
+        report.write(a.out, "transformers_decode" + ("" if a.arch == "llama_1b" else f"-{a.arch}"), res, lines)
     else:
         print("\n".join(lines))
     return 0

@@ -43,12 +43,16 @@
 #                       `mstar check NAME --device cuda` for each of BACKENDS (default: flashinfer, or fa3 where
 #                       .gpu/fa3 came), CHECK_ARGS added (e.g. --dtype bfloat16), each report as <name>.json, and
 #                       the kit's own GPU tests (its device plants)
+#   paged               call 1: .gpu/fa3 .gpu/env.sh (PAGED_STEPS="check tests"); call 2 on that machine: .gpu/flashinfer and
+#                       .gpu/flashinfer-aot-0.5.3.tgz (PAGED_STEPS="bench models"): FA3's and FlashInfer's paged backends,
+#                       the kit and GPU tests, bench/paged_backends.py (and the measured tables it writes into $R/tables),
+#                       a gpt-oss-shaped model through the transformers integration (MODEL_BACKEND, default auto)
 #   prefix              as transformers (on the smollm2 machine for SmolLM2's own weights; .gpu/flashinfer may stay behind
 #                       where an earlier call on that machine installed it): bench/prefix_cache.py (MODELS=smollm2,smollm2_shape)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix | check"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix | check | paged"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -227,6 +231,32 @@ check)  # the conformance kit on the real libraries; FlashInfer stays installed 
       "$R/check_$b.json" >> "$R/summary.txt" 2>&1
   done
   [ -n "$KIT_TESTS" ] && gpu_tests 120 kit_tests tests/testing tests/registry
+  flashinfer_modules_out "$FI" ;;
+paged)  # FA3's and FlashInfer's paged backends; PAGED_STEPS picks the steps (FA3 stays in /tmp/site-fa3 between calls)
+  if [ -d .gpu/fa3 ]; then source .gpu/env.sh fa3 || exit 1; fi
+  if [ -d /tmp/site-fa3 ]; then case ":$PYTHONPATH:" in *:/tmp/site-fa3:*) ;; *) export PYTHONPATH=/tmp/site-fa3${PYTHONPATH:+:$PYTHONPATH};; esac; fi
+  if [ -d .gpu/flashinfer ] || [ -d "/tmp/fi-$FI/flashinfer" ]; then EXTRA_PATH=$PYTHONPATH flashinfer_site "$FI" || exit 1; fi
+  project flashinfer fa3; envinfo
+  for step in ${PAGED_STEPS:-check}; do
+    case $step in
+    check)  # the kit on FA3 (paged: eager and graph replay; the dense path) and, where it is here, FlashInfer
+      for b in ${BACKENDS:-fa3}; do
+        T 300 "check_$b" bash -c "python3 -m mstar_core.cli check $b --device cuda --json $CHECK_ARGS > $R/check_$b.json"
+        python3 -c "import json,sys; d=json.load(open(sys.argv[1])); print(d['backend'], 'ok' if d['ok'] else 'FAILED', d['passed'], 'passed', d['failed'], 'failed')" \
+          "$R/check_$b.json" >> "$R/summary.txt" 2>&1
+      done ;;
+    tests) gpu_tests 240 tests ${PAGED_TESTS:-tests/plugins tests/registry tests/testing tests/attention} ;;
+    bench)  # both backends against their raw calls; the measured tables, then what auto picks from them
+      T 240 paged_backends python3 bench/paged_backends.py --out "$R" --tables "$R/tables" --commit "$COMMIT"
+      for p in mstar_fa3 mstar_flashinfer; do [ -f "$R/tables/$p/measured.json" ] && cp "$R/tables/$p/measured.json" "$p/"; done
+      T 60 backends python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128
+      T 60 backends_json python3 -m mstar_core.cli backends --device cuda --dtype bfloat16 --head-dim 128 --json ;;
+    models)  # a gpt-oss-shaped model (alternating windows, sink logits) through the transformers integration
+      T 240 transformers_check python3 bench/transformers_check.py --device cuda --archs gpt_oss --backend "${MODEL_BACKEND:-auto}" --out "$R"
+      T 240 transformers_decode python3 bench/transformers_decode.py --device cuda --arch gpt_oss --layers 16 \
+        --backend "${MODEL_BACKEND:-auto}" --paths mstar --out "$R" ;;
+    esac
+  done
   flashinfer_modules_out "$FI" ;;
 *) echo "unknown suite $suite"; exit 2 ;;
 esac
