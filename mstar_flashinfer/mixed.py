@@ -13,8 +13,9 @@ from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from mstar_flashinfer.mixed_layout import split_mixed
 from mstar_flashinfer.nvtx import Nvtx
-from mstar_flashinfer.paged_base import PlanState, check_run_cache, plan_extras, run_extras
+from mstar_flashinfer.paged_base import PlanState, check_run_cache, plan_extras
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+from mstar_flashinfer.sinks import plan_sinks, sink_run
 from mstar_flashinfer.staging import Staging
 
 
@@ -108,7 +109,8 @@ class FlashInferMixedWrapper:
             who = f"{name}.plan"
             # Every refusal comes before either half is planned, so a refused plan keeps the previous one.
             validate.check_dtype(dtype, self.device)
-            plan_extras(kwargs, dtype, name)  # unknown keywords and a bad sm_scale: refused now, not half-way
+            # unknown keywords, a bad sm_scale and what sink logits do not run with: refused now, not half-way
+            plan_sinks(kwargs, plan_extras(kwargs, dtype, name), dtype, self.head_dim, self._pre.backend, name)
             validate.check_window_and_scale(who, window_left, None)
             qo = validate.host_index("qo_indptr", qo_indptr, who)
             indptr = validate.host_index("kv_indptr", paged_kv_indptr, who)
@@ -154,8 +156,7 @@ class FlashInferMixedWrapper:
             v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
         """``q`` ``[tokens, num_qo_heads, head_dim]`` over ``kv_cache_layer``
         ``[max_pages, 2, page_size, num_kv_heads, head_dim]``; returns ``[tokens, num_qo_heads, head_dim]``.
-        FP8 storage: as the decode wrapper's."""
-        extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
+        FP8 storage and ``sinks``: as the decode wrapper's."""
         st = self._state
         if st is None:
             raise StateError(f"{type(self).__name__}.run before plan")
@@ -166,10 +167,12 @@ class FlashInferMixedWrapper:
                 f"{self.max_total_tokens} (static)")
         check_run_cache(type(self).__name__, self.device, q, kv_cache_layer, st.max_page, self.page_size,
                         self.num_kv_heads, self.head_dim)
+        sink_run(type(self).__name__, self._dec._sink_plan, sinks, self.num_qo_heads, self.device)  # both halves'
         b, p = self.batch_size, self._prompt_tokens
         # One output buffer: decode rows first, then the prefill rows; one gather restores order.
         buf = q.new_empty((b + n, q.shape[1], q.shape[2]))
-        self._dec._inner.run(q.index_select(0, self._row_token), kv_cache_layer, out=buf[:b], **extras)
+        scales = (k_scale, v_scale, sinks)
+        self._dec._run_kernel(q.index_select(0, self._row_token), kv_cache_layer, buf[:b], *scales)
         if n != self.max_total_tokens:
             # Eager: the prefill half gets exactly its planned (prompt) tokens, as FlashInfer 0.7
             # requires; the other tokens' rows of buf are never gathered. (A q of the static size
@@ -177,12 +180,12 @@ class FlashInferMixedWrapper:
             # replay with every later plan.)
             if p:
                 compat.tell_q_rows(self._pre._inner, p)  # a static run before may have said n
-                self._pre._inner.run(q.index_select(0, self._perm[:p]), kv_cache_layer, out=buf[b:b + p], **extras)
+                self._pre._run_kernel(q.index_select(0, self._perm[:p]), kv_cache_layer, buf[b:b + p], *scales)
         else:
             # Static (a captured bucket): every shape is fixed at capture, so the prefill half sees
             # all n rows; the kernel reads only the planned ones (compat.tell_q_rows).
             compat.tell_q_rows(self._pre._inner, n)
-            self._pre._inner.run(q.index_select(0, self._perm[:n]), kv_cache_layer, out=buf[b:], **extras)
+            self._pre._run_kernel(q.index_select(0, self._perm[:n]), kv_cache_layer, buf[b:], *scales)
         return buf.index_select(0, self._gather[:n])
 
     def kv_write_locations(self) -> KVWriteLocations:

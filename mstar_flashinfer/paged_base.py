@@ -15,11 +15,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.attention.checks import check_plan_kwargs, check_scale, refuse_sinks
+from mstar_core.attention.checks import check_plan_kwargs, check_scale
 from mstar_core.errors import InputError, StateError
-from mstar_flashinfer import validate
+from mstar_flashinfer import compat, validate
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from mstar_flashinfer.library import flashinfer
 from mstar_flashinfer.nvtx import Nvtx
+from mstar_flashinfer.sink_variant import build, resolve_backend
+from mstar_flashinfer.sinks import SinkPlan, sink_run
 from mstar_flashinfer.staging import Staging
 
 
@@ -32,17 +35,19 @@ def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[st
     return {"sm_scale": sm_scale, "logits_soft_cap": soft_cap, "q_data_type": dtype, "kv_data_type": kv_dtype or dtype}
 
 
-# FlashInfer 0.5.3's paged wrappers hand ``sinks`` only to its trtllm-gen backend (sm100) and drop
-# them elsewhere, so the backend does not declare the feature and its wrappers refuse them.
-NO_SINKS = "the FlashInfer backend (its paged wrappers apply `sinks` only on the trtllm-gen backend, sm100)"
-
-
-def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: torch.Tensor | None) -> dict[str, Any]:
-    """FlashInfer's run keywords for the K/V scales of FP8 storage; sink logits refused."""
-    refuse_sinks(sinks, who, NO_SINKS)
+def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: torch.Tensor | None,
+               sink_plan: SinkPlan | None, num_qo_heads: int, device: torch.device,
+               ) -> tuple[tuple[Any, ...], dict[str, Any]]:
+    """FlashInfer's run arguments after ``(q, paged_kv_cache)``: the K/V scales of FP8 storage as
+    keywords; after a sink plan, the sink variant's ``(sink, sm_scale)`` positionally (``k_scale``
+    folded into that scale, as its jit path drops the keyword) and ``v_scale`` (applied after it)."""
     check_scale(k_scale, "k_scale", f"{who}.run")
     check_scale(v_scale, "v_scale", f"{who}.run")
-    return {"k_scale": k_scale, "v_scale": v_scale}
+    sink_run(who, sink_plan, sinks, num_qo_heads, device)
+    if sink_plan is None:
+        return (), {"k_scale": k_scale, "v_scale": v_scale}
+    assert sinks is not None  # sink_run refuses a sink plan's run without them
+    return sink_plan.run_args(sinks, k_scale), {"v_scale": v_scale}
 
 
 # A plan's arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
@@ -130,6 +135,11 @@ class PagedWrapperBase:
         self._state: PlanState | None = None
         self._static_q: int | None = None  # graph mode: the q rows a captured run sees
         self._static_only = False  # True where the kernel reads every static row (graph decode)
+        self._inner: Any = None  # FlashInfer's wrapper the latest plan planned
+        self._sink_plan: SinkPlan | None = None  # the latest plan's, where it said sink_logits=True
+        # The sink variant's wrappers (FlashInfer's paged prefill, JIT variant), built on first use
+        # per (backend, query dtype, sliding window or not): the window switch is compiled in.
+        self._sink_inners: dict[tuple[str, torch.dtype, bool], Any] = {}
 
     # -- build ---------------------------------------------------------------------------------
     def _graph_buffers(self, with_qo: bool) -> dict[str, torch.Tensor]:
@@ -146,6 +156,19 @@ class PagedWrapperBase:
             bufs["qo_indptr"] = torch.zeros(b + 1, dtype=i32, device=dev)
         self._staging.reserve({"rows": 4 * b + 2, "kv_indices": p})
         return bufs
+
+    def _sink_inner(self, backend: str, dtype: torch.dtype, window_left: int, graph: dict[str, torch.Tensor] | None,
+                    rows: int) -> Any:
+        """The sink variant's wrapper for a plan (built on first use); ``graph``: the static
+        buffers it shares with the other wrappers of this one (graph mode), ``rows`` its token budget."""
+        backend = resolve_backend(backend, self.device, dtype, dtype)
+        key = (backend, dtype, window_left >= 0)
+        inner = self._sink_inners.get(key)
+        if inner is None:
+            inner = build(flashinfer(), self.workspace_buffer, backend, dtype, dtype, self.head_dim, window_left >= 0,
+                          graph, rows)
+            self._sink_inners[key] = inner
+        return inner
 
     # -- plan helpers --------------------------------------------------------------------------
     def _check_dtype(self, dtype: torch.dtype) -> None:
@@ -265,6 +288,15 @@ class PagedWrapperBase:
         """The output of a run, uninitialised: FlashInfer 0.7's paged prefill zero-fills one it
         allocates itself (an extra kernel per run); every row is written by the kernel or unread."""
         return torch.empty(q.shape[0], self.num_qo_heads, self.head_dim, dtype=q.dtype, device=q.device)
+
+    def _run_kernel(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, out: torch.Tensor, k_scale: float | None,
+                    v_scale: float | None, sinks: torch.Tensor | None) -> torch.Tensor:
+        """FlashInfer's run of the latest plan into ``out`` (q and the cache checked by the caller)."""
+        args, kw = run_extras(type(self).__name__, k_scale, v_scale, sinks, self._sink_plan, self.num_qo_heads,
+                              self.device)
+        if args and self._static_q is not None:  # the sink variant is a paged prefill: its q rows as checked
+            compat.tell_q_rows(self._inner, q.shape[0])
+        return self._inner.run(q, kv_cache_layer, *args, out=out, **kw)
 
     def _check_run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor) -> None:
         st = self._state

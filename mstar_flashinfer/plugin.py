@@ -7,7 +7,7 @@ import torch
 
 from mstar_core.registry import BackendSpec, HeadDims, hookimpl
 
-PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows")
+PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "sink_logits")
 
 FLASHINFER = BackendSpec(
     name="flashinfer",
@@ -28,9 +28,12 @@ FLASHINFER = BackendSpec(
     # The paged wrappers take use_cuda_graph buffers; the ragged (dense) path is eager-only.
     capturable=("paged_prefill", "paged_decode", "mixed"),
     # FP8 KV (kv_data_type, k_scale/v_scale at run) and soft-cap (logits_soft_cap) on every paged
-    # path; windows per layer through the managers (one plan per window). Not declared: sink
-    # logits -- FlashInfer 0.5.3's paged wrappers pass `sinks` only to its trtllm-gen backend
-    # (sm100); on sm90 they would be dropped silently.
+    # path; windows per layer through the managers (one plan per window). Sink logits on every
+    # paged path, eager and in graphs, any page size and the declared head dims: a plan with
+    # sink_logits=True runs FlashInfer's AttentionSink JIT variant (fa2/fa3; decode rows as one-query
+    # prefill rows), never its plain wrappers (which drop `sinks` off sm100). That variant has no
+    # soft-cap and is built here for 16-bit K/V only, so a plan combining sink logits with soft-cap
+    # or an FP8 cache is refused (mstar_flashinfer.sinks). Not on the dense path (no `sinks` there).
     # Multi-token decode rows run on the prefill wrapper in graph mode (static rows and tokens):
     # declared there (plugin API 1.1); FlashInfer's decode wrapper takes one query per row.
     features={

@@ -11,7 +11,8 @@ from mstar_core.features import MAX_DECODE_QUERY_TOKENS
 from mstar_flashinfer import compat
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer
-from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, pad_rows, plan_extras, run_extras
+from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, pad_rows, plan_extras
+from mstar_flashinfer.sinks import plan_sinks
 
 
 class FlashInferPrefillWrapper(PagedWrapperBase):
@@ -63,7 +64,8 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
             self._static_q = validate.require("max_total_tokens", max_total_tokens,
                                               "for FlashInferPrefillWrapper with accelerator_graph=True")
         # FlashInfer's wrapper per backend: the one asked for, and fa2 for an FP8 cache under
-        # 16-bit queries (see _inner_for). ``_inner`` is the one the latest plan used.
+        # 16-bit queries (see _inner_for); the sink variant's in ``_sink_inners``. ``_inner`` is
+        # the one the latest plan used.
         self._inners: dict[str, Any] = {}
         self._inner = self._make_inner(self._short_rows_backend(backend))
         self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
@@ -147,6 +149,7 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         with self._nvtx("plan"):
             self._check_dtype(dtype)
             extras = plan_extras(kwargs, dtype, type(self).__name__)
+            sink_plan = plan_sinks(kwargs, extras, dtype, self.head_dim, self.backend, type(self).__name__)
             qo, indptr, indices, last, lens, max_page = self._check_plan(
                 paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens, window_left, qo=qo_indptr)
             keep = (qo, indptr, indices, last, lens)
@@ -159,15 +162,20 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
                 qo, indptr, indices, last, lens = pad_rows(
                     self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)
-            inner = self._inner_for(dtype, extras["kv_data_type"])
+            if sink_plan is None:
+                inner, family = self._inner_for(dtype, extras["kv_data_type"]), "paged prefill"
+            else:
+                inner = self._sink_inner(self._short_rows_backend(self.backend), dtype, window_left, self._bufs,
+                                         self._static_q or 0)
+                family = "paged prefill (sink logits)"
             with self._plan_slot(keep, max_page) as st:
                 qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
                 indices_s = self._stage_indices(indices, self._bufs, pad)
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
                 per_plan = self._per_plan_backend and inner is self._inners.get(self.backend)
-                with plan_first_use("paged prefill", dtype, extras["kv_data_type"], self.head_dim, window_left,
+                with plan_first_use(family, dtype, extras["kv_data_type"], self.head_dim, window_left,
                                     extras["logits_soft_cap"], self.backend, keep[0] if per_plan else None):
-                    self._inner = inner
+                    self._inner, self._sink_plan = inner, sink_plan
                     inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
                         self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
@@ -181,11 +189,11 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         ``q`` ``[total_tokens, num_qo_heads, head_dim]``; ``kv_cache_layer``
         ``[max_pages, 2, page_size, num_kv_heads, head_dim]`` (one layer of the cache).
         Returns ``[total_tokens, num_qo_heads, head_dim]``. FP8 storage: as the decode wrapper's.
+        ``sinks`` ``[num_qo_heads]``: required after a plan with ``sink_logits=True``, refused otherwise.
         """
-        extras = run_extras(type(self).__name__, k_scale, v_scale, sinks)
         self._check_run(q, kv_cache_layer)
         with self._nvtx("run"):
             if self._bufs is not None:  # graph mode: the planned rows or the static size (checked above)
                 compat.tell_q_rows(self._inner, q.shape[0])
             # out= given: FlashInfer 0.7's paged prefill zero-fills an output it allocates (one more kernel)
-            return self._inner.run(q, kv_cache_layer, out=self._out(q), **extras)
+            return self._run_kernel(q, kv_cache_layer, self._out(q), k_scale, v_scale, sinks)

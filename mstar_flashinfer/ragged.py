@@ -13,8 +13,10 @@ from mstar_flashinfer import validate
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer
 from mstar_flashinfer.nvtx import Nvtx
-from mstar_flashinfer.paged_base import NO_SINKS
 from mstar_flashinfer.staging import Staging
+
+# FlashInfer 0.5.3's ragged prefill ``run`` takes no ``sinks`` (prefill.py:2840-2849): refused.
+NO_SINKS = "the FlashInfer dense path (its ragged prefill takes no sinks; the paged paths do)"
 
 # FlashInfer's recommended workspace; off CUDA (a stand-in) nothing is read from it.
 DEFAULT_WORKSPACE_BYTES = 128 << 20
@@ -89,7 +91,7 @@ class FlashInferPrefixedPrefillWrapper:
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
             ) -> torch.Tensor:
         """``q`` ``[cu_q[-1], Hq, D]``, ``k``/``v`` ``[cu_k[-1], Hkv, D]``; returns ``[cu_q[-1], Hq, D]``.
-        Sink logits are refused (``paged_base.NO_SINKS``)."""
+        Sink logits are refused (``NO_SINKS``)."""
         refuse_sinks(sinks, type(self).__name__, NO_SINKS)
         if self._tokens is None:
             raise StateError("FlashInferPrefixedPrefillWrapper.run before plan")

@@ -46,17 +46,35 @@ def test_ragged(case):
 # -- the features FlashInfer declares, through mstar's wrappers over the stand-in -------------------
 
 
-@pytest.mark.parametrize("case", C.feature_cases("prefill", FLASHINFER.supports("paged_prefill")), ids=str)
+def sinks_refused(case) -> bool:
+    """A declared feature combination FlashInfer's sink variant does not compute (it has no
+    soft-cap; FP8 caches are not built for it): the wrappers refuse it at plan."""
+    return case.sinks and (case.kv_dtype != "auto" or case.soft_cap is not None)
+
+
+def _runs(cases):
+    return [c for c in cases if not sinks_refused(c)]
+
+
+def _refused(cases):
+    return [c for c in cases if sinks_refused(c)]
+
+
+KINDS = {"prefill": "paged_prefill", "decode": "paged_decode", "mixed": "mixed"}
+CHECK = {"prefill": C.check_prefill, "decode": C.check_decode, "mixed": C.check_mixed}
+
+
+@pytest.mark.parametrize("case", _runs(C.feature_cases("prefill", FLASHINFER.supports("paged_prefill"))), ids=str)
 def test_prefill_features(case):
     C.check_prefill(FI, case)
 
 
-@pytest.mark.parametrize("case", C.feature_cases("decode", FLASHINFER.supports("paged_decode")), ids=str)
+@pytest.mark.parametrize("case", _runs(C.feature_cases("decode", FLASHINFER.supports("paged_decode"))), ids=str)
 def test_decode_features(case):
     C.check_decode(FI, case)
 
 
-@pytest.mark.parametrize("case", C.feature_cases("mixed", FLASHINFER.supports("mixed")), ids=str)
+@pytest.mark.parametrize("case", _runs(C.feature_cases("mixed", FLASHINFER.supports("mixed"))), ids=str)
 def test_mixed_features(case):
     C.check_mixed(FI, case)
 
@@ -66,12 +84,19 @@ def test_ragged_features(case):
     C.check_ragged(FI, case)
 
 
-def test_sink_logits_are_refused_not_dropped():
-    """FlashInfer 0.5.3 drops ``sinks`` off trtllm-gen: the wrappers refuse them (the backend
-    does not declare the feature) rather than compute without them."""
-    case = C.PagedCase(16, 64, 4, (1, 1), (3, 20), sinks=True)
-    with pytest.raises(NotImplementedError, match="sink logits are not supported by the FlashInfer backend"):
-        C.check_decode(FI, case)
+@pytest.mark.parametrize("kind,case", [(k, c) for k, cap in KINDS.items()
+                                       for c in _refused(C.feature_cases(k, FLASHINFER.supports(cap)))], ids=str)
+def test_sinks_with_fp8_or_soft_cap_are_refused_naming_what_runs(kind, case):
+    what = r"sink logits with .*: FlashInfer's sink logits run with K/V in the query dtype .*without logits_soft_cap"
+    with pytest.raises(NotImplementedError, match=what + ", on backends fa2 and fa3"):
+        CHECK[kind](FI, case)
+
+
+def test_sink_cases_run_on_every_paged_path():
+    """Declaring sink_logits makes the suite's sink cases run (not only the refused combinations)."""
+    for kind, cap in KINDS.items():
+        cases = _runs(C.feature_cases(kind, FLASHINFER.supports(cap)))
+        assert sum(c.sinks for c in cases) >= 4, kind  # alone and windowed, at page sizes 1 and 16
 
 
 # -- what `mstar check flashinfer` adds: rows poisoned or seeing no key, re-planning ---

@@ -96,7 +96,7 @@ def test_graph_replay_with_fresh_plans(real_flashinfer, kind, on_device):
 # -- the stand-in keeps the real signatures ------------------------------------------------------
 
 NAMES = ["BatchPrefillWithPagedKVCacheWrapper", "BatchDecodeWithPagedKVCacheWrapper",
-         "BatchPrefillWithRaggedKVCacheWrapper"]
+         "BatchPrefillWithRaggedKVCacheWrapper", "BatchAttentionWithAttentionSinkWrapper"]
 
 
 def _params(fn):
@@ -110,7 +110,7 @@ def _params(fn):
 PLUGIN_USES = {
     ("BatchPrefillWithPagedKVCacheWrapper", "__init__"): (
         "float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf",
-        "paged_kv_indices_buf", "paged_kv_last_page_len_buf", "backend"),
+        "paged_kv_indices_buf", "paged_kv_last_page_len_buf", "backend", "jit_args", "jit_kwargs"),
     ("BatchPrefillWithPagedKVCacheWrapper", "plan"): (
         "qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads", "num_kv_heads",
         "head_dim_qk", "page_size", "causal", "window_left", "non_blocking", "seq_lens", "sm_scale", "logits_soft_cap",
@@ -128,6 +128,17 @@ PLUGIN_USES = {
         "qo_indptr", "kv_indptr", "num_qo_heads", "num_kv_heads", "head_dim_qk", "causal", "window_left", "sm_scale",
         "q_data_type", "kv_data_type", "non_blocking"),
     ("BatchPrefillWithRaggedKVCacheWrapper", "run"): ("q", "k", "v"),
+    # Not built by the plugin (mstar_flashinfer.sink_variant builds its variant under another module
+    # name): the stand-in's copy shows the module-name problem, so its constructor must stay the real one.
+    ("BatchAttentionWithAttentionSinkWrapper", "__init__"): (
+        "float_workspace_buffer", "kv_layout", "use_cuda_graph", "qo_indptr_buf", "paged_kv_indptr_buf",
+        "paged_kv_indices_buf", "paged_kv_last_page_len_buf", "backend", "q_data_type", "kv_data_type",
+        "head_dim_qk", "head_dim_vo", "window_left"),
+    ("BatchAttentionWithAttentionSinkWrapper", "plan"): (
+        "qo_indptr", "paged_kv_indptr", "paged_kv_indices", "paged_kv_last_page_len", "num_qo_heads", "num_kv_heads",
+        "head_dim_qk", "page_size", "causal", "window_left", "non_blocking", "seq_lens", "sm_scale", "q_data_type",
+        "kv_data_type"),
+    ("BatchAttentionWithAttentionSinkWrapper", "run"): ("q", "paged_kv_cache", "v_scale", "out"),
 }
 
 

@@ -16,14 +16,17 @@ refuse_sinks): ``logits_soft_cap > 0`` turns each score ``s`` (after the scale) 
 ``q_scale``/``k_scale`` multiply ``sm_scale`` and ``v_scale`` the output after the kernel; ``run``
 checks the cache dtype against the plan's ``kv_data_type`` (ValueError). ``run(..., sinks=)``:
 0.5.3 drops the sinks silently on its fa2/fa3 paths; the stand-in raises NotImplementedError.
+Sink logits that do apply: ``BatchAttentionWithAttentionSinkWrapper`` (attention.py), the paged
+prefill's jit path for the AttentionSink variant (``_variant``), the only ``jit_args`` modelled.
 
-Not modelled: custom masks, RoPE/ALiBi, FP8 queries, return_lse, jit_args, trtllm-gen.
+Not modelled: custom masks, RoPE/ALiBi, FP8 queries, return_lse, other jit variants, trtllm-gen.
 """
 
 import sys
 
 from . import prefill as _prefill
 from ._common import PROFILE
+from .attention import BatchAttentionWithAttentionSinkWrapper
 from .decode import BatchDecodeWithPagedKVCacheWrapper
 from .page import get_seq_lens
 from .prefill import (
@@ -48,6 +51,7 @@ def emulate(version: str) -> None:
         else _prefill.BatchPrefillWithPagedKVCacheWrapper)
 
 __all__ = [
+    "BatchAttentionWithAttentionSinkWrapper",
     "BatchDecodeWithPagedKVCacheWrapper",
     "BatchPrefillWithPagedKVCacheWrapper",
     "BatchPrefillWithRaggedKVCacheWrapper",

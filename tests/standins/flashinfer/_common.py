@@ -181,12 +181,13 @@ def paged_attention(
     q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, qo_indptr: torch.Tensor,
     kv_indptr: torch.Tensor, kv_indices: torch.Tensor, last_page_len: torch.Tensor, batch_size: int,
     causal: bool, window_left: int, sm_scale: float, kv_layout: str, out: torch.Tensor,
-    logits_soft_cap: float | None = None,
+    logits_soft_cap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """What the paged kernels compute, read from the (device) buffers they would read. The
     cache is read in its stored dtype (FP8 too) and converted to float for the math; scores are
     ``q . k * sm_scale`` (the run's scale, k_scale folded in), then soft-capped when
-    ``logits_soft_cap > 0`` (variants.cuh DefaultAttention: ``cap * tanh(s / cap)``)."""
+    ``logits_soft_cap > 0`` (variants.cuh DefaultAttention: ``cap * tanh(s / cap)``). ``sinks``
+    (the AttentionSink variant): ``exp(sinks[h])`` joins head h's softmax denominator."""
     qo = qo_indptr[: batch_size + 1].cpu().long()
     indptr = kv_indptr[: batch_size + 1].cpu().long()
     last = last_page_len[:batch_size].cpu().long()
@@ -199,18 +200,19 @@ def paged_attention(
     slots = gather_paged_slots(pad, indptr, kv_indices[: int(indptr[-1])], page_size)
     a, b = int(qo[0]), int(qo[-1])
     if b > a:
-        out[a:b] = attend_padded(q[a:b], k_cache, v_cache, pad, sm_scale, slots, **_extras(logits_soft_cap))
+        out[a:b] = attend_padded(q[a:b], k_cache, v_cache, pad, sm_scale, slots, **_extras(logits_soft_cap, sinks))
     return out
 
 
-def _extras(logits_soft_cap: float | None) -> dict:
-    """The reference math's soft-cap, asked for only when the cap is on (the plain path keeps
-    the original call)."""
-    if not soft_cap_on(logits_soft_cap):
+def _extras(logits_soft_cap: float | None, sinks: torch.Tensor | None = None) -> dict:
+    """The reference math's soft-cap and sinks, asked for only when on (the plain path keeps the
+    original call)."""
+    if not soft_cap_on(logits_soft_cap) and sinks is None:
         return {}
     from mstar_core.backends.reference.math import Extras
 
-    return {"extras": Extras(soft_cap=float(logits_soft_cap))}
+    cap = float(logits_soft_cap) if soft_cap_on(logits_soft_cap) else None
+    return {"extras": Extras(soft_cap=cap, sinks=sinks)}
 
 
 def ragged_attention(

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from . import _variant
 from ._common import (
     PROFILE,
     apply_v_scale,
@@ -44,7 +45,9 @@ class BatchPrefillWithPagedKVCacheWrapper:
         jit_kwargs: dict[str, Any] | None = None,
     ) -> None:
         check_kv_layout(kv_layout)
-        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf, jit_args=jit_args)
+        unsupported(custom_mask_buf=custom_mask_buf, mask_indptr_buf=mask_indptr_buf)
+        # prefill.py:1407-1415: a jit variant's module is built here, once, for its compiled parameters
+        self._variant = None if jit_args is None else _variant.load(backend, jit_args, jit_kwargs)
         self._kv_layout = kv_layout
         self._float_workspace_buffer = float_workspace_buffer
         self.device = float_workspace_buffer.device
@@ -157,8 +160,12 @@ class BatchPrefillWithPagedKVCacheWrapper:
             self._paged_kv_indices_buf = paged_kv_indices.to(self.device, non_blocking=non_blocking)
             self._paged_kv_last_page_len_buf = paged_kv_last_page_len.to(self.device, non_blocking=non_blocking)
         self._cached_q_data_type, self._cached_kv_data_type = q_data_type, kv_data_type
-        build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap,
-                     self._plan_backend(qo_indptr_host))
+        if self._variant is not None:  # prefill.py:1812-1813: the variant's module, whatever the plan asks
+            _variant.check_plan(self._variant, q_data_type, kv_data_type, head_dim_qk, head_dim_vo or head_dim_qk,
+                                window_left, logits_soft_cap > 0)
+        else:
+            build_module("prefill", q_data_type, kv_data_type, head_dim_qk, window_left, logits_soft_cap,
+                         self._plan_backend(qo_indptr_host))
         self._max_kv_len = int(kv_lens_arr_host.max()) if len(kv_lens_arr_host) else 0
         self._plan_info = (total_num_rows, batch_size)
         self._causal = causal
@@ -190,21 +197,27 @@ class BatchPrefillWithPagedKVCacheWrapper:
     ) -> torch.Tensor:
         unsupported(return_lse=return_lse)
         assert self._plan_info is not None, "plan info is not initialized"
-        refuse_sinks(sinks, self._backend, "BatchPrefillWithPagedKVCacheWrapper.run")
+        sink = None
+        if self._variant is not None:  # the variant's (sink, sm_scale), positionally (prefill.py:2173-2174)
+            sink, sm_scale = _variant.run_args(self._variant, args, self._num_qo_heads, self.device, q_scale,
+                                               k_scale, sinks)
+        else:
+            refuse_sinks(sinks, self._backend, "BatchPrefillWithPagedKVCacheWrapper.run")
+            # q_scale/k_scale multiply sm_scale, v_scale the output after the kernel (prefill.py:2061-2212)
+            sm_scale = run_sm_scale(self._sm_scale, q.size(-1), q_scale, k_scale)
         k_cache, v_cache = unpack_paged_kv_cache(paged_kv_cache, self._kv_layout)
         check_cached_qkv_data_type(q, k_cache, self._cached_q_data_type, self._cached_kv_data_type)
         check_q_rows(self, q)
         window_left = self._window_left if window_left is None else window_left
         assert window_left == self._window_left
-        # q_scale/k_scale multiply sm_scale, v_scale the output after the kernel (prefill.py:2061-2212)
-        sm_scale = run_sm_scale(self._sm_scale, q.size(-1), q_scale, k_scale)
         if out is None:
             out = new_out(q.shape[:-1] + v_cache.shape[-1:], q)
         else:
             check_shape_dtype_device(out, q.shape[:-1] + v_cache.shape[-1:], q.dtype, q.device, "out")
         out = paged_attention(q, k_cache, v_cache, self._qo_indptr_buf, self._paged_kv_indptr_buf,
                               self._paged_kv_indices_buf, self._paged_kv_last_page_len_buf, self._batch_size,
-                              self._causal, window_left, sm_scale, self._kv_layout, out, self._logits_soft_cap)
+                              self._causal, window_left, sm_scale, self._kv_layout, out, self._logits_soft_cap,
+                              sink)
         return apply_v_scale(out, v_scale)
 
 

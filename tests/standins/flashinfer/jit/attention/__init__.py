@@ -1,0 +1,1 @@
+"""Stand-in for flashinfer.jit.attention: only ``variants`` (the sink variant's declarations)."""
