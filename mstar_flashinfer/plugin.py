@@ -8,6 +8,8 @@ import torch
 from mstar_core.registry import BackendSpec, HeadDims, hookimpl
 
 PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "sink_logits")
+# What the sink-logit variant does not run with (see features below).
+SINKS_ALONE = (("sink_logits", "soft_cap"), ("sink_logits", "fp8_e4m3"), ("sink_logits", "fp8_e5m2"))
 
 FLASHINFER = BackendSpec(
     name="flashinfer",
@@ -32,8 +34,9 @@ FLASHINFER = BackendSpec(
     # paged path, eager and in graphs, any page size and the declared head dims: a plan with
     # sink_logits=True runs FlashInfer's AttentionSink JIT variant (fa2/fa3; decode rows as one-query
     # prefill rows), never its plain wrappers (which drop `sinks` off sm100). That variant has no
-    # soft-cap and is built here for 16-bit K/V only, so a plan combining sink logits with soft-cap
-    # or an FP8 cache is refused (mstar_flashinfer.sinks). Not on the dense path (no `sinks` there).
+    # soft-cap and is built here for 16-bit K/V only, so sink logits with soft-cap or an FP8 cache
+    # are excluded (below; the wrappers refuse such a plan: mstar_flashinfer.sinks). Not on the
+    # dense path (no `sinks` there).
     # Multi-token decode rows run on the prefill wrapper in graph mode (static rows and tokens):
     # declared there (plugin API 1.1); FlashInfer's decode wrapper takes one query per row.
     features={
@@ -42,6 +45,7 @@ FLASHINFER = BackendSpec(
         "mixed": PAGED_FEATURES,
         "prefixed_ragged": ("soft_cap", "layer_windows"),
     },
+    excludes=dict.fromkeys(("paged_prefill", "paged_decode", "mixed"), SINKS_ALONE),
     probe="mstar_flashinfer.probe:probe",
     # FlashInfer JIT-compiles each kernel family on first use: `mstar warmup` does it ahead.
     warmup="mstar_flashinfer.warmup:warmup",

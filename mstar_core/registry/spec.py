@@ -91,7 +91,7 @@ class CapabilitySpec:
 
 
 # Fields plugin API 1.0 did not have: a spec that sets one declares api_version "1.1" or newer.
-API_1_1_FIELDS = ("per_capability", "kv_layout", "measured")
+API_1_1_FIELDS = ("per_capability", "kv_layout", "measured", "excludes")
 
 ProbeRef = str | Probe | None
 WarmupRef = str | Callable[..., Any] | None
@@ -144,6 +144,10 @@ class BackendSpec:
     # Plugin API 1.1: "module:attr" of a zero-argument function returning the backend's
     # measured kernel times (registry.measured.MeasuredTable), which order auto's candidates.
     measured: str | None = None
+    # Plugin API 1.1: capability -> feature combinations its wrapper does not run together (each
+    # feature declared alone), e.g. {"paged_decode": (("sink_logits", "soft_cap"),)}: a request
+    # of all of one combination is refused, and the kit does not ask for it.
+    excludes: Mapping[str, tuple[tuple[str, ...], ...]] = field(default_factory=dict)
     description: str = ""
     install_hint: str = ""
     distribution: str | None = None
@@ -190,6 +194,22 @@ class BackendSpec:
             if unknown:
                 raise InputError(f"backend {self.name!r}: features[{cap!r}] names unknown features {unknown}; known: "
                                  f"{list(FEATURES)}")
+        if not isinstance(self.excludes, Mapping):
+            raise InputTypeError(f"backend {self.name!r}: excludes must map capability names to tuples of feature "
+                                 f"combinations, got {type(self.excludes).__name__}")
+        for cap, combos in self.excludes.items():
+            if cap not in self.provides:
+                raise InputError(f"backend {self.name!r}: excludes names {cap!r}, which it does not provide")
+            for combo in combos:
+                if isinstance(combo, str) or len(combo) < 2:
+                    raise InputError(f"backend {self.name!r}: excludes[{cap!r}] entries are tuples of two or more "
+                                     f"feature names, got {combo!r}")
+                undeclared = [f for f in combo if f not in self.features.get(cap, ())]
+                if undeclared:
+                    declared = list(self.features.get(cap, ()))
+                    raise InputError(f"backend {self.name!r}: excludes[{cap!r}] names {undeclared}, which "
+                                     f"features[{cap!r}] does not declare (declared: {declared})")
+        object.__setattr__(self, "excludes", {c: tuple(tuple(x) for x in v) for c, v in self.excludes.items()})
         if not isinstance(self.per_capability, Mapping):
             raise InputTypeError(f"backend {self.name!r}: per_capability must map capability names to "
                                  f"CapabilitySpec, got {type(self.per_capability).__name__}")
@@ -279,6 +299,14 @@ class BackendSpec:
             caps = [c for c, missing in lacking.items() if feature in missing]
             if caps:
                 reasons.append(f"does not support feature {feature} ({FEATURES[feature]}) in {', '.join(caps)}")
+        asked = set(features.requested())
+        together: dict[tuple[str, ...], list[str]] = {}
+        for c in lacking:
+            for combo in self.excludes.get(c, ()):
+                if asked.issuperset(combo):
+                    together.setdefault(combo, []).append(c)
+        reasons += [f"does not support features {' with '.join(combo)} together in {', '.join(caps)}"
+                    for combo, caps in together.items()]
         return reasons
 
     @property
@@ -287,4 +315,4 @@ class BackendSpec:
         return f"{self.distribution or '?'} {self.version or '?'}"
 
 
-_DEFAULTS: dict[str, Any] = {"per_capability": {}, "kv_layout": PAGED_NHD, "measured": None}
+_DEFAULTS: dict[str, Any] = {"per_capability": {}, "kv_layout": PAGED_NHD, "measured": None, "excludes": {}}

@@ -220,8 +220,8 @@ def _quick_plain(cases: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False
-           ) -> list[tuple[str, Any]]:
+def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False,
+           excludes: Sequence[Sequence[str]] = ()) -> list[tuple[str, Any]]:
     """(group, case) of one capability: the plain cases at the checked head dims; the shapes,
     feature and edge cases at every one of them. ``quick``: a subset of the plain and feature
     cases (the head dims are the caller's to cut)."""
@@ -237,7 +237,8 @@ def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: 
         if kind == "ragged":
             extra += C.ragged_feature_cases(features, d)
         else:
-            extra += C.feature_cases(kind, features, page_sizes=(16,) if quick else (1, 16), head_dim=d)
+            extra += C.feature_cases(kind, features, page_sizes=(16,) if quick else (1, 16), head_dim=d,
+                                     excludes=excludes)
         edge += C.edge_cases(kind, d)
     groups += [("shapes", shapes), ("features", extra), ("edge", edge)]
     return [(g, c) for g, cases in groups for c in cases]
@@ -290,7 +291,7 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
             if quick:
                 head_dims = head_dims[:1]
             fn = C.CHECKS[kind]
-            for group, case in _cases(kind, spec.supports(cap), head_dims, quick):
+            for group, case in _cases(kind, spec.supports(cap), head_dims, quick, spec.excludes.get(cap, ())):
                 checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
             if kind in multi:
                 for d in head_dims:

@@ -23,7 +23,7 @@ adapter to be tested.
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -320,9 +320,11 @@ def _declared(features: Any, *names: str) -> bool:
     return all(n in features for n in names)
 
 
-def feature_cases(kind: str, features: Any, page_sizes=(1, 16), head_dim: int = 128) -> list[PagedCase]:
+def feature_cases(kind: str, features: Any, page_sizes=(1, 16), head_dim: int = 128,
+                  excludes: Sequence[Sequence[str]] = ()) -> list[PagedCase]:
     """Cases for ``kind`` (``"prefill"``, ``"decode"``, ``"mixed"``) exercising every feature in
-    ``features`` (a backend's ``BackendSpec.supports(capability)``), alone and combined.
+    ``features`` (a backend's ``BackendSpec.supports(capability)``), alone and combined, but no
+    combination ``excludes`` names (``BackendSpec.excludes[capability]``).
     Windows: the plain cases already cover ``window_left`` per plan; per-layer windows are the
     managers' job (one plan per window)."""
     if kind == "decode":
@@ -344,10 +346,17 @@ def feature_cases(kind: str, features: Any, page_sizes=(1, 16), head_dim: int = 
         variants.append({"kv_dtype": "fp8_e4m3", "soft_cap": 2.0})
     if _declared(features, "fp8_e4m3", "soft_cap", "sink_logits"):
         variants.append({"kv_dtype": "fp8_e4m3", "soft_cap": 2.0, "sinks": True})
+    variants = [v for v in variants if not any(set(x) <= _variant_features(v) for x in excludes)]
     cases = []
     for i, (((q, p), ps), extra) in enumerate(itertools.product(shapes, variants)):
         cases.append(PagedCase(ps, head_dim, 4, q, p, seed=800 + i, **extra))
     return cases
+
+
+def _variant_features(v: dict[str, Any]) -> set[str]:
+    """The feature names a feature case's keywords ask for."""
+    names = {v["kv_dtype"]} if "kv_dtype" in v else set()
+    return names | {n for k, n in (("soft_cap", "soft_cap"), ("sinks", "sink_logits")) if v.get(k)}
 
 
 def ragged_feature_cases(features: Any, head_dim: int = 128) -> list[RaggedCase]:

@@ -85,6 +85,7 @@ def test_bad_dtype_is_a_clear_error(registry):
 SINK = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator)"
 FP8 = "does not support feature fp8_e4m3 (FP8 (e4m3) KV cache with per-layer K/V scales)"
 SOFT_CAP = "does not support feature soft_cap (logit soft-cap (soft_cap * tanh(scores / soft_cap)))"
+TOGETHER = "does not support features sink_logits with"
 ALL_SIX = ["fp8_e4m3", "fp8_e5m2", "soft_cap", "sink_logits", "layer_windows", "multi_token_decode"]
 
 
@@ -120,9 +121,10 @@ def test_features_per_backend_and_capability_in_json(registry, run_json):
     assert ref["paged_decode"] == ALL_SIX and ref["bounded"] == []
     assert ref["prefixed_ragged"] == ["soft_cap", "sink_logits", "layer_windows"]
     fi = by_name["flashinfer"]["features"]
-    # no sink logits; multi-token decode rows on the prefill wrapper, which runs them
-    assert fi["paged_prefill"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "multi_token_decode"]
-    assert fi["paged_decode"] == fi["mixed"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows"]
+    # multi-token decode rows on the prefill wrapper, which runs them
+    assert fi["paged_prefill"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "sink_logits",
+                                   "multi_token_decode"]
+    assert fi["paged_decode"] == fi["mixed"] == ["fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "sink_logits"]
     # plain attention: nothing is refused for a feature
     assert not any("feature" in r for a in data["auto"].values() for rs in a["rejected"].values() for r in rs)
 
@@ -132,8 +134,8 @@ def test_features_per_backend_and_capability_in_the_table(registry, run_text):
     lines = out.splitlines()
     i = lines.index("features per capability:")
     assert lines[i + 1:i + 8] == [
-        "  flashinfer  paged_prefill: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows, multi_token_decode",
-        "              paged_decode, mixed: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows",
+        "  flashinfer  paged_prefill: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows, sink_logits, multi_token_decode",
+        "              paged_decode, mixed: fp8_e4m3, fp8_e5m2, soft_cap, layer_windows, sink_logits",
         "              prefixed_ragged: soft_cap, layer_windows",
         "  reference   paged_prefill, paged_decode: " + ", ".join(ALL_SIX),
         "              mixed: " + ", ".join(ALL_SIX[:5]),
@@ -163,8 +165,9 @@ def test_fp8_soft_cap_and_sink_logits_on_cpu_explain_every_pick(registry, run_js
         "prefixed_ragged": "reference", "bounded": None}
     for cap in ("paged_prefill", "paged_decode", "mixed"):
         reasons = auto[cap]["rejected"]["flashinfer"]
-        assert reasons[-1] == f"{SINK} in {cap}"  # FlashInfer has fp8 and soft-cap there, not sink logits
-        assert not any(r.startswith((FP8, SOFT_CAP)) for r in reasons)
+        # FlashInfer has each of the three there, not sink logits together with either of the others
+        assert reasons[-2:] == [f"{TOGETHER} soft_cap together in {cap}", f"{TOGETHER} fp8_e4m3 together in {cap}"]
+        assert not any(r.startswith((FP8, SOFT_CAP, SINK)) for r in reasons)
         assert list(auto[cap]["rejected"]) == ["flashinfer"]
     assert "reference" not in auto["prefixed_ragged"]["rejected"]
     assert auto["prefixed_ragged"]["rejected"]["flashinfer"][-1] == f"{SINK} in prefixed_ragged"
@@ -180,7 +183,8 @@ def test_fp8_soft_cap_and_sink_logits_on_cpu_in_the_table(registry, run_text):
         "auto judged for dtype float32, head_dim 128, features: kv_dtype fp8_e4m3, soft_cap 30, sink_logits)")
     auto = out[out.index("auto picks (for features fp8_e4m3, soft_cap, sink_logits):"):]
     assert "  paged_decode     reference\n" in auto
-    assert "passed over flashinfer: runs on cuda, not on cpu; " in auto and f"; {SINK} in paged_decode\n" in auto
+    assert "passed over flashinfer: runs on cuda, not on cpu; " in auto
+    assert f"; {TOGETHER} fp8_e4m3 together in paged_decode\n" in auto
     assert f"  bounded          (none: no backend can run it here)\n" \
            f"                     passed over reference: {FP8} in bounded; {SOFT_CAP} in bounded; {SINK} in bounded" \
            in auto

@@ -98,11 +98,18 @@ def test_auto_sm80_flashinfer_everywhere_fa3_has_no_kernel(reg, fake_gpu, fake_i
     assert calls == []  # no tiny call on an architecture FA3 does not declare
 
 
-def test_auto_sm90_fa3_for_dense_flashinfer_for_paged(reg, fake_gpu, fake_installed, fa3_kernel):
+def test_auto_sm90_paged_per_capability_from_the_measured_tables(reg, fake_gpu, fake_installed, fa3_kernel):
+    """On sm90 both plugins ship measured tables (H200): each paged capability goes to the faster
+    there (the tables' own figures decide, so this follows them), and the dense path to FA3."""
     fake_gpu("sm90")
     fake_installed(ALL_LIBS)
     calls = fa3_kernel([])
-    assert pick(reg, PAGED).name == "flashinfer"
+    sel = pick(reg, PAGED)
+    fa3, fi = reg.measured("fa3"), reg.measured("flashinfer")
+    for cap in PAGED:
+        faster = min(("fa3", fa3), ("flashinfer", fi), key=lambda t: sum(t[1].median_ms[cap].values()))[0]
+        assert sel.names[cap] == faster, cap
+        assert "measured on NVIDIA H200" in sel.measured[cap]
     assert pick(reg, ("prefixed_ragged",)).name == "fa3"
     assert calls == ["cuda"]
 
@@ -380,19 +387,27 @@ def test_dense_probe_runs_once_per_device(reg, fake_gpu, fake_installed, fa3_ker
 # -- attention features --------------------------------------------------------------------------
 
 SINK_REASON = "does not support feature sink_logits (learned per-head sink logits in the softmax denominator) in"
+SOFT_CAP_REASON = "does not support feature soft_cap (logit soft-cap (soft_cap * tanh(scores / soft_cap))) in"
 
 
-def test_auto_sm90_passes_over_flashinfer_for_sink_logits_and_logs_why(reg, fake_gpu, fake_installed, fa3_kernel,
-                                                                        caplog):
+def test_auto_sm90_sink_logits_keep_the_paged_picks_and_with_soft_cap_fall_back(reg, fake_gpu, fake_installed,
+                                                                              fa3_kernel, caplog):
+    """Both plugins run sink logits on the paged paths, so the plain picks stand; with soft-cap too,
+    FlashInfer is passed over for the combination (its sink variant has no soft-cap) and FA3 for
+    soft-cap (compiled out), naming each, and the reference serves."""
     fake_gpu("sm90")
     fake_installed(ALL_LIBS)
     fa3_kernel([])
     f = AttentionFeatures(sink_logits=True)
+    assert pick(reg, PAGED, features=f).names == pick(reg, PAGED).names
+    both = AttentionFeatures(sink_logits=True, soft_cap=30.0)
     with caplog.at_level(logging.INFO, logger="mstar.registry"):
-        sel = pick(reg, PAGED, features=f)
-    assert sel.name == "fa3"  # FA3's paged wrappers take sinks
-    assert sel.rejected["flashinfer"] == [f"{SINK_REASON} paged_prefill, paged_decode, mixed"]
-    assert f"rejected: flashinfer: {SINK_REASON} paged_prefill, paged_decode, mixed" in caplog.text
+        sel = pick(reg, PAGED, features=both)
+    assert sel.name == "reference"
+    assert sel.rejected["flashinfer"] == [
+        "does not support features sink_logits with soft_cap together in paged_prefill, paged_decode, mixed"]
+    assert sel.rejected["fa3"] == [f"{SOFT_CAP_REASON} paged_prefill, paged_decode, mixed"]
+    assert "flashinfer: does not support features sink_logits with soft_cap together in paged_prefill" in caplog.text
     # the dense path: FA3 declares sink logits, so it keeps its place
     assert pick(reg, ("prefixed_ragged",), features=f).name == "fa3"
 

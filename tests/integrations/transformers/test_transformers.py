@@ -156,9 +156,9 @@ def test_latent_attention_mla_is_refused_naming_it():
 
 
 def test_a_feature_the_named_backend_lacks_is_refused_naming_it_and_who_can():
-    model = build("gpt_oss")
-    with pytest.raises(ValueError, match=r"does not support feature sink_logits.*Backends that can: reference"):
-        generate(model, [[1, 2]], 4, backend="flashinfer")
+    model = build("gemma2")
+    with pytest.raises(ValueError, match=r"does not support feature soft_cap.*Backends that can: reference"):
+        generate(model, [[1, 2]], 4, backend="fa3")
     assert model.config._attn_implementation == "eager"
 
 
