@@ -51,7 +51,8 @@ def test_bad_declarations_are_refused_naming_them(excludes, match):
         spec(excludes=excludes)
     with pytest.raises(InputError, match="excludes came with plugin API 1.1"):
         BackendSpec(name="old", provides={"paged_decode": "m:c"},
-                    features={"paged_decode": ("soft_cap", "sink_logits")}, excludes={"paged_decode": (("soft_cap", "sink_logits"),)})
+                    features={"paged_decode": ("soft_cap", "sink_logits")},
+                    excludes={"paged_decode": (("soft_cap", "sink_logits"),)})
 
 
 def test_the_kit_does_not_ask_for_an_excluded_combination():
