@@ -216,21 +216,18 @@ class PagedAttentionManager(AttentionManager):
         self.op_handle = ops.register(self)  # what a compiled graph names this manager by
 
     @classmethod
-    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
-        """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
-        build over ``info.built["kv"]``."""
-        # the registry imports plugins: keep it lazy
-        from mstar_core.registry import select_backend
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> AttentionManager:
+        """Pick the backend (``spec["backend"]``, a name or "auto") through the registry, per
+        layer group (:func:`~mstar_core.attention.grouped.build_paged_attention`: this class where
+        one selection serves every layer), and build over ``info.built["kv"]``."""
+        from mstar_core.attention.grouped import build_paged_attention  # it imports this module
 
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
-        sel = select_backend(
-            capabilities=PAGED, requested=spec.get("backend"), device=info.device,
-            dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
-        )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes, **selected(sel, kv.features), **extra)
+        return build_paged_attention(kv, info.device, info.dtype, kv.config, spec.get("backend"), spec.get("config"),
+                                     kv.features, head_dim=info.head_dim, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
