@@ -36,9 +36,9 @@ def fake(fake_module, monkeypatch):
     install_group_backend(fake_module, monkeypatch)
 
 
-def _kv(features=AttentionFeatures(), dtype=torch.float64, pages=32):
-    cfg = KVConfig(LAYERS, 2, 8, 4, pages, 4)
-    return KVManager(cfg, "cpu", dtype, features=features), cfg
+def _kv(features):
+    cfg = KVConfig(LAYERS, 2, 8, 4, 32, 4)
+    return KVManager(cfg, "cpu", torch.float64, features=features), cfg
 
 
 def _build(features, backend=None, **kw):
