@@ -63,7 +63,8 @@ class GroupSelection:
         return self.whole is None
 
 
-def _same(a: Any, b: Any) -> bool:
+def same_picks(a: Any, b: Any) -> bool:
+    """Whether two selections take the same backend per capability and run multi-token rows alike."""
     return bool(a.names == b.names and a.multi_token_wrapper == b.multi_token_wrapper)
 
 
@@ -96,7 +97,7 @@ def select_groups(features: AttentionFeatures, num_layers: int, capabilities: Se
         except BackendUnavailable as e:
             raise BackendUnavailable(f"{g.describe()}: {e}", requested=e.requested, reasons=e.reasons,
                                      available=e.available, known=e.known) from e
-    if whole is not None and all(_same(sel, whole) for _, sel in picks):
+    if whole is not None and all(same_picks(sel, whole) for _, sel in picks):
         return GroupSelection(tuple(picks), whole)
     log.info("layer groups: %s", "; ".join(f"{g.describe()} -> {sel.summary} ({why(sel)})" for g, sel in picks))
     return GroupSelection(tuple(picks))
