@@ -45,7 +45,7 @@ def test_a_name_is_checked_on_every_group_it_serves():
 
 
 def test_a_group_no_pick_serves_is_named():
-    with pytest.raises(ValueError, match=r"^layers 0 \(full, sink logits\): attention backend 'fastpaged'.*sink_logits"):
+    with pytest.raises(ValueError, match=r"^layers 0 \(full, sink logits\): attention backend 'fastpaged'.*sink"):
         check_groups(FAKE, AttentionFeatures(sink_logits=(True, False)), **SMALL)
 
 
