@@ -180,7 +180,8 @@ def build_paged_attention(kv: KVManager, device: torch.device | str, dtype: torc
     features.check_layers(kv_config.num_layers, "PagedAttentionManager")
     select = dict(requested=backend, device=device, dtype=dtype, head_dim=head_dim or kv_config.head_dim, config=config,
                   registry=registry)
-    picked = select_groups(full_past_capacity(features, kv_config), kv_config.num_layers, PAGED, **select)
+    # grouped as the manager plans (a window past the cache is full); the whole model selected as given
+    picked = select_groups(full_past_capacity(features, kv_config), kv_config.num_layers, PAGED, features, **select)
     if not picked.split:
         sel = picked.whole
         return PagedAttentionManager(kv, device, dtype, kv_config, sel.classes, features=features,

@@ -76,18 +76,20 @@ def why(sel: Any) -> str:
 
 
 def select_groups(features: AttentionFeatures, num_layers: int, capabilities: Sequence[str] = PAGED,
-                  **select: Any) -> GroupSelection:
-    """Select ``capabilities`` per layer group (``select``: :func:`select_backend`'s other
-    keywords, the same for every group). Raises ``BackendUnavailable`` naming the group no
+                  whole_features: AttentionFeatures | None = None, **select: Any) -> GroupSelection:
+    """Select ``capabilities`` per layer group of ``features`` (``select``: :func:`select_backend`'s
+    other keywords, the same for every group); the whole model's selection is made with
+    ``whole_features`` (None: ``features``). Raises ``BackendUnavailable`` naming the group no
     backend serves."""
     from mstar_core.registry import select_backend
 
     groups = layer_groups(features, num_layers)
+    whole_features = features if whole_features is None else whole_features
     if len(groups) == 1:
-        sel = select_backend(capabilities=capabilities, features=features, **select)
+        sel = select_backend(capabilities=capabilities, features=whole_features, **select)
         return GroupSelection(((groups[0], sel),), sel)
     try:
-        whole = select_backend(capabilities=capabilities, features=features, **select)
+        whole = select_backend(capabilities=capabilities, features=whole_features, **select)
     except BackendUnavailable:
         whole = None
     picks = []
