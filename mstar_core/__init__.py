@@ -18,6 +18,8 @@ if importlib.util.find_spec("numpy") is None:
 
 from mstar_core.attention.base import AttentionManager
 from mstar_core.attention.dense import DenseAttentionManager, DensePlan, DenseSegment
+from mstar_core.attention.grouped import GroupedPagedAttentionManager, GroupedPlan, build_paged_attention
+from mstar_core.attention.groups import LayerGroup, layer_groups
 from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan
 from mstar_core.attention.protocols import (
     MixedWrapper,
@@ -141,6 +143,8 @@ __all__ = [
     "EngineOptions",
     "Generation",
     "GraphRunner",
+    "GroupedPagedAttentionManager",
+    "GroupedPlan",
     "CapabilitySpec",
     "HeadDims",
     "InputError",
@@ -152,6 +156,7 @@ __all__ = [
     "KVSpan",
     "KVStep",
     "LabelLayout",
+    "LayerGroup",
     "MixedWrapper",
     "MstarError",
     "Node",
@@ -184,6 +189,7 @@ __all__ = [
     "WarmupReport",
     "__version__",
     "bounded_attention",
+    "build_paged_attention",
     "check_backend",
     "conformance_test",
     "dense_or_flashinfer",
@@ -193,6 +199,7 @@ __all__ = [
     "get_registry",
     "hookimpl",
     "hookspec",
+    "layer_groups",
     "load_config",
     "probe",
     "reset_registry",

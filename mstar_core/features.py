@@ -11,8 +11,9 @@ reason naming it, as it does for head dims and dtypes.
 - ``soft_cap``: scores become ``soft_cap * tanh(scores / soft_cap)`` after ``sm_scale``
   (Gemma 2, Grok).
 - ``sink_logits``: a learned logit per query head added to each softmax denominator (gpt-oss),
-  passed per layer to ``run(..., sinks=)`` (required there once declared). Not the bounded
-  manager's *sink tokens* (the first tokens a bounded slot keeps).
+  passed per layer to ``run(..., sinks=)`` (required there once declared). A bool for every
+  layer, or one bool per layer (a tuple or list, like ``layer_windows``): a layer without them
+  refuses ``sinks``. Not the bounded manager's *sink tokens* (the first tokens a bounded slot keeps).
 - ``layer_windows``: ``window_left`` per layer, a tuple or list (-1: full attention); one step
   may mix windowed and full layers. The managers plan once per distinct window and ``run(layer_idx=)`` picks.
 - ``decode_query_tokens``: query tokens per decode row (1, or 2..8 for speculative
@@ -79,6 +80,23 @@ def _windows(value: Any) -> tuple[int, ...]:
     return tuple(int(w) for w in windows)
 
 
+def _sinks(value: Any) -> bool | tuple[bool, ...]:
+    """``sink_logits``: a bool, or one bool per layer in layer order (a tuple or list)."""
+    if isinstance(value, bool):
+        return value
+    allowed = "a bool (every layer), or a sequence (tuple or list) of one bool per layer"
+    if isinstance(value, Mapping) or isinstance(value, (str, bytes)) or not isinstance(value, Sequence):
+        raise InputTypeError(f"AttentionFeatures: sink_logits must be {allowed}; got {type(value).__name__} "
+                             f"{value!r}")
+    if not value:
+        raise InputError(f"AttentionFeatures: sink_logits must be {allowed}; got an empty {type(value).__name__}")
+    for i, s in enumerate(value):
+        if not isinstance(s, bool):
+            raise InputTypeError(f"AttentionFeatures: sink_logits[{i}] must be a bool (True: the layer has sink "
+                                 f"logits), got {type(s).__name__} {s!r}")
+    return tuple(value)
+
+
 def _scales(value: Any, what: str) -> Scales:
     if isinstance(value, torch.Tensor):
         value = value.tolist()
@@ -98,7 +116,7 @@ class AttentionFeatures:
     k_scale: Scales = 1.0
     v_scale: Scales = 1.0
     soft_cap: float | None = None
-    sink_logits: bool = False
+    sink_logits: bool | tuple[bool, ...] = False
     layer_windows: tuple[int, ...] | None = None
     decode_query_tokens: int = 1
 
@@ -118,8 +136,7 @@ class AttentionFeatures:
                                      f"one of {[d for d in KV_DTYPES if d != 'auto']}, or leave {what} at 1.0")
         if self.soft_cap is not None:
             object.__setattr__(self, "soft_cap", _check_scale(self.soft_cap, "soft_cap"))
-        if not isinstance(self.sink_logits, bool):
-            raise InputTypeError(f"AttentionFeatures: sink_logits must be a bool, got {self.sink_logits!r}")
+        object.__setattr__(self, "sink_logits", _sinks(self.sink_logits))
         if self.layer_windows is not None:
             object.__setattr__(self, "layer_windows", _windows(self.layer_windows))
         t = self.decode_query_tokens
@@ -133,7 +150,7 @@ class AttentionFeatures:
         asked = {
             self.kv_dtype: self.kv_dtype != "auto",
             "soft_cap": self.soft_cap is not None,
-            "sink_logits": self.sink_logits,
+            "sink_logits": self.any_sinks,
             "layer_windows": self.layer_windows is not None and len(set(self.layer_windows)) > 1,
             "multi_token_decode": self.decode_query_tokens > 1,
         }
@@ -150,7 +167,9 @@ class AttentionFeatures:
             parts.append(f"kv_dtype {self.kv_dtype}")
         if self.soft_cap is not None:
             parts.append(f"soft_cap {self.soft_cap:g}")
-        if self.sink_logits:
+        if isinstance(self.sink_logits, tuple) and self.any_sinks and not all(self.sink_logits):
+            parts.append(f"sink_logits on layers {[i for i, s in enumerate(self.sink_logits) if s]}")
+        elif self.any_sinks:
             parts.append("sink_logits")
         if self.layer_windows is not None:
             parts.append(f"layer windows {sorted(set(self.layer_windows))}")
@@ -169,12 +188,12 @@ class AttentionFeatures:
 
     def check_layers(self, num_layers: int, who: str) -> None:
         """Per-layer values must name every layer: refused at build, naming the counts."""
+        one = {"k_scale": "scale", "v_scale": "scale", "layer_windows": "window", "sink_logits": "bool"}
         for what, value in (("k_scale", self.k_scale), ("v_scale", self.v_scale),
-                            ("layer_windows", self.layer_windows)):
+                            ("layer_windows", self.layer_windows), ("sink_logits", self.sink_logits)):
             if isinstance(value, tuple) and len(value) != num_layers:
                 raise InputError(f"{who}: features.{what} has {len(value)} entries, the model {num_layers} layers; "
-                                 f"give one per layer (or one {'scale' if what != 'layer_windows' else 'window'} "
-                                 "for all)")
+                                 f"give one per layer (or one {one[what]} for all)")
 
     def scales(self, layer: int) -> tuple[float, float]:
         """``(k_scale, v_scale)`` of ``layer``."""
@@ -197,18 +216,46 @@ class AttentionFeatures:
         windows = self.windows(-1)
         return tuple(windows.index(w) for w in self.layer_windows)
 
-    def check_sinks(self, sinks: torch.Tensor | None, num_qo_heads: int, device: torch.device, who: str) -> None:
+    def per_layer_count(self) -> int | None:
+        """How many layers the per-layer ``layer_windows`` / ``sink_logits`` name; None: neither is
+        given per layer."""
+        if self.layer_windows is not None:
+            return len(self.layer_windows)
+        return len(self.sink_logits) if isinstance(self.sink_logits, tuple) else None
+
+    @property
+    def any_sinks(self) -> bool:
+        """Whether some layer has sink logits."""
+        return any(self.sink_logits) if isinstance(self.sink_logits, tuple) else self.sink_logits
+
+    def layer_sinks(self, layer: int) -> bool:
+        """Whether ``layer`` has sink logits."""
+        return self.sink_logits[layer] if isinstance(self.sink_logits, tuple) else self.sink_logits
+
+    def check_sinks(self, sinks: torch.Tensor | None, num_qo_heads: int, device: torch.device, who: str,
+                    layer: int | None = None) -> None:
         """``sinks`` as ``run`` accepts them: a float tensor ``[num_qo_heads]`` on the cache's
-        device exactly where the features ask for sink logits, None elsewhere."""
-        if sinks is None:
-            if self.sink_logits:
+        device exactly where the features ask for sink logits (per layer: ``layer``'s entry), None
+        elsewhere."""
+        if not isinstance(self.sink_logits, tuple):
+            if sinks is None and self.sink_logits:
                 # A plain softmax where the model has sink logits would be silently wrong.
                 raise InputError(f"{who}: sinks not given, but the features ask for sink logits (sink_logits=True): "
                                  "pass this layer's sinks [num_qo_heads] to run(..., sinks=)")
+            if sinks is not None and not self.sink_logits:
+                raise InputError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
+                                 "AttentionFeatures(sink_logits=True) so selection picks a backend that supports them")
+        elif layer is None:
+            raise InputError(f"{who}: the features give each layer its sink logits (sink_logits per layer): run "
+                             "needs layer_idx")
+        elif sinks is None and self.sink_logits[layer]:
+            raise InputError(f"{who}: sinks not given, but layer {layer} has sink logits (sink_logits[{layer}]=True): "
+                             "pass this layer's sinks [num_qo_heads] to run(..., sinks=)")
+        elif sinks is not None and not self.sink_logits[layer]:
+            raise InputError(f"{who}: sinks given, but layer {layer} has no sink logits (sink_logits[{layer}]=False); "
+                             "pass sinks=None for this layer, or build with True at this layer")
+        if sinks is None:
             return
-        if not self.sink_logits:
-            raise InputError(f"{who}: sinks given, but the features do not ask for sink logits; build with "
-                             "AttentionFeatures(sink_logits=True) so selection picks a backend that supports them")
         check_sinks(sinks, num_qo_heads, device, who)
 
 

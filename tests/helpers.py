@@ -269,7 +269,7 @@ class Harness:
         self.truth: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
         # Sink logits per layer, where the features ask for them.
         self.sinks = [torch.randn(hq, generator=self.gen).to(self.device) * 2 for _ in range(layers)] \
-            if features.sink_logits else None
+            if features.any_sinks else None
 
     def _stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache gives back of committed ``k``/``v`` (FP8: quantised, then scaled)."""

@@ -442,7 +442,7 @@ class DenseAttentionManager(AttentionManager):
             if t.dtype != self.dtype:
                 raise InputTypeError(f"{who}.run: {name} has dtype {t.dtype}, expected {self.dtype} "
                                      "(the cache's dtype)")
-        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
+        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run", self.kv.check_layer(layer_idx))
         if kv_cache_layer is not None:
             # layer_idx keys the gathered prefix and picks the FP8 scales: they must be the view's layer's
             self.kv.check_layer_view(kv_cache_layer, self.kv.check_layer(layer_idx), f"{who}.run")

@@ -29,9 +29,9 @@ from mstar_core.step import Step, StepContext
 log = logging.getLogger(__name__)
 
 
-# (label, kind, slot, bucket, i): i numbers the step's distinct windows (one plan each), so a
-# wrapper is reused whatever window a step asks for (with per-layer windows, i names the same one
-# every step).
+# (label, kind, slot, bucket, i): i numbers the step's distinct (window, sink logits) (one plan
+# each), so a wrapper is reused whatever window a step asks for (with per-layer windows or sink
+# logits, i names the same one every step).
 WrapperKey = tuple[str, str, int, "int | None", int]
 
 
@@ -60,9 +60,8 @@ class PagedAttnEntry:
     # Wrappers hold their plan: ``serial`` is this plan's number, and a wrapper re-planned by a
     # later step (more steps planned ahead than there are slots) is refused at run, not misused.
     serial: int
-    # ``(window_left, wrapper, key)`` per distinct window of the step (at least one): one, or
-    # (per-layer windows, AttentionFeatures.layer_windows) one per distinct window, which
-    # ``run(layer_idx=)`` picks.
+    # ``(window_left, wrapper, key)`` per distinct (window, sink logits) of the step's layers (at
+    # least one; per-layer windows or sink logits give several), which ``run(layer_idx=)`` picks.
     plans: tuple[tuple[int, Any, WrapperKey], ...]
 
     @property
@@ -72,7 +71,7 @@ class PagedAttnEntry:
 
     @property
     def per_window(self) -> dict[int, tuple[Any, WrapperKey]]:
-        """``window_left -> (wrapper, key)`` of this step's plans."""
+        """``window_left -> (wrapper, key)`` of this step's plans (per window, the last plan)."""
         return {w: (wrapper, key) for w, wrapper, key in self.plans}
 
 
@@ -109,6 +108,25 @@ def full_past_capacity(features: AttentionFeatures, kv_config: KVConfig) -> Atte
     log.info("layer windows %s reach past the KV cache (%d pages x %d = %d tokens): full attention for those layers",
              wide, kv_config.max_pages, kv_config.page_size, capacity)
     return replace(features, layer_windows=tuple(-1 if w >= capacity else w for w in windows))
+
+
+def plan_variants(features: AttentionFeatures, step_window: int) -> tuple[tuple[int, bool], ...]:
+    """The distinct ``(window_left, sink logits)`` of a step's layers, in first-layer order: one
+    plan each (a kernel that builds a variant for sink logits knows at plan which it serves)."""
+    n = features.per_layer_count()
+    if n is None:
+        return ((step_window, features.any_sinks),)
+    return tuple(dict.fromkeys((features.window(i, step_window), features.layer_sinks(i)) for i in range(n)))
+
+
+def layer_variants(features: AttentionFeatures) -> tuple[int, ...] | None:
+    """Per layer, which of :func:`plan_variants`' plans it reads; None where every layer reads
+    the step's one plan."""
+    n = features.per_layer_count()
+    if n is None:
+        return None
+    variants = plan_variants(features, -1)  # the step's window is the same for every layer
+    return tuple(variants.index((features.window(i, -1), features.layer_sinks(i))) for i in range(n))
 
 
 def selected(sel: Any, features: AttentionFeatures) -> dict[str, Any]:
@@ -182,14 +200,13 @@ class PagedAttentionManager(AttentionManager):
         # Fixed for the manager's life, so a layer's run only indexes: which of a step's plans each
         # layer reads (per-layer windows; None: the step's one plan), the FP8 scales it passes,
         # and the features' plan keywords.
-        self._layer_plan = f.layer_plans()
+        self._layer_plan = layer_variants(f)
         self._layer_kw: tuple[dict[str, float | None], ...] | None = None
         if f.quantized:
             self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i), strict=True))
                                    for i in range(kv_config.num_layers))
         self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
-                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None,
-                                            sink_logits=True if f.sink_logits else None)
+                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None)
         self._graph_max_bs = 0
         self._wrappers: dict[WrapperKey, Any] = {}
         self._plans = 0
@@ -199,21 +216,18 @@ class PagedAttentionManager(AttentionManager):
         self.op_handle = ops.register(self)  # what a compiled graph names this manager by
 
     @classmethod
-    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> PagedAttentionManager:
-        """Pick the backend (``spec["backend"]``, a name or "auto") through the registry and
-        build over ``info.built["kv"]``."""
-        # the registry imports plugins: keep it lazy
-        from mstar_core.registry import select_backend
+    def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> AttentionManager:
+        """Pick the backend (``spec["backend"]``, a name or "auto") through the registry, per
+        layer group (:func:`~mstar_core.attention.grouped.build_paged_attention`: this class where
+        one selection serves every layer), and build over ``info.built["kv"]``."""
+        from mstar_core.attention.grouped import build_paged_attention  # it imports this module
 
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
-        sel = select_backend(
-            capabilities=PAGED, requested=spec.get("backend"), device=info.device,
-            dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
-        )
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
-        return cls(kv, info.device, info.dtype, kv.config, sel.classes, **selected(sel, kv.features), **extra)
+        return build_paged_attention(kv, info.device, info.dtype, kv.config, spec.get("backend"), spec.get("config"),
+                                     kv.features, head_dim=info.head_dim, **extra)
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
@@ -266,8 +280,9 @@ class PagedAttentionManager(AttentionManager):
         if self.features.layer_windows is not None and a.window_left != -1:
             raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
-        windows = self.features.windows(a.window_left)
+        variants = plan_variants(self.features, a.window_left)
         kw = self._feature_plan_kw if a.sm_scale is None else {**self._feature_plan_kw, "sm_scale": a.sm_scale}
+        kw_sinks = {**kw, "sink_logits": True}
         graph_tokens = ctx.graph_tokens
         entries = []
         for label, lay in kv_plan.labels:
@@ -276,16 +291,16 @@ class PagedAttentionManager(AttentionManager):
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx, lay)
             plans = []
-            for i, window in enumerate(windows):  # one plan per distinct window; run(layer_idx) picks
+            for i, (window, sinks) in enumerate(variants):  # one plan per variant; run(layer_idx) picks
                 key = (label, kind, slot, ctx.bucket, i)
                 w = self._wrapper(key, graph_tokens)
                 self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-                self._plan_wrapper(w, kind, lay, a.causal, window, kw)
+                self._plan_wrapper(w, kind, lay, a.causal, window, kw_sinks if sinks else kw)
                 self._planned[key] = self._serial
                 plans.append((window, w, key))
             if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the call when it is off
-                log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, windows %s)", label, kind,
-                          len(lay.q_lens), lay.num_tokens, slot, ctx.bucket, windows)
+                log.debug("label %r: %s over %d rows, %d tokens (slot %d, bucket %s, (window, sinks) %s)", label,
+                          kind, len(lay.q_lens), lay.num_tokens, slot, ctx.bucket, variants)
             entries.append(PagedAttnEntry(label, kind, graph_tokens or lay.num_tokens, self._serial, tuple(plans)))
         self._current = PagedAttnPlan(tuple(entries), kv_plan)
         return self._current
@@ -394,7 +409,8 @@ class PagedAttentionManager(AttentionManager):
         li: int | None = None  # layer_idx, checked once where something reads it
         if self._layer_plan is not None:
             if layer_idx is None:
-                raise InputError(f"{who}.run: the features give each layer its window: run needs layer_idx")
+                raise InputError(f"{who}.run: the features give each layer its window or sink logits: run needs "
+                                 "layer_idx")
             li = self.kv.check_layer(layer_idx)
             i = self._layer_plan[li]
         _, wrapper, key = e.plans[i]
@@ -423,7 +439,7 @@ class PagedAttentionManager(AttentionManager):
             if layer_idx is None:
                 raise InputError(f"{who}.run: an FP8 KV cache has scales per layer: run needs layer_idx")
             kw = self._layer_kw[self.kv.check_layer(layer_idx) if li is None else li]
-        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run")
+        self.features.check_sinks(sinks, c.qo_heads, q.device, f"{who}.run", li)
         if sinks is not None:
             kw = {**kw, "sinks": sinks}
         try:

@@ -2,7 +2,8 @@
 what it provides and which attention features per capability, whether it runs here (or why not),
 which one ``auto`` picks per capability -- for plain attention, or for the features asked for with
 ``--kv-dtype``/``--soft-cap``/``--sink-logits``/``--layer-windows``/``--decode-query-tokens``, with
-the reason every other backend was passed over and the features not asked of that capability -- and
+the reason every other backend was passed over and the features not asked of that capability; where
+layers ask different things (per-layer windows or sink logits), each layer group's picks -- and
 every plugin that failed to load.
 ``--json`` prints the same as one JSON object."""
 
@@ -18,6 +19,7 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention.groups import layer_groups, same_picks
 from mstar_core.capabilities import FEATURE_REACH, PAGED
 from mstar_core.cli.options import parse_device, parse_kv_dtype
 from mstar_core.errors import InputError
@@ -49,7 +51,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     f.add_argument("--kv-dtype", default=None, metavar="{" + ",".join(KV_DTYPES) + "}",
                    help="KV cache storage dtype (default: auto, the model dtype; fp8-e4m3 spelling accepted)")
     f.add_argument("--soft-cap", default=None, metavar="FLOAT", help="logit soft-cap, a finite float > 0 (e.g. 30)")
-    f.add_argument("--sink-logits", action="store_true", help="learned per-head sink logits (gpt-oss)")
+    f.add_argument("--sink-logits", nargs="?", const=True, default=False, metavar="B,B,...",
+                   help="learned per-head sink logits (gpt-oss): on every layer, or per layer as a comma-separated "
+                        "list of 1/0 (true/false), e.g. 1,0,1,0")
     f.add_argument("--layer-windows", default=None, metavar="W,W,...",
                    help="window_left per layer, comma-separated (-1: a full layer), e.g. 4096,-1; "
                         "write --layer-windows=-1,4096 when the list starts with -1")
@@ -62,7 +66,7 @@ FEATURE_OPTIONS: dict[str, str] = {
     "fp8_e4m3": "--kv-dtype fp8_e4m3",
     "fp8_e5m2": "--kv-dtype fp8_e5m2",
     "soft_cap": "--soft-cap FLOAT",
-    "sink_logits": "--sink-logits",
+    "sink_logits": "--sink-logits [B,B,...]",
     "layer_windows": "--layer-windows W,W,...",
     "multi_token_decode": f"--decode-query-tokens 2..{MAX_DECODE_QUERY_TOKENS}",
 }
@@ -127,8 +131,27 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
             raise InputError(f"backends: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
                              f"1..{MAX_DECODE_QUERY_TOKENS} (query tokens per decode row; 2..{MAX_DECODE_QUERY_TOKENS} "
                              "for speculative verification)")
+    sinks = sink_logits_from(getattr(args, "sink_logits", False))
+    if isinstance(sinks, tuple) and windows is not None and len(sinks) != len(windows):
+        raise InputError(f"backends: --sink-logits names {len(sinks)} layers, --layer-windows {len(windows)}; give "
+                         "one entry per layer in each")
     return AttentionFeatures(kv_dtype=kv_dtype, soft_cap=soft_cap, layer_windows=windows, decode_query_tokens=tokens,
-                             sink_logits=bool(getattr(args, "sink_logits", False)))
+                             sink_logits=sinks)
+
+
+_BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
+
+
+def sink_logits_from(value: bool | str) -> bool | tuple[bool, ...]:
+    """``--sink-logits``: absent (False), bare (True), or one 1/0 (true/false) per layer."""
+    if isinstance(value, bool):
+        return value
+    parts = [p.strip().lower() for p in value.split(",")]
+    for i, p in enumerate(parts):
+        if p not in _BOOLS:
+            raise InputError(f"backends: --sink-logits {value!r}: entry {i} ({p!r}) must be one of "
+                             f"{', '.join(_BOOLS)} (comma-separated, one per layer, e.g. 1,0,1,0)")
+    return tuple(_BOOLS[p] for p in parts)
 
 
 def _default_device() -> torch.device:
@@ -180,14 +203,15 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
             "install_hint": spec.install_hint,
             "description": spec.description,
         })
-    def select(caps: tuple[str, ...]) -> Any:
+    def select(caps: tuple[str, ...], f: AttentionFeatures = features) -> Any:
         return select_backend(capabilities=caps, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
-                              registry=registry, honor_env=False, features=features)
+                              registry=registry, honor_env=False, features=f)
 
     auto: dict[str, dict[str, Any]] = {}
     # The paged manager takes each paged capability from its own pick (over mstar's KV layout);
     # where multi-token decode rows run depends on the picks together, so a paged capability's
     # pick is the group's (alone only where the group cannot be built).
+    group = None
     try:
         group = select(PAGED)
         paged: dict[str, Any] = {"picks": group.names, "multi_token_wrapper": group.multi_token_wrapper,
@@ -207,6 +231,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         auto[cap]["not_asked"] = not_asked(cap, features)
     auto = {cap: auto[cap] for cap in CAPABILITIES}  # in the capability table's order
     return {
+        "layer_groups": group_picks(select, features, group),
         "device": describe(device),
         "arch": device_arch(device),
         "dtype": dtype_name(dtype),
@@ -230,6 +255,53 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         # it would choose without the override)
         "env_override": os.environ.get(ENV_BACKEND, "").strip() or None,
     }
+
+
+def group_picks(select: Any, features: AttentionFeatures, whole: Any) -> dict[str, Any] | None:
+    """Each layer group's paged picks (``select(capabilities, features)``), and whether one
+    manager serves every layer (``whole``: the whole model's selection, None where it failed);
+    None where the layers form one group."""
+    n = features.per_layer_count()
+    groups = () if n is None else layer_groups(features, n)
+    if len(groups) <= 1:
+        return None
+    out, sels = [], []
+    for g in groups:
+        entry: dict[str, Any] = {"layers": list(g.layers), "window": g.window, "sink_logits": g.sink_logits,
+                                 "describe": g.describe(), "asks": list(g.features.requested())}
+        try:
+            sel = select(PAGED, g.features)
+            entry.update(picks=sel.names, multi_token_wrapper=sel.multi_token_wrapper, error=None,
+                         rejected={cap: dict(sel.rejected_by.get(cap, {})) for cap in PAGED})
+        except BackendUnavailable as e:
+            sel = None
+            entry.update(picks=None, multi_token_wrapper=None, error=str(e), rejected={})
+        sels.append(sel)
+        out.append(entry)
+    one = whole is not None and all(s is not None and same_picks(s, whole) for s in sels)
+    return {"one_manager": one, "groups": out}
+
+
+def _group_lines(data: dict[str, Any]) -> list[str]:
+    lines = ["layer groups (layers that ask the same; each group's paged capabilities from its own picks):"]
+    for g in data["groups"]:
+        lines.append(f"  {g['describe']}, asks {', '.join(g['asks']) or 'plain attention'}:")
+        if g["picks"] is None:
+            lines.append(f"    (none: {g['error']})")
+            continue
+        for cap, name in g["picks"].items():
+            lines.append(f"    {cap:<16} {name}")
+            for n, rs in g["rejected"][cap].items():
+                lines.append(f"    {'':<16}   passed over {n}: {'; '.join(rs)}")
+        if g["multi_token_wrapper"]:
+            lines.append(f"    multi-token decode rows run on the {g['multi_token_wrapper']} wrapper")
+    if data["one_manager"]:
+        lines.append("the paged manager is one for every layer: every group's picks are the whole model's")
+    elif all(g["picks"] is not None for g in data["groups"]):
+        lines.append("the paged manager is one per layer group (GroupedPagedAttentionManager), each on its picks")
+    else:
+        lines.append("the paged manager cannot be built here: a layer group has no backend")
+    return lines
 
 
 def _feature_lines(data: dict[str, Any]) -> list[str]:
@@ -281,7 +353,10 @@ def render(data: dict[str, Any]) -> str:
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
     paged = data["paged"]
-    if paged["picks"] is not None:
+    groups = data["layer_groups"]
+    if groups is not None:
+        lines += ["", *_group_lines(groups)]
+    elif paged["picks"] is not None:
         picks = paged["picks"]
         one = len(set(picks.values())) == 1
         lines += ["", "the paged manager takes " + (f"every paged capability from {next(iter(picks.values()))}" if one

@@ -8,6 +8,7 @@ import json
 import os
 import sys
 import time
+from typing import Any
 
 from mstar_core.cli.options import add_config, config_from, parse_device
 from mstar_core.cli.progress import CLEAR
@@ -29,7 +30,8 @@ def register(sub: argparse._SubParsersAction) -> None:
         "compared before and after. Prints the case count, a progress line, then a table of cases, each failure "
         "naming its rule; exits 1 when any case fails, 2 when the backend cannot run here.",
     )
-    p.add_argument("name", help="backend name, as `mstar backends` lists it")
+    p.add_argument("name", help="backend name, as `mstar backends` lists it; 'auto' (or any name with "
+                   "--layer-windows/--sink-logits): each layer group's paged picks, checked at the group's features")
     p.add_argument("--device", default=None, help="torch device (default: cuda when usable and the backend runs "
                    "there, else cpu)")
     p.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
@@ -39,6 +41,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--quick", action="store_true", help="a short subset: the first head dim only, fewer plain and "
                    "feature cases (every group and rule still checked)")
     p.add_argument("--failures-only", action="store_true", help="list only the failing cases in the table")
+    g = p.add_argument_group("layer groups", "check the paged picks of each layer group of a model that asks these")
+    g.add_argument("--layer-windows", default=None, metavar="W,W,...",
+                   help="window_left per layer, comma-separated (-1: a full layer); write --layer-windows=-1,4096 "
+                        "when the list starts with -1")
+    g.add_argument("--sink-logits", nargs="?", const=True, default=False, metavar="B,B,...",
+                   help="sink logits on every layer, or one 1/0 per layer (comma-separated)")
     add_config(p, pins_only=True)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of a table")
     p.set_defaults(func=run)
@@ -80,7 +88,14 @@ def run(args: argparse.Namespace) -> int:
             state["shown"] = time.perf_counter()
             print(f"[{n}/{total}] {case}", file=err, flush=True)
 
-    report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress, config=config_from(args),
-                           quick=args.quick, on_start=start)
+    if args.name == "auto" or args.layer_windows is not None or args.sink_logits is not False:
+        from mstar_core.cli.backends import features_from_args
+        from mstar_core.testing.group_check import check_groups
+
+        report: Any = check_groups(args.name, features_from_args(args), device, dtypes, args.head_dim,
+                                   config=config_from(args), quick=args.quick, on_result=progress, on_start=start)
+    else:
+        report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress,
+                               config=config_from(args), quick=args.quick, on_start=start)
     print(json.dumps(report.as_json(), indent=2) if args.json else report.render(all_rows=not args.failures_only))
     return 0 if report.ok else 1

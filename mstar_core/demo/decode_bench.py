@@ -15,8 +15,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.attention.paged import PagedAttentionManager, selected
-from mstar_core.capabilities import PAGED
+from mstar_core.attention.grouped import PagedManager, build_paged_attention
 from mstar_core.compiling import CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard
@@ -127,7 +126,7 @@ class DecodeSetup:
     dtype: torch.dtype
     model: TinyDecoder
     kv: KVManager
-    attn: PagedAttentionManager
+    attn: PagedManager
     node: Node
     runner: GraphRunner
     decode: Step
@@ -167,23 +166,19 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
     backend, and (with ``graphs``) the captured graphs. With ``tp`` (``o.tp`` ranks) this rank's
     shard of each; every rank of the group calls this."""
     _check_tp(o, tp)
-    from mstar_core.registry import select_backend
-
     dev = torch.device(o.device)
     dt = resolve_dtype(o.dtype, dev)
     t = o.query_tokens
     check_memory(o, dev, dt)
     features = AttentionFeatures(decode_query_tokens=t)
-    sel = select_backend(capabilities=PAGED, requested=o.backend, device=dev, dtype=dt,
-                         head_dim=o.head_dim, features=features, config=o.config)
     cfg = TinyDecoderConfig(vocab_size=256, hidden=o.hidden, num_layers=o.layers, num_qo_heads=o.qo_heads,
                             num_kv_heads=o.kv_heads, head_dim=o.head_dim, mlp=2 * o.hidden)
     model = TinyDecoder(cfg, dev, dt, tp=tp)
     pages = kv_pages(o)
     kvc = KVConfig(o.layers, model.num_kv_heads, o.head_dim, o.page_size, pages, model.num_qo_heads)
     kv = KVManager(kvc, dev, dt, features=features, tp=tp)
-    attn = PagedAttentionManager(kv, dev, dt, kvc, sel.classes, accelerator_graph=o.graphs,
-                                 max_batch_size=max(o.batch, 1), **selected(sel, features))
+    attn = build_paged_attention(kv, dev, dt, kvc, o.backend, o.config, features, accelerator_graph=o.graphs,
+                                 max_batch_size=max(o.batch, 1))
     node = Node([kv, attn])
 
     forward = model.step_forward(kv, attn, LABEL, CompileOptions(o.compile_backend))
@@ -198,7 +193,7 @@ def build_decode_setup(o: BenchOptions, tp: TensorParallel | None = None) -> Dec
         node.post_warmup_validate()  # every rank holds the same context
     kv.storage.normal_()  # random K/V for the context (never zeros: they can run faster)
     decode = Step(KVStep(tuple(KVSpan(r, LABEL, t) for r in rids)))
-    return DecodeSetup(sel.name, dev, dt, model, kv, attn, node, runner, decode, tp)
+    return DecodeSetup(str(attn.backend_name), dev, dt, model, kv, attn, node, runner, decode, tp)
 
 
 def lay_down(node: Node, rids: Sequence[str], label: str, contexts: Sequence[int],

@@ -49,7 +49,7 @@ class Check:
     """One case of the suite: ``run()`` returns the relative error or raises."""
 
     capability: str
-    group: str  # plain, shapes, features, edge, replan, layers, replay, device
+    group: str  # plain, shapes, features, edge, window, replan, layers, replay, device
     dtype: torch.dtype
     name: str
     run: Callable[[], float] = field(repr=False, compare=False)
@@ -220,11 +220,12 @@ def _quick_plain(cases: Sequence[Any]) -> list[Any]:
     return out
 
 
-def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False,
+def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False, window: int = -1,
            excludes: Sequence[Sequence[str]] = ()) -> list[tuple[str, Any]]:
     """(group, case) of one capability: the plain cases at the checked head dims; the shapes,
-    feature and edge cases at every one of them. ``quick``: a subset of the plain and feature
-    cases (the head dims are the caller's to cut)."""
+    feature and edge cases at every one of them (no combination of features ``excludes`` names);
+    ``window`` >= 0: the feature cases and the first plain one at that window too. ``quick``: a subset of the plain and feature cases (the
+    head dims are the caller's to cut)."""
     base: Sequence[C.PagedCase | C.RaggedCase] = PLAIN[kind]()
     if quick:
         base = _quick_plain(base)
@@ -241,6 +242,8 @@ def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: 
                                      excludes=excludes)
         edge += C.edge_cases(kind, d)
     groups += [("shapes", shapes), ("features", extra), ("edge", edge)]
+    if window >= 0 and kind != "ragged":
+        groups.append(("window", [dataclasses.replace(c, window_left=window) for c in [*groups[0][1][:1], *extra]]))
     return [(g, c) for g, cases in groups for c in cases]
 
 
@@ -260,10 +263,13 @@ def _other_cuda(device: torch.device) -> torch.device | None:
 
 def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.device | str,
                 dtypes: Sequence[torch.dtype] | None = None, head_dims: Sequence[int] | None = None,
-                quick: bool = False) -> list[Check]:
+                quick: bool = False, features: Mapping[str, Sequence[str]] | None = None,
+                window: int = -1) -> list[Check]:
     """Every check of ``spec``'s capabilities (``classes``: capability -> loaded wrapper) on
     ``device``; ``dtypes``/``head_dims`` None: the declared ones (:func:`default_dtypes`,
     :func:`default_head_dims`), others taken as given (a stand-in tested in float32 on a CPU).
+    ``features``: capability -> the features its feature cases exercise (None: the declared
+    ones); ``window`` >= 0: cases at that window too (a layer group's, :mod:`.group_check`).
     ``quick``: a short subset -- the first head dim only, fewer plain and feature cases; every
     group and rule still checked. Nothing runs until a check's ``run()``."""
     device = torch.device(device)
@@ -291,7 +297,8 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
             if quick:
                 head_dims = head_dims[:1]
             fn = C.CHECKS[kind]
-            for group, case in _cases(kind, spec.supports(cap), head_dims, quick, spec.excludes.get(cap, ())):
+            asked = spec.supports(cap) if features is None else tuple(features.get(cap, ()))
+            for group, case in _cases(kind, asked, head_dims, quick, window, spec.excludes.get(cap, ())):
                 checks.append(Check(cap, group, dtype, str(case), functools.partial(fn, ws, case)))
             if kind in multi:
                 for d in head_dims:

@@ -19,8 +19,7 @@ from typing import Any, Self
 
 import torch
 
-from mstar_core.attention.paged import PagedAttentionManager, selected
-from mstar_core.capabilities import PAGED
+from mstar_core.attention.grouped import build_paged_attention, summary
 from mstar_core.compiling import CompiledForward, compile_options
 from mstar_core.config import load_config
 from mstar_core.errors import CompileError, InputError, InputTypeError, StateError
@@ -203,8 +202,6 @@ class Engine:
 
     def __init__(self, model: Any, backend: str | Mapping[str, str] | None = None,
                  options: EngineOptions | None = None) -> None:
-        from mstar_core.registry import select_backend
-
         check_model(model)
         o = options or EngineOptions()
         if not isinstance(o, EngineOptions):
@@ -225,11 +222,6 @@ class Engine:
             a = self.attention
             features = a.features(o.kv_dtype)
             self.device, self.dtype = a.device, a.dtype
-            sel = select_backend(capabilities=PAGED, requested=backend, device=self.device,
-                                 dtype=self.dtype, head_dim=a.head_dim, features=features, config=o.config)
-            self.backend = sel.name
-            self.backends = sel.names  # capability -> the backend serving it
-            log.info("%s on backend %s", a.describe(), sel.summary)  # describe() names the features
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
             # Refused before anything is allocated: a cache that does not fit would otherwise run
             # until the allocator fails, naming no option.
@@ -253,10 +245,13 @@ class Engine:
                 log.warning("graphs off: %s; every step runs eagerly%s", why, "" if compiling is None else
                             ", uncompiled")
                 graphs, compiling = False, None
-            self.attn = PagedAttentionManager(
-                self.kv, self.device, self.dtype, kvc, sel.classes, accelerator_graph=graphs,
-                max_batch_size=o.max_batch_size, max_total_tokens=o.max_prefill_tokens + o.max_batch_size,
-                features=features, **selected(sel, features))
+            # Selected per layer group: one manager where one selection serves every layer.
+            self.attn = build_paged_attention(
+                self.kv, self.device, self.dtype, kvc, backend, o.config, features, accelerator_graph=graphs,
+                max_batch_size=o.max_batch_size, max_total_tokens=o.max_prefill_tokens + o.max_batch_size)
+            self.backend = str(self.attn.backend_name)
+            self.backends = dict(self.attn.backend_names)  # capability -> the backend(s) serving it
+            log.info("%s on backend %s", a.describe(), summary(self.attn))  # describe() names the features
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
             # What the prefix cache keys this engine's pages under (None: the cache is off): the

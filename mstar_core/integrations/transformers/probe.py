@@ -77,8 +77,9 @@ class ModelAttention:
 
     def features(self, kv_dtype: str = "auto") -> AttentionFeatures:
         windows = tuple(layer.window_left for layer in self.layers)
+        sinks = tuple(layer.sinks for layer in self.layers)
         return AttentionFeatures(
-            kv_dtype=kv_dtype, soft_cap=self.layers[0].soft_cap, sink_logits=self.layers[0].sinks,
+            kv_dtype=kv_dtype, soft_cap=self.layers[0].soft_cap, sink_logits=sinks if len(set(sinks)) > 1 else sinks[0],
             layer_windows=None if set(windows) == {-1} else windows,
         )
 
@@ -184,8 +185,6 @@ def probe(model: Any) -> ModelAttention:
     if len({x.soft_cap for x in layers}) > 1:
         problems.append(f"soft-cap differs per layer ({sorted({str(x.soft_cap) for x in layers})}); mstar takes one "
                         "for all layers")
-    if len({x.sinks for x in layers}) > 1:
-        problems.append("sink logits (s_aux) on some layers only; mstar takes them on all layers or none")
     if first.qo_heads % first.kv_heads:
         problems.append(f"{first.qo_heads} query heads are not a multiple of {first.kv_heads} KV heads")
     if problems:
