@@ -224,8 +224,8 @@ def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: 
            excludes: Sequence[Sequence[str]] = ()) -> list[tuple[str, Any]]:
     """(group, case) of one capability: the plain cases at the checked head dims; the shapes,
     feature and edge cases at every one of them (no combination of features ``excludes`` names);
-    ``window`` >= 0: the feature cases and the first plain one at that window too. ``quick``: a subset of the plain and feature cases (the
-    head dims are the caller's to cut)."""
+    ``window`` >= 0: the feature cases and the first plain one at that window too. ``quick``: a
+    subset of the plain and feature cases (the head dims are the caller's to cut)."""
     base: Sequence[C.PagedCase | C.RaggedCase] = PLAIN[kind]()
     if quick:
         base = _quick_plain(base)
