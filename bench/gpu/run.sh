@@ -46,7 +46,8 @@
 #   paged               call 1: .gpu/fa3 .gpu/env.sh (PAGED_STEPS="check tests"); call 2 on that machine: .gpu/flashinfer and
 #                       .gpu/flashinfer-aot-0.5.3.tgz (PAGED_STEPS="bench models"): FA3's and FlashInfer's paged backends,
 #                       the kit and GPU tests, bench/paged_backends.py (and the measured tables it writes into $R/tables),
-#                       a gpt-oss-shaped model through the transformers integration (MODEL_BACKEND, default auto)
+#                       a gpt-oss-shaped model through the transformers integration (MODEL_BACKEND, default auto);
+#                       PAGED_STEPS=sinks: FlashInfer's sink-logit GPU tests (SINKS_K: pytest -k, default the 64 head dim)
 #   prefix              as transformers (on the smollm2 machine for SmolLM2's own weights; .gpu/flashinfer may stay behind
 #                       where an earlier call on that machine installed it): bench/prefix_cache.py (MODELS=smollm2,smollm2_shape)
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
@@ -246,6 +247,8 @@ paged)  # FA3's and FlashInfer's paged backends; PAGED_STEPS picks the steps (FA
           "$R/check_$b.json" >> "$R/summary.txt" 2>&1
       done ;;
     tests) gpu_tests 240 tests ${PAGED_TESTS:-tests/plugins tests/registry tests/testing tests/attention} ;;
+    sinks)  # FlashInfer's sink-logit variant against the float64 oracle, eager and replayed (each head dim compiles its own)
+      gpu_tests 330 sinks tests/plugins/flashinfer/test_gpu_sinks.py -k "${SINKS_K:-64}" ;;
     bench)  # both backends against their raw calls; the measured tables, then what auto picks from them
       T 240 paged_backends python3 bench/paged_backends.py --out "$R" --tables "$R/tables" --commit "$COMMIT"
       for p in mstar_fa3 mstar_flashinfer; do [ -f "$R/tables/$p/measured.json" ] && cp "$R/tables/$p/measured.json" "$p/"; done
