@@ -88,6 +88,7 @@ def not_asked(capability: str, features: AttentionFeatures) -> dict[str, str]:
 
 
 def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
+    who = getattr(args, "command", None) or "backends"  # errors name the command given (backends, check)
     """The feature options as one :class:`AttentionFeatures`; a bad value is a ValueError naming
     the option, the value, and what is allowed."""
     kv_dtype = "auto"
@@ -95,7 +96,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         try:
             kv_dtype = parse_kv_dtype(args.kv_dtype)
         except ValueError:
-            raise InputError(f"backends: --kv-dtype {args.kv_dtype!r} is not supported; choose one of "
+            raise InputError(f"{who}: --kv-dtype {args.kv_dtype!r} is not supported; choose one of "
                              f"{', '.join(KV_DTYPES)} (fp8-e4m3 / fp8-e5m2 spellings also accepted)") from None
     soft_cap = None
     if getattr(args, "soft_cap", None) is not None:
@@ -104,7 +105,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         except ValueError:
             soft_cap = math.nan
         if not math.isfinite(soft_cap) or soft_cap <= 0:
-            raise InputError(f"backends: --soft-cap {args.soft_cap!r} must be a finite float > 0 (the logit "
+            raise InputError(f"{who}: --soft-cap {args.soft_cap!r} must be a finite float > 0 (the logit "
                              "soft-cap, e.g. 30); leave it out for no cap")
     windows = None
     if getattr(args, "layer_windows", None) is not None:
@@ -117,7 +118,7 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
             except ValueError:
                 value = None
             if value is None or value < -1:
-                raise InputError(f"backends: --layer-windows {text!r}: entry {i} ({w!r}) must be an int >= 0, or -1 "
+                raise InputError(f"{who}: --layer-windows {text!r}: entry {i} ({w!r}) must be an int >= 0, or -1 "
                                  "for a full layer (comma-separated, one per layer, e.g. 4096,-1)")
             parsed.append(value)
         windows = tuple(parsed)
@@ -128,12 +129,12 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
         except ValueError:
             tokens = 0
         if not 1 <= tokens <= MAX_DECODE_QUERY_TOKENS:
-            raise InputError(f"backends: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
+            raise InputError(f"{who}: --decode-query-tokens {args.decode_query_tokens!r} must be an int in "
                              f"1..{MAX_DECODE_QUERY_TOKENS} (query tokens per decode row; 2..{MAX_DECODE_QUERY_TOKENS} "
                              "for speculative verification)")
-    sinks = sink_logits_from(getattr(args, "sink_logits", False))
+    sinks = sink_logits_from(getattr(args, "sink_logits", False), who)
     if isinstance(sinks, tuple) and windows is not None and len(sinks) != len(windows):
-        raise InputError(f"backends: --sink-logits names {len(sinks)} layers, --layer-windows {len(windows)}; give "
+        raise InputError(f"{who}: --sink-logits names {len(sinks)} layers, --layer-windows {len(windows)}; give "
                          "one entry per layer in each")
     return AttentionFeatures(kv_dtype=kv_dtype, soft_cap=soft_cap, layer_windows=windows, decode_query_tokens=tokens,
                              sink_logits=sinks)
@@ -142,14 +143,14 @@ def features_from_args(args: argparse.Namespace) -> AttentionFeatures:
 _BOOLS = {"1": True, "true": True, "yes": True, "0": False, "false": False, "no": False}
 
 
-def sink_logits_from(value: bool | str) -> bool | tuple[bool, ...]:
+def sink_logits_from(value: bool | str, who: str = "backends") -> bool | tuple[bool, ...]:
     """``--sink-logits``: absent (False), bare (True), or one 1/0 (true/false) per layer."""
     if isinstance(value, bool):
         return value
     parts = [p.strip().lower() for p in value.split(",")]
     for i, p in enumerate(parts):
         if p not in _BOOLS:
-            raise InputError(f"backends: --sink-logits {value!r}: entry {i} ({p!r}) must be one of "
+            raise InputError(f"{who}: --sink-logits {value!r}: entry {i} ({p!r}) must be one of "
                              f"{', '.join(_BOOLS)} (comma-separated, one per layer, e.g. 1,0,1,0)")
     return tuple(_BOOLS[p] for p in parts)
 
@@ -216,17 +217,17 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         group = select(PAGED)
         paged: dict[str, Any] = {"picks": group.names, "multi_token_wrapper": group.multi_token_wrapper,
                                  "error": None}
-        auto.update({cap: {"pick": group.names[cap], "rejected": dict(group.rejected_by.get(cap, {}))}
-                     for cap in PAGED})
+        auto.update({cap: {"pick": group.names[cap], "rejected": dict(group.rejected_by.get(cap, {})),
+                           "measured": group.measured.get(cap)} for cap in PAGED})
     except BackendUnavailable as e:
         paged = {"picks": None, "multi_token_wrapper": None, "error": str(e)}
     for cap in CAPABILITIES:
         if cap not in auto:
             try:
                 sel = select((cap,))
-                auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected)}
+                auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected), "measured": sel.measured.get(cap)}
             except BackendUnavailable as e:
-                auto[cap] = {"pick": None, "rejected": e.reasons}
+                auto[cap] = {"pick": None, "rejected": e.reasons, "measured": None}
         # requested features auto did not judge this capability on, and why
         auto[cap]["not_asked"] = not_asked(cap, features)
     auto = {cap: auto[cap] for cap in CAPABILITIES}  # in the capability table's order
@@ -352,6 +353,8 @@ def render(data: dict[str, Any]) -> str:
             lines.append(f"  {'':<16}   {f} is not asked of {cap}: {why}")
         for n, rs in a["rejected"].items():
             lines.append(f"  {'':<16}   passed over {n}: {'; '.join(rs)}")
+        if a.get("measured"):
+            lines.append(f"  {'':<16}   ordered by measured kernel times: {a['measured']}")
     paged = data["paged"]
     groups = data["layer_groups"]
     if groups is not None:

@@ -12,7 +12,7 @@ import types
 import pytest
 import torch
 
-from mstar_core import select_backend
+from mstar_core import AttentionFeatures, select_backend
 from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.capabilities import PAGED
 from mstar_core.errors import InputError, InputTypeError
@@ -151,3 +151,18 @@ def test_the_first_party_tables_load_and_name_their_backend(package):
     assert t.arch == "sm90" and t.source.startswith("results/")
     assert set(t.median_ms) == set(PAGED)
     assert json.loads(importlib.resources.files(package).joinpath("measured.json").read_text())["backend"] == t.backend
+
+
+def test_mstar_backends_says_where_measured_times_ordered_the_picks(fake_gpu, tables, monkeypatch):
+    from mstar_core.cli.backends import collect, render
+
+    fake_gpu("sm90")
+    reg = Registry(discover=False)
+    reg.register(REFERENCE)
+    reg.register(gpu_backend("slow", tables("slow", table("slow", paged_decode={"d": 0.9})), priority=5))
+    reg.register(gpu_backend("fast", tables("fast", table("fast", paged_decode={"d": 0.1}))))
+    data = collect(reg, torch.device("cuda"), BF16, 128, AttentionFeatures())
+    assert data["auto"]["paged_decode"]["pick"] == "fast"
+    assert data["auto"]["paged_decode"]["measured"].startswith("paged_decode: measured on NVIDIA H200 (d): fast 0.1 ms")
+    assert data["auto"]["paged_prefill"]["measured"] is None
+    assert "ordered by measured kernel times: paged_decode: measured on NVIDIA H200" in render(data)

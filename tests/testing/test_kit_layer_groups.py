@@ -57,3 +57,11 @@ def test_mstar_check_auto_with_layer_windows_and_sink_logits(capsys):
     assert data["ok"] and [(g["layers"], g["backend"]) for g in data["groups"]] == [([0], "reference"), ([1], FAKE)]
     assert main(argv) == 0
     assert "(group, backend) parts passed" in capsys.readouterr().out
+
+
+def test_a_bad_layer_option_of_mstar_check_names_the_check_command(capsys):
+    from mstar_core.cli import main
+
+    rc = main(["check", "auto", "--layer-windows", "128,x"])
+    err = capsys.readouterr().err
+    assert rc != 0 and "check: --layer-windows '128,x'" in err and "backends:" not in err
