@@ -18,6 +18,7 @@ import torch
 from mstar_core.attention.checks import check_plan_kwargs, check_scale
 from mstar_core.errors import InputError, StateError
 from mstar_flashinfer import compat, validate
+from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
 from mstar_flashinfer.library import flashinfer
 from mstar_flashinfer.nvtx import Nvtx
@@ -165,8 +166,11 @@ class PagedWrapperBase:
         key = (backend, dtype, window_left >= 0)
         inner = self._sink_inners.get(key)
         if inner is None:
-            inner = build(flashinfer(), self.workspace_buffer, backend, dtype, dtype, self.head_dim, window_left >= 0,
-                          graph, rows)
+            # The variant's module is built (or compiled, 20-120 s) as its wrapper is made: announced.
+            with plan_first_use("paged attention (sink logits)", dtype, dtype, self.head_dim, window_left, None,
+                                backend):
+                inner = build(flashinfer(), self.workspace_buffer, backend, dtype, dtype, self.head_dim,
+                              window_left >= 0, graph, rows)
             self._sink_inners[key] = inner
         return inner
 

@@ -114,3 +114,17 @@ def test_the_dense_path_is_warmed_without_soft_cap_which_it_never_uses(standin_f
     got = warmup(_cfg(soft_cap=30.0), CPU, ("prefixed_ragged",))
     assert [k.variant for k in got[:2]] == ["full, short queries", "full, long queries"]
     assert "use_logits_cap_False" in got[0].detail
+
+
+def test_the_sink_variant_built_at_its_first_plan_is_announced(standin_flashinfer, caplog):
+    """The sink-logit variant's module is built as its wrapper is made (a compile on a GPU): that
+    first use is announced once, as every other kernel family's."""
+    first_use.forget()
+    dd = C.make_paged(case((1, 1), (5, 9), head_dim=16, gqa=2), "cpu", F32)
+    dec = FlashInferDecodeWrapper(torch.empty(8, dtype=torch.uint8), 4, 2, 16, 4, device=CPU)
+    with caplog.at_level(logging.INFO, logger="mstar.flashinfer"):
+        for _ in range(2):
+            dec.plan(dd.kv_indptr, dd.kv_indices, dd.last_page_len, dtype=F32, sink_logits=True)
+    msgs = [m for m in (r.getMessage() for r in caplog.records) if "first use" in m]
+    assert any(m.startswith("FlashInfer paged attention (sink logits) kernels (float32, head_dim 16") for m in msgs)
+    assert len([m for m in msgs if "sink logits" in m]) == 2  # the variant's build, then its decode plan; once each
