@@ -158,8 +158,11 @@ class FA3PagedWrapper:
         total_pages = int(indptr_t[-1])
         if total_pages > indices.numel():
             raise InputError(f"{who}: kv_indptr[-1] = {total_pages} exceeds len(kv_indices) = {indices.numel()}")
-        if not indices.is_cuda and total_pages and bool((indices[:total_pages] < 0).any()):
-            raise InputError(f"{who}: kv_indices holds a negative page index; page indices must be >= 0")
+        top = -1  # the largest page read, where the indices are on the host (-1: unknown, no device sync)
+        if not indices.is_cuda and total_pages:
+            if bool((indices[:total_pages] < 0).any()):
+                raise InputError(f"{who}: kv_indices holds a negative page index; page indices must be >= 0")
+            top = int(indices[:total_pages].max())
         cu_q, tokens, max_q = self._rows(who, qo_indptr, rows)
         if cu_q.numel():
             q_lens = cu_q[1:] - cu_q[:-1]
@@ -233,7 +236,7 @@ class FA3PagedWrapper:
         self._planned = {
             "rows": rows, "tokens": tokens, "dtype": dtype, "table": table, "seqlens": seqlens_d, "cu": cu_d,
             "max_q": max_q_static, "causal": causal, "window": window, "scale": sm_scale,
-            "softcap": soft_cap or 0.0, "splits": num_splits, "meta": meta,
+            "softcap": soft_cap or 0.0, "splits": num_splits, "meta": meta, "top": top,
         }
 
     def _static_buffers(self) -> dict[str, torch.Tensor]:
@@ -271,6 +274,9 @@ class FA3PagedWrapper:
         if kv_cache_layer.dim() != 5 or tuple(kv_cache_layer.shape[1:]) != want_kv:
             raise InputError(f"{who}: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "
                              f"[max_pages, {', '.join(map(str, want_kv))}]")
+        if p["top"] >= kv_cache_layer.shape[0]:
+            raise InputError(f"{who}: the plan reads page {p['top']} but kv_cache_layer has {kv_cache_layer.shape[0]} "
+                             "pages; plan with this cache's page indices")
         if kv_cache_layer.dtype != q.dtype:
             raise InputTypeError(f"{who}: kv_cache_layer is {kv_cache_layer.dtype}, q {q.dtype}: FA3 reads one dtype")
         if q.device != kv_cache_layer.device or q.device.type != self.device.type:

@@ -83,3 +83,28 @@ def test_replan_and_refused_plans(kind):
     reuse.check_replan(FA, kind, 64)
     reuse.check_refused(FA, kind, 64)
     reuse.check_layers(FA, kind, 64)
+
+
+def test_bad_inputs_are_refused_naming_what_is_allowed():
+    from mstar_core.errors import InputError, InputTypeError, Unsupported
+
+    ws = torch.empty(8, dtype=torch.uint8)
+    with pytest.raises(InputError, match="head_dim a multiple of 8 in 8..256"):
+        FA3DecodeWrapper(ws, 8, 2, 100, 16, device="cpu")
+    with pytest.raises(InputError, match="needs batch_size"):
+        FA3DecodeWrapper(ws, 8, 2, 64, 16, device="cpu", accelerator_graph=True)
+    w = FA3DecodeWrapper(ws, 8, 2, 64, 16, device="cpu")
+    i32 = dict(dtype=torch.int32)
+    indptr, idx, last = torch.tensor([0, 1], **i32), torch.tensor([5], **i32), torch.tensor([3], **i32)
+    with pytest.raises(InputTypeError, match="FA3 computes in torch.float16, torch.bfloat16"):
+        w.plan(indptr, idx, last, dtype=torch.float32)
+    with pytest.raises(Unsupported, match="FP8 cache only with FP8 queries"):
+        w.plan(indptr, idx, last, dtype=torch.bfloat16, kv_data_type=torch.float8_e4m3fn)
+    with pytest.raises(InputError, match=r"last_page_len\[0\] = 17 .* allowed: 1..16"):
+        w.plan(indptr, idx, torch.tensor([17], **i32), dtype=torch.bfloat16)
+    w.plan(indptr, idx, last, dtype=torch.bfloat16)
+    layer = torch.zeros(4, 2, 16, 2, 64, dtype=torch.bfloat16)  # pages 0..3: the plan reads page 5
+    with pytest.raises(InputError, match="the plan reads page 5 but kv_cache_layer has 4 pages"):
+        w.run(torch.zeros(1, 8, 64, dtype=torch.bfloat16), layer)
+    with pytest.raises(InputError, match=r"q has shape \(2, 8, 64\), expected \[1, 8, 64\]"):
+        w.run(torch.zeros(2, 8, 64, dtype=torch.bfloat16), torch.zeros(6, 2, 16, 2, 64, dtype=torch.bfloat16))
