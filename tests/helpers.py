@@ -267,9 +267,9 @@ class Harness:
         self.node = Node([self.kv, self.attn])
         self.gen = torch.Generator().manual_seed(seed)
         self.truth: dict[tuple[str, str, int], tuple[torch.Tensor, torch.Tensor]] = {}
-        # Sink logits per layer, where the features ask for them.
-        self.sinks = [torch.randn(hq, generator=self.gen).to(self.device) * 2 for _ in range(layers)] \
-            if features.any_sinks else None
+        # Sink logits per layer, where the features ask for them (None for a layer without).
+        self.sinks = [torch.randn(hq, generator=self.gen).to(self.device) * 2 if features.layer_sinks(i) else None
+                      for i in range(layers)] if features.any_sinks else None
 
     def _stored(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """What the cache gives back of committed ``k``/``v`` (FP8: quantised, then scaled)."""
