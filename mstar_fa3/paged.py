@@ -25,6 +25,7 @@ from typing import Any, ClassVar
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
+from mstar_core.backends.varlen import check_offsets, host_int32
 from mstar_core.errors import InputError, InputTypeError, StateError, Unsupported
 from mstar_core.step import check_window_and_scale, is_int
 
@@ -38,27 +39,13 @@ SINKS_DTYPE = torch.bfloat16
 GRAPH_NUM_SPLITS = 16
 
 
-def _host_i32(name: str, value: Any, who: str) -> torch.Tensor:
-    """A 1-D int32 host tensor (a device tensor is read back: the managers pass host rows)."""
-    t = value if isinstance(value, torch.Tensor) else torch.as_tensor(value)
-    if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
-        raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
-    if t.dim() != 1:
-        raise InputError(f"{who}: {name} must be 1-D, got shape {tuple(t.shape)}")
-    return t.to("cpu", torch.int32)
-
-
-def _check_indptr(name: str, t: torch.Tensor, who: str, rows: int | None = None) -> torch.Tensor:
-    if t.numel() < 1 or int(t[0]) != 0:
-        raise InputError(f"{who}: {name} must start at 0 (row starts, then the total), got {t[:4].tolist()}")
+def _offsets(name: str, value: Any, who: str, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Row offsets ``[0, ..., total]`` as a host int32 tensor (``rows + 1`` entries where given)
+    and the row lengths."""
+    t = host_int32(name, value, who, 1, " with at least one entry (row starts, then the total)")
     if rows is not None and t.numel() != rows + 1:
         raise InputError(f"{who}: {name} has {t.numel()} entries, expected {rows + 1} (rows + 1)")
-    lens = t[1:] - t[:-1]
-    if bool((lens < 0).any()):
-        i = int((lens < 0).nonzero()[0, 0])
-        raise InputError(f"{who}: {name} must be non-decreasing, got {name}[{i}] = {int(t[i])} > "
-                         f"{name}[{i + 1}] = {int(t[i + 1])}")
-    return lens
+    return t, check_offsets(name, t, who, "row")
 
 
 class FA3PagedWrapper:
@@ -132,10 +119,9 @@ class FA3PagedWrapper:
             raise Unsupported(f"{who}: FA3 reads an FP8 cache only with FP8 queries (q, k and v share one dtype); "
                               f"this plan has {dtype} queries over a {kv_dtype} cache")
         check_window_and_scale(who, window_left, sm_scale)
-        indptr_t = _host_i32("kv_indptr", indptr, who)
-        pages = _check_indptr("kv_indptr", indptr_t, who)
+        indptr_t, pages = _offsets("kv_indptr", indptr, who)
         rows = pages.numel()
-        last_t = _host_i32("last_page_len", last, who)
+        last_t = host_int32("last_page_len", last, who)
         if last_t.numel() != rows:
             raise InputError(f"{who}: last_page_len has {last_t.numel()} entries, expected {rows} (one per row)")
         has = pages > 0
@@ -146,7 +132,7 @@ class FA3PagedWrapper:
                              f"allowed: {f'1..{self.page_size}' if bool(has[i]) else '0 (no pages)'}")
         lens = (pages - has.to(torch.int32)) * self.page_size + last_t
         if kv_lens is not None:
-            given = _host_i32("kv_lens", kv_lens, who)
+            given = host_int32("kv_lens", kv_lens, who)
             if given.numel() != rows or not torch.equal(given, lens):
                 raise InputError(f"{who}: kv_lens {given[:8].tolist()} disagrees with the rows' pages "
                                  f"({lens[:8].tolist()})")
@@ -188,33 +174,32 @@ class FA3PagedWrapper:
         dev = self.device
         b = self.batch_size if st is not None else rows
         assert b is not None
-        seqlens_h = torch.zeros(b, dtype=torch.int32)
-        seqlens_h[:rows] = lens
-        counts_h = torch.zeros(b, dtype=torch.int32)
-        counts_h[:rows] = pages
-        host = [seqlens_h, counts_h]
-        if cu_q.numel():
-            cu_h = torch.full((b + 1,), int(cu_q[-1]), dtype=torch.int32)
-            cu_h[: rows + 1] = cu_q
-            host.append(cu_h)
-        packed = torch.cat(host)
-        if dev.type == "cuda":
-            packed = packed.pin_memory()
+        # One host array, one copy: [seqlens | pages per row | first page per row | cu_seqlens_q];
+        # padding rows have no keys and no pages.
+        has_cu = bool(cu_q.numel())
+        packed = torch.zeros(3 * b + (b + 1 if has_cu else 0), dtype=torch.int32,
+                             pin_memory=dev.type == "cuda")
+        packed[:rows] = lens
+        packed[b: b + rows] = pages
+        packed[2 * b: 2 * b + rows] = indptr_t[:-1]
+        if has_cu:
+            packed[3 * b:] = int(cu_q[-1])
+            packed[3 * b: 3 * b + rows + 1] = cu_q
         if st is not None:
             rows_d = st["rows"][: packed.numel()]
             rows_d.copy_(packed, non_blocking=True)
             table = st["page_table"]
         else:
             rows_d = packed.to(dev, non_blocking=True)
-            table = torch.zeros((max(rows, 1), max(width, 1)), dtype=torch.int32, device=dev)
-        seqlens_d, counts_d = rows_d[:b], rows_d[b: 2 * b]
-        cu_d = rows_d[2 * b:] if cu_q.numel() else None
+            # entries past a row's pages are never read: no fill
+            table = torch.empty((max(rows, 1), max(width, 1)), dtype=torch.int32, device=dev)
+        seqlens_d, counts_d, starts_d = rows_d[:b], rows_d[b: 2 * b], rows_d[2 * b: 3 * b]
+        cu_d = rows_d[3 * b:] if has_cu else None
         if total_pages:
             # page j of row r -> table[r, j], on the device: the row of each page, then its column
             idx = indices[:total_pages].to(dev, non_blocking=True)
             row_of = torch.repeat_interleave(torch.arange(b, device=dev), counts_d, output_size=total_pages)
-            starts = torch.cumsum(counts_d, 0, dtype=torch.int32) - counts_d
-            col = torch.arange(total_pages, device=dev, dtype=torch.int32) - starts.index_select(0, row_of)
+            col = torch.arange(total_pages, device=dev, dtype=torch.int32) - starts_d.index_select(0, row_of)
             table.index_put_((row_of, col.long()), idx)
         causal = bool(causal)
         window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
@@ -242,7 +227,7 @@ class FA3PagedWrapper:
     def _static_buffers(self) -> dict[str, torch.Tensor]:
         assert self.batch_size is not None and self.max_num_pages is not None
         b, dev = self.batch_size, self.device
-        return {"rows": torch.zeros(3 * b + 1, dtype=torch.int32, device=dev),
+        return {"rows": torch.zeros(4 * b + 1, dtype=torch.int32, device=dev),
                 "page_table": torch.zeros((b, self.max_num_pages), dtype=torch.int32, device=dev)}
 
     # -- run ---------------------------------------------------------------------------------------
@@ -318,8 +303,7 @@ class FA3PrefillWrapper(FA3PagedWrapper):
                    window_left, kwargs)
 
     def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
-        cu = _host_i32("qo_indptr", qo_indptr, who)
-        q_lens = _check_indptr("qo_indptr", cu, who, rows)
+        cu, q_lens = _offsets("qo_indptr", qo_indptr, who, rows)
         return cu, int(cu[-1]), int(q_lens.max()) if rows else 0
 
     def _static_q_rows(self) -> int:

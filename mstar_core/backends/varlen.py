@@ -30,43 +30,46 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
 
 
 _INT32_MAX = 2**31 - 1
+_CU_ENTRIES = " with at least one entry (segment starts, then the total: [0, ..., tokens])"
 
 
-def _host_cu(name: str, cu: Any, who: str) -> torch.Tensor:
-    """``cu`` as a 1-D int32 CPU tensor, refusing what is not one (a device tensor is copied to
-    the host here, which synchronises: pass host arrays)."""
-    if isinstance(cu, torch.Tensor):
-        t = cu
+def host_int32(name: str, value: Any, who: str, min_entries: int = 0, what: str = "") -> torch.Tensor:
+    """``value`` as a 1-D int32 CPU tensor of at least ``min_entries`` entries (``what``: said
+    after "1-D" when it is not one), refusing floats, bools, other ranks and values outside
+    int32 (a device tensor is copied to the host here, which synchronises: pass host arrays)."""
+    if isinstance(value, torch.Tensor):
+        t = value
     else:
         try:  # numpy arrays too, without mstar-core importing numpy
-            t = torch.as_tensor(cu)
+            t = torch.as_tensor(value)
         except (TypeError, ValueError, RuntimeError) as e:
-            raise InputTypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(cu).__name__} "
+            raise InputTypeError(f"{who}: {name} must be a 1-D integer tensor or array, got {type(value).__name__} "
                             f"({e})") from None
-    if t.dim() != 1 or t.numel() < 1:
-        raise InputError(f"{who}: {name} must be 1-D with at least one entry (segment starts, then the total: "
-                         f"[0, ..., tokens]), got shape {tuple(t.shape)}")
+    if t.dim() != 1 or t.numel() < min_entries:
+        raise InputError(f"{who}: {name} must be 1-D{what}, got shape {tuple(t.shape)}")
     if t.dtype == torch.bool or t.is_floating_point() or t.is_complex():
         raise InputTypeError(f"{who}: {name} must hold integers (int32), got dtype {t.dtype}")
     if t.device.type != "cpu":
         t = t.cpu()
     if t.dtype != torch.int32:
-        lo, hi = int(t.min()), int(t.max())
+        lo, hi = (int(t.min()), int(t.max())) if t.numel() else (0, 0)
         if lo < -_INT32_MAX - 1 or hi > _INT32_MAX:
             raise InputError(f"{who}: {name} holds {hi if hi > _INT32_MAX else lo}, outside int32")
         t = t.to(torch.int32)
     return t
 
 
-def _check_cu_values(name: str, t: torch.Tensor, who: str) -> None:
+def check_offsets(name: str, t: torch.Tensor, who: str, unit: str = "segment") -> torch.Tensor:
+    """``t`` starts at 0 and never decreases; returns the ``unit`` lengths (``t[1:] - t[:-1]``)."""
     if int(t[0]) != 0:
         raise InputError(f"{who}: {name} must start at 0, got {name}[0] = {int(t[0])} ({name} = {_head(t)})")
-    if t.numel() > 1:
-        drops = t[1:] < t[:-1]
-        if bool(drops.any()):
-            i = int(drops.nonzero()[0, 0])
-            raise InputError(f"{who}: {name} must be non-decreasing (segment lengths >= 0), got {name}[{i}] = "
-                             f"{int(t[i])} > {name}[{i + 1}] = {int(t[i + 1])}")
+    lengths = t[1:] - t[:-1]
+    drops = lengths < 0
+    if bool(drops.any()):
+        i = int(drops.nonzero()[0, 0])
+        raise InputError(f"{who}: {name} must be non-decreasing ({unit} lengths >= 0), got {name}[{i}] = "
+                         f"{int(t[i])} > {name}[{i + 1}] = {int(t[i + 1])}")
+    return lengths
 
 
 def _head(t: torch.Tensor, n: int = 8) -> str:
@@ -80,12 +83,13 @@ def check_varlen_plan(who: str, cu_q: Any, cu_k: Any, max_q: Any, max_k: Any, sm
     1-D integer arrays of the same length (segments + 1), starting at 0, non-decreasing;
     ``max_q``/``max_k`` ints at least the longest segment; the mask parameters. Returns the cu
     arrays as int32 CPU tensors. A few vectorised ops on arrays of segments + 1 entries."""
-    q_t, k_t = _host_cu("cu_q", cu_q, who), _host_cu("cu_k", cu_k, who)
+    q_t = host_int32("cu_q", cu_q, who, 1, _CU_ENTRIES)
+    k_t = host_int32("cu_k", cu_k, who, 1, _CU_ENTRIES)
     if q_t.numel() != k_t.numel():
         raise InputError(f"{who}: cu_q has {q_t.numel()} entries ({q_t.numel() - 1} segments) and cu_k "
                          f"{k_t.numel()} ({k_t.numel() - 1} segments); each segment needs both")
-    _check_cu_values("cu_q", q_t, who)
-    _check_cu_values("cu_k", k_t, who)
+    check_offsets("cu_q", q_t, who)
+    check_offsets("cu_k", k_t, who)
     for name, bound, t in (("max_q", max_q, q_t), ("max_k", max_k, k_t)):
         if not is_int(bound):
             raise InputTypeError(f"{who}: {name} must be an int, got {type(bound).__name__} {bound!r}")

@@ -344,12 +344,12 @@ def candidate_order(registry: Registry, request: Request, backends: Mapping[str,
 
 
 def _candidates(registry: Registry, request: Request, backends: Mapping[str, BackendSpec],
-                rejected: dict[str, list[str]], order: Sequence[str] | None = None) -> Iterator[Candidate]:
-    """(spec, wrapper) of every backend that can serve ``request``'s one capability, in auto's
-    order (``order``: :func:`candidate_order`'s), judged as they are reached (probes and imports
-    only as far as needed); each one that cannot goes into ``rejected`` with its reasons."""
+                rejected: dict[str, list[str]], order: Sequence[str]) -> Iterator[Candidate]:
+    """(spec, wrapper) of every backend in ``order`` (:func:`candidate_order`'s) that can serve
+    ``request``'s one capability, judged as they are reached (probes and imports only as far as
+    needed); each one that cannot goes into ``rejected`` with its reasons."""
     (cap,) = request.capabilities
-    for name in order if order is not None else auto_order((cap,), registry, backends):
+    for name in order:
         spec = backends[name]
         reasons = request.reasons(registry, spec)
         classes: dict[str, Any] = {}
