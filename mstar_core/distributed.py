@@ -21,7 +21,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Self, TypeVar
@@ -63,17 +63,30 @@ def shard_heads(num_qo_heads: int, num_kv_heads: int, world_size: int) -> tuple[
     return num_qo_heads // world_size, num_kv_heads // world_size
 
 
+def peer_failed(rank: int, what: str, e: BaseException) -> TensorParallelError:
+    """The error a rank raises when ``what`` failed because another rank did (``e``: what the
+    process group's backend raised)."""
+    first = (str(e).strip().splitlines() or ["no message"])[0]  # gloo's messages run to many lines
+    return TensorParallelError(
+        f"rank {rank}: {what} failed ({type(e).__name__}: {first}): another rank has failed "
+        "or stalled (its own output says why); a collective gives up after the process group's timeout "
+        "instead of waiting forever")
+
+
+def is_collective_failure(e: BaseException) -> bool:
+    """Whether ``e`` is a process group's report of a failed collective, raised by a collective a
+    library ran itself (transformers' sharded layers): a ``DistError``, or the ``RuntimeError``
+    gloo raises, whose message starts with its source path."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "/gloo/" in str(e).split("]", 1)[0])
+
+
 def _collective(what: str, fn: Callable[[], T], group: dist.ProcessGroup | None) -> T:
     """Run one collective; a failure (gloo: a peer's connection closed, or the group's timeout)
     becomes a :class:`TensorParallelError` naming ``what`` and saying a peer failed."""
     try:
         return fn()
     except (RuntimeError, dist.DistError) as e:
-        first = (str(e).strip().splitlines() or ["no message"])[0]  # gloo's messages run to many lines
-        raise TensorParallelError(
-            f"rank {dist.get_rank(group)}: {what} failed ({type(e).__name__}: {first}): another rank has failed "
-            "or stalled (its own output says why); a collective gives up after the process group's timeout "
-            "instead of waiting forever") from e
+        raise peer_failed(dist.get_rank(group), what, e) from e
 
 
 @dataclass(frozen=True)
@@ -121,16 +134,25 @@ class TensorParallel:
                     self.group)
         return tuple(t.tolist())
 
-    def check_same(self, what: str, values: Mapping[str, int]) -> None:
-        """Raise on every rank unless the named ints are identical on all ranks (min == max, by
-        two all-reduces of one small tensor)."""
+    def broadcast(self, values: Sequence[int], what: str) -> list[int]:
+        """Rank 0's ``values`` on every rank (ints; e.g. seeds another rank drew differently)."""
+        t = torch.tensor(list(values), dtype=torch.int64, device=self._device)
+        _collective(what, lambda: dist.broadcast(t, group=self.group, group_src=0), self.group)
+        return [int(x) for x in t.tolist()]
+
+    def ranges(self, what: str, values: Mapping[str, int]) -> dict[str, tuple[int, int]]:
+        """Each named int's ``(min, max)`` over the ranks, by two all-reduces of one small tensor."""
         lo = torch.tensor(list(values.values()), dtype=torch.int64, device=self._device)
         hi = lo.clone()
         for t, op in ((lo, dist.ReduceOp.MIN), (hi, dist.ReduceOp.MAX)):
             _collective(f"the check of {what}", functools.partial(dist.all_reduce, t, op=op, group=self.group),
                         self.group)
-        bad = [f"{what} {name}: rank {self.rank} has {v}, ranks range from {a} to {b}"
-               for (name, v), a, b in zip(values.items(), lo.tolist(), hi.tolist(), strict=True) if a != b]
+        return {name: (a, b) for name, a, b in zip(values, lo.tolist(), hi.tolist(), strict=True)}
+
+    def check_same(self, what: str, values: Mapping[str, int]) -> None:
+        """Raise on every rank unless the named ints are identical on all ranks (min == max)."""
+        bad = [f"{what} {name}: rank {self.rank} has {values[name]}, ranks range from {a} to {b}"
+               for name, (a, b) in self.ranges(what, values).items() if a != b]
         if bad:
             raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
 

@@ -5,7 +5,6 @@ that fails or stalls mid-run turns into a clear error on the other, not a hang."
 import io
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -13,7 +12,6 @@ from contextlib import redirect_stdout
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from mstar_core import (
     KVConfig,
@@ -28,48 +26,7 @@ from mstar_core.cli.parallel import launched
 from mstar_core.distributed import StallWatchdog, shard_heads
 
 from ..helpers import REF_WRAPPERS
-
-WORLD = 2
-
-
-def _free_port():
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, port, timeout_s, target, args, results):
-    # What torchrun gives each worker: the CLI path reads exactly these.
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(WORLD),
-                      LOCAL_RANK=str(rank))
-    try:
-        results[rank] = ("ok", target(rank, timeout_s, *args))
-    except BaseException as e:  # noqa: BLE001 - the test reads what each rank raised
-        results[rank] = ("error", f"{type(e).__name__}: {e}")
-
-
-def run_ranks(target, *args, timeout_s=60.0, join_s=120.0):
-    """``target(rank, timeout_s, *args)`` in WORLD spawned processes; {rank: ("ok", value) or
-    ("error", message)}. Unlike mp.spawn, a rank that fails does not kill the others: the test
-    sees what the survivors did."""
-    ctx = mp.get_context("spawn")
-    with ctx.Manager() as m:
-        results = m.dict()
-        port = _free_port()
-        procs = [ctx.Process(target=_entry, args=(r, port, timeout_s, target, args, results)) for r in range(WORLD)]
-        for p in procs:
-            p.start()
-        deadline = time.monotonic() + join_s
-        for p in procs:
-            p.join(max(0.0, deadline - time.monotonic()))
-        hung = [r for r, p in enumerate(procs) if p.is_alive()]
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-        got = dict(results)
-    assert not hung, f"ranks {hung} still running after {join_s} s: {got}"
-    return got
-
+from ..ranks import WORLD, run_ranks
 
 # -- the pieces -------------------------------------------------------------------------------
 
