@@ -14,7 +14,9 @@ from typing import Any
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.generate_inputs import check_fits, check_flags, encode_all, sampling_from
 from mstar_core.cli.options import add_compile, add_config, check_device, config_from
+from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.cli.prompt_input import Prompt, gather
+from mstar_core.distributed import check_shardable
 from mstar_core.errors import StateError
 
 PROGRESS_EVERY_S = 5.0  # a progress line on stderr for runs longer than this
@@ -84,6 +86,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      help="prompts that share a prefix share its KV pages, computed once (default: the config's "
                      "[kv] prefix_cache, else off); the report gives the tokens found")
     add_compile(eng, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
+    add_tp(eng, "generate DIR")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
     p.set_defaults(func=run)
@@ -102,11 +105,14 @@ class _Progress:
             print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
 
 
-def _options(args: argparse.Namespace, config: Any, count: int, tokenizer: Any) -> dict[str, Any]:
-    """``generate_report``'s options for these flags; only what a flag asks for is passed."""
+def _options(args: argparse.Namespace, config: Any, count: int, tokenizer: Any, printing: bool) -> dict[str, Any]:
+    """``generate_report``'s options for these flags; only what a flag asks for is passed.
+    ``printing``: this process reports progress (rank 0 of a tensor-parallel run)."""
     from mstar_core.integrations.transformers.text import StopStrings
 
-    options: dict[str, Any] = {"on_step": _Progress(), "config": config}
+    options: dict[str, Any] = {"config": config, "tp_timeout_s": args.tp_timeout}
+    if printing:
+        options["on_step"] = _Progress()
     for flag, name in (("batch_size", "max_batch_size"), ("page_size", "page_size"), ("max_pages", "max_pages")):
         if getattr(args, flag) is not None:
             options[name] = getattr(args, flag)
@@ -163,22 +169,31 @@ def run(args: argparse.Namespace) -> int:
         raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
     from mstar_core.integrations.transformers import generate_report
     from mstar_core.integrations.transformers.local import read_config, read_model, read_tokenizer, resolve
+    from mstar_core.integrations.transformers.parallel import head_counts, model_sharding
     from mstar_core.resource import resolve_dtype
 
     dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
     source = resolve(args.model)
     model_config = read_config(source)
+    if args.tp > 1:  # before any process group or weights: a rank count that cannot split the heads
+        check_shardable(args.tp, *head_counts(model_config), who=f"generate --tp {args.tp}")
     tokenizer = read_tokenizer(source)
     ids = encode_all(prompts, tokenizer, source, chat=args.chat, system=args.system)
     check_fits(prompts, ids, model_config, args.max_new_tokens)
-    model, weights = read_model(source, model_config, str(device), dtype, args.seed)
-    load_s = time.perf_counter() - t0
-    options = _options(args, config, len(prompts), tokenizer)  # the progress line counts from here
-    rep = generate_report(model, ids, args.max_new_tokens, args.backend, **options)
+    with launched(args.tp, str(device), "generate DIR", args.tp_timeout) as (tp, dev):
+        model, weights = read_model(source, model_config, str(dev), dtype, args.seed, args.tp)
+        load_s = time.perf_counter() - t0
+        printing = tp is None or tp.rank == 0
+        options = _options(args, config, len(prompts), tokenizer, printing)  # the progress line counts from here
+        rep = generate_report(model, ids, args.max_new_tokens, args.backend, tp, **options)
+        sharded = model_sharding(model)
+    if not printing:
+        return 0  # rank 0 prints; every rank generated the same ids (checked)
     rows = _results(prompts, ids, rep, tokenizer, options.get("stop"), _eos(model, args.ignore_eos),
                     args.max_new_tokens)
     ttft = sorted(rep.first_token_s)
+    dec = sorted(rep.decode_step_ms())
     dtype_name = str(dtype).replace("torch.", "")
     if args.json:
         out = {
@@ -186,8 +201,10 @@ def run(args: argparse.Namespace) -> int:
             "backend": rep.backend, "device": str(device), "dtype": dtype_name, "load_seconds": load_s,
             "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
             "tokens_per_s": rep.tokens_per_s, "first_token_s_median": ttft[len(ttft) // 2],
+            "decode_step_ms_median": dec[len(dec) // 2] if dec else None,
             "compiled": rep.compiled, "prefix_hit_rate": rep.prefix_hit_rate, "prefill_tokens": rep.prefill_tokens,
-            "ids": rep.ids, "prompts": rows,
+            "ids": rep.ids, "prompts": rows, "tp": args.tp,
+            "sharded_by": None if sharded is None else sharded.by,
         }
         if tokenizer is not None:
             out["texts"] = [r["generated_text"] for r in rows]
@@ -196,6 +213,9 @@ def run(args: argparse.Namespace) -> int:
     what = ("GGUF weights" if source.gguf else "weights") if weights else f"random weights, seed {args.seed}"
     print(f"model: {type(model).__name__} from {args.model} ({what}, {dtype_name} on {device}), "
           f"loaded in {load_s:.2f} s")
+    if sharded is not None:
+        how = "each rank read its slice" if sharded.by == "transformers" else "each rank loaded the whole model"
+        print(f"tensor parallel: {sharded.tp.world_size} ranks, the heads sharded by {sharded.by} ({how})")
     for line in rep.lines():
         print(line)
     for i, r in enumerate(rows):

@@ -21,6 +21,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import fields
 from typing import Any
 
+from mstar_core.distributed import TensorParallel
 from mstar_core.errors import InputTypeError
 from mstar_core.integrations.transformers.attention import NAME, mstar_attention, register
 from mstar_core.integrations.transformers.batching import run, run_checked
@@ -53,7 +54,8 @@ register()
 
 
 def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-             backend: str | Mapping[str, str] | None = None, **options: Any) -> list[list[int]]:
+             backend: str | Mapping[str, str] | None = None, tp: int | TensorParallel | None = None,
+             **options: Any) -> list[list[int]]:
     """Generation through mstar: ``prompts`` are token-id lists; returns each prompt's new token
     ids (stopping after the model's end-of-sequence token, which is kept, as ``model.generate``
     does). ``backend``: a name or ``"auto"``, or capability -> name (``"default"``: the others;
@@ -64,16 +66,23 @@ def generate(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
     every prompt at once), ``max_batch_size``, ``max_prefill_tokens``, ``graphs``, ``buckets``,
     ``kv_dtype``, ``compile``, ``sampler`` filters (default: what the requests need),
     ``prefix_cache`` (prompts that share a prefix share its pages; the report's
-    ``cached_tokens`` and ``prefix_hit_rate`` say what was found)) and
+    ``cached_tokens`` and ``prefix_hit_rate`` say what was found), ``tp_timeout_s``) and
     ``sampling`` (a :class:`~mstar_core.sampling.SamplingParams`, or one per prompt),
     ``arrivals`` (the step each prompt joins at), ``eos_token_id`` (default the model's
     generation config's; None to never stop early), ``on_step(done, total)``,
-    ``stop(i, ids) -> bool`` (after each new token of prompt ``i``; True ends it there)."""
-    return generate_report(model, prompts, max_new_tokens, backend, **options).ids
+    ``stop(i, ids) -> bool`` (after each new token of prompt ``i``; True ends it there).
+
+    ``tp``: tensor parallelism, every rank calling this with the same prompts (torchrun): None
+    serves the model as it is sharded (``from_pretrained(..., distributed_config=
+    DistributedConfig(tp_size=N))``) or on one process; a rank count (or a
+    :class:`~mstar_core.distributed.TensorParallel`) shards a model every rank holds whole, in
+    place, by its ``tp_plan``. Every rank returns the same ids (checked)."""
+    return generate_report(model, prompts, max_new_tokens, backend, tp, **options).ids
 
 
 def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens: int,
-                    backend: str | Mapping[str, str] | None = None, **options: Any) -> Generation:
+                    backend: str | Mapping[str, str] | None = None, tp: int | TensorParallel | None = None,
+                    **options: Any) -> Generation:
     """:func:`generate`, returning the :class:`Generation` (ids, steps, timings)."""
     unknown = sorted(set(options) - set(RUN_OPTIONS) - set(ENGINE_OPTIONS))
     if unknown:
@@ -97,7 +106,7 @@ def generate_report(model: Any, prompts: Sequence[Sequence[int]], max_new_tokens
     sampling = check_sampling(run_kw.get("sampling"), len(prompts))
     options.setdefault("sampler", _filters(sampling))
     engine_opts = _sized(prompts, max_new_tokens, options)
-    with Engine(model, backend, engine_opts) as engine:
+    with Engine(model, backend, engine_opts, tp) as engine:
         return run_checked(engine, prompts, max_new_tokens, arrivals, eos, on_step, sampling, stop)
 
 

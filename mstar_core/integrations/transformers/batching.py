@@ -16,19 +16,27 @@ only synchronisation) after the following step is launched. So with graphs the h
 N+1 while step N runs. The one cost: an end-of-sequence token (or a stop) is seen a step late,
 and the token its request computed meanwhile is dropped. Elsewhere a step has run when its launch
 returns, so its tokens are read at once.
+
+Under tensor parallelism every rank runs this same loop over the same requests: the logits are
+whole on every rank after the model's last collective, so the tokens, and with them every
+admission, agree by construction (the request seeds are rank 0's). The ranks check it at every
+step whose rows change, before its first collective, and the tokens' checksum at the end. A rank
+whose peer failed gets a :class:`~mstar_core.errors.TensorParallelError` from the collective
+that noticed, or ends itself when no step makes progress for the engine's ``tp_timeout_s``.
 """
 
 from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 
 from mstar_core.capabilities import STEP_KINDS, paged_step_capability
+from mstar_core.distributed import is_collective_failure, peer_failed, stall_guard
 from mstar_core.errors import InputError, StateError
 from mstar_core.integrations.transformers.engine import LABEL, Engine
 from mstar_core.integrations.transformers.generation import Generation, StepRecord
@@ -95,6 +103,14 @@ class _Launched(NamedTuple):
 Stop = Callable[[int, list[int]], bool]
 
 
+def _checksum(values: Iterable[int]) -> int:
+    """An order-sensitive hash of ints that fits an int64 (what the ranks compare)."""
+    h = 0
+    for v in values:
+        h = (h * 1_000_003 + v) % (1 << 61)
+    return h
+
+
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
         arrivals: Sequence[int] | None = None, eos_token_id: int | Sequence[int] | None = None,
         on_step: Callable[[int, int], None] | None = None,
@@ -138,8 +154,12 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, a
             if missing:
                 raise InputError(f"generate: prompt {i} needs the sampler's filters {missing}; the engine's has "
                                  f"{sorted(engine.sampler.filters)} (EngineOptions(sampler=...))")
-    reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps), sp, request_seed(sp))
-            for i, (p, a, sp) in enumerate(zip(prompts, arrivals, params, strict=True))]
+    seeds = [request_seed(sp) for sp in params]
+    if engine.tp is not None and any(sp.seed is None for sp in params):
+        # Seeds drawn from each rank's own generator differ: every rank draws with rank 0's.
+        seeds = engine.tp.broadcast(seeds, "the broadcast of the request seeds")
+    reqs = [_Request(i, p, max_new_tokens, a, pages_for(len(p) + max_new_tokens, ps), sp, seed)
+            for i, (p, a, sp, seed) in enumerate(zip(prompts, arrivals, params, seeds, strict=True))]
     assert o.max_pages is not None
     for r in reqs:
         if r.pages > o.max_pages:
@@ -166,6 +186,7 @@ class _Loop:
         self._last_key: list[int] = []
         self._last: tuple[Step, str] | None = None
         self.produced = 0  # tokens appended to the requests' outputs so far
+        self.step_no = 0
         # On CUDA a step's end is read from a timed event, against this one recorded at the start.
         self._origin: torch.cuda.Event | None = None
 
@@ -181,21 +202,32 @@ class _Loop:
         limit = 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000
         total = sum(r.max_new for r in self.reqs)
         try:
-            while self.pending or self.active or inflight:
-                self._arrive(step_no)
-                launched = self._launch(last)
-                if inflight is not None:
-                    self._read(inflight)
-                inflight = last = launched
-                if inflight is not None and inflight.ready is None:
-                    self._read(inflight)  # it has run: nothing to overlap, nothing to drop
-                    inflight = None
-                self._leave(inflight.rows if inflight else [])
-                step_no += 1
-                if self.on_step is not None:
-                    self.on_step(self.produced, total)
-                if step_no > limit:
-                    raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
+            with stall_guard(e.tp, e.options.tp_timeout_s, "generate") as pet:
+                while self.pending or self.active or inflight:
+                    self.step_no = step_no
+                    self._arrive(step_no)
+                    launched = self._launch(last)
+                    if inflight is not None:
+                        self._read(inflight)
+                    inflight = last = launched
+                    if inflight is not None and inflight.ready is None:
+                        self._read(inflight)  # it has run: nothing to overlap, nothing to drop
+                        inflight = None
+                    self._leave(inflight.rows if inflight else [])
+                    step_no += 1
+                    pet()
+                    if self.on_step is not None:
+                        self.on_step(self.produced, total)
+                    if step_no > limit:
+                        raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
+            seconds = time.perf_counter() - self.t0
+            if e.tp is not None:
+                ids = (t for r in self.reqs for t in (r.index, *r.generated))
+                e.tp.check_same("the generated tokens", {"count": self.produced, "checksum": _checksum(ids)})
+        except RuntimeError as err:
+            if e.tp is not None and is_collective_failure(err):  # a collective the model's layers ran
+                raise peer_failed(e.tp.rank, f"step {step_no}", err) from err
+            raise
         finally:
             # Cut short between a prepare and its launch (an interrupt, a host-side error), the
             # prepared step still holds its pages and staging slot: give them back first.
@@ -207,7 +239,6 @@ class _Loop:
                     self.ingested.discard(rid)
                 for r in self.reqs:
                     self._release(r)
-        seconds = time.perf_counter() - self.t0
         return Generation([r.generated for r in self.reqs], e.backend, tuple(self.steps), self.waits, seconds,
                           tuple(r.first_token_s or 0.0 for r in self.reqs), str(e.device),
                           None if e.runner.compiler is None else e.runner.compiler.describe(),
@@ -278,6 +309,12 @@ class _Loop:
         if key != self._last_key:
             spans = tuple(KVSpan(r.rid, LABEL, 1 if r.launched else r.to_prefill) for r in rows)
             kind = STEP_KINDS[paged_step_capability(tuple(s.num_tokens for s in spans))]
+            if self.e.tp is not None:
+                # Before the step's first collective: ranks that admitted other rows would
+                # otherwise all-reduce tensors of other shapes.
+                self.e.tp.check_same(f"step {self.step_no}'s admission", {
+                    "rows": len(rows), "tokens": sum(s.num_tokens for s in spans),
+                    "free pages": self.e.kv.num_free_pages, "requests": _checksum(key)})
             self._last_key, self._last = key, (Step(KVStep(spans), self.e.step_attn), kind)
         assert self._last is not None
         return self._last

@@ -11,6 +11,7 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 from __future__ import annotations
 
 import logging
+import math
 import threading
 import weakref
 from collections.abc import Mapping
@@ -22,9 +23,11 @@ import torch
 from mstar_core.attention.grouped import build_paged_attention, summary
 from mstar_core.compiling import CompiledForward, compile_options
 from mstar_core.config import load_config
+from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel
 from mstar_core.errors import CompileError, InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner, check_buckets
 from mstar_core.integrations.transformers.attention import BINDING_KWARG, NAME, bound, register
+from mstar_core.integrations.transformers.parallel import check_heads, serving
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
     UnsupportedModel,
@@ -67,6 +70,9 @@ class EngineOptions:
     # Requests that share a prompt prefix share its KV pages (KVManager(prefix_cache=True)); None:
     # as the config's [kv] prefix_cache says, off when it says nothing.
     prefix_cache: bool | None = None
+    # Under tensor parallelism: a rank whose steps make no progress for this long (plus a grace)
+    # ends itself instead of waiting forever on a failed peer (mstar_core.distributed.stall_guard).
+    tp_timeout_s: float = DEFAULT_TIMEOUT_S
 
     def __post_init__(self) -> None:
         for name in ("page_size", "max_batch_size", "max_prefill_tokens"):
@@ -90,6 +96,10 @@ class EngineOptions:
         if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
             raise InputTypeError(f"mstar generate: prefix_cache must be a bool or None (the config's), got "
                                  f"{self.prefix_cache!r}")
+        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
+                or not math.isfinite(self.tp_timeout_s) or self.tp_timeout_s <= 0:
+            raise InputError(f"mstar generate: tp_timeout_s must be a finite number of seconds > 0, got "
+                             f"{self.tp_timeout_s!r}")
         if self.compile is not False and self.graphs is False:
             raise InputError("mstar generate: compile compiles the graph steps (one graph per bucket), but graphs is "
                              "False; leave graphs at None (compile turns the graph path on) or True")
@@ -198,10 +208,17 @@ class Engine:
     """mstar's resources for one transformers model (see the module docstring). Build it, run
     :meth:`.batching.run` (or :func:`.generate`) over it, close it. Several engines may be open on
     one model (each with its own cache): they share its attention switch, which the last to close
-    gives back. A closed engine refuses to run."""
+    gives back. A closed engine refuses to run.
+
+    ``tp``: the tensor-parallel ranks it runs over (every rank builds its own engine and runs the
+    same requests): None, as the model is sharded (transformers' tensor parallelism) or on one
+    rank; a rank count or a :class:`~mstar_core.distributed.TensorParallel`, whose group a whole
+    model is sharded over in place (:func:`.parallel.shard`). Each rank's KV cache holds its KV
+    heads; after warm-up and at every step whose rows change the ranks check they admitted the
+    same."""
 
     def __init__(self, model: Any, backend: str | Mapping[str, str] | None = None,
-                 options: EngineOptions | None = None) -> None:
+                 options: EngineOptions | None = None, tp: int | TensorParallel | None = None) -> None:
         check_model(model)
         o = options or EngineOptions()
         if not isinstance(o, EngineOptions):
@@ -210,6 +227,7 @@ class Engine:
             raise InputError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
         if getattr(model, "training", False):
             raise InputError("Engine: the model is in training mode (dropout); call model.eval() first")
+        self.tp = serving(model, tp, "Engine")
         self.model = model
         self.options = o
         self._nodes: list[Node] = []  # what close() cleans up (empty until built; once closed)
@@ -220,6 +238,7 @@ class Engine:
         try:
             self.attention: ModelAttention = probe(model)
             a = self.attention
+            check_heads(model, a.qo_heads, a.kv_heads, self.tp)
             features = a.features(o.kv_dtype)
             self.device, self.dtype = a.device, a.dtype
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
@@ -230,7 +249,7 @@ class Engine:
                        f"({len(a.layers)} layers, {a.kv_heads} KV heads of {a.head_dim}; generate sizes max_pages "
                        "for its prompts and max_new_tokens)")
             prefix = o.prefix_cache if o.prefix_cache is not None else bool(load_config(o.config).prefix_cache)
-            self.kv = KVManager(kvc, self.device, self.dtype, features=features, prefix_cache=prefix)
+            self.kv = KVManager(kvc, self.device, self.dtype, features=features, prefix_cache=prefix, tp=self.tp)
             compiling = compile_options(o.compile, o.compile_backend, "mstar generate")
             graphs = (graphs_default(self.device) or compiling is not None) if o.graphs is None else o.graphs
             widest = max(o.graph_buckets())
@@ -251,7 +270,8 @@ class Engine:
                 max_batch_size=o.max_batch_size, max_total_tokens=o.max_prefill_tokens + o.max_batch_size)
             self.backend = str(self.attn.backend_name)
             self.backends = dict(self.attn.backend_names)  # capability -> the backend(s) serving it
-            log.info("%s on backend %s", a.describe(), summary(self.attn))  # describe() names the features
+            log.info("%s on backend %s%s", a.describe(), summary(self.attn),  # describe() names the features
+                     "" if self.tp is None else f"; rank {self.tp.rank} of {self.tp.world_size} (its heads)")
             self.node = Node([self.kv, self.attn])
             self._nodes.append(self.node)
             # What the prefix cache keys this engine's pages under (None: the cache is off): the

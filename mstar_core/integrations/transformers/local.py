@@ -180,17 +180,25 @@ def read_tokenizer(source: Source) -> Any | None:
 
 
 def read_model(source: Source, config: Any, device: str = "cpu", dtype: torch.dtype = torch.float32,
-               seed: int = 0) -> tuple[Any, bool]:
+               seed: int = 0, tp_size: int = 1) -> tuple[Any, bool]:
     """``(model in eval mode on device, weights_loaded)``: the GGUF's or the safetensors weights,
-    else random weights from ``seed``."""
+    else random weights from ``seed``. ``tp_size`` > 1 (inside an initialised process group of
+    that many ranks): safetensors weights load sharded by transformers' tensor parallelism, each
+    rank reading its slice; GGUF and random weights load whole (mstar shards them when it serves
+    them)."""
     from transformers import AutoModelForCausalLM
 
     shards = [] if source.gguf else sorted(source.directory.glob("*.safetensors"))
     weights = bool(source.gguf or shards)
+    sharded: dict[str, Any] = {}
+    if tp_size > 1 and shards:
+        from transformers.distributed import DistributedConfig
+
+        sharded["distributed_config"] = DistributedConfig(tp_size=tp_size)
     try:
         if weights:
             model = AutoModelForCausalLM.from_pretrained(source.directory, config=config, dtype=dtype,
-                                                         **source.kwargs())
+                                                         **source.kwargs(), **sharded)
         else:
             torch.manual_seed(seed)
             model = AutoModelForCausalLM.from_config(config, dtype=dtype)
