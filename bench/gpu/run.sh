@@ -32,6 +32,9 @@
 #   bounded             nothing beyond the tree: bounded KV GPU tests and bench (Triton is on the machine)
 #   transformers        .gpu/flashinfer .gpu/flashinfer-aot-0.5.3.tgz: the transformers check and decode bench
 #   tp                  as transformers, on kind nvidia-h200-x2: tensor parallelism over two GPUs
+#   tp_generate         as transformers, on kind nvidia-h200-x2 (after smollm2 on that machine for SmolLM2's own weights):
+#                       bench/tp_generate.py (MODELS, default smollm2,llama1b,llama1b_seed) and the transformers
+#                       tensor-parallel tests
 #   smollm2             one call per part of the SmolLM2-135M-Instruct GGUF file (98 MB; split under .gpu/smollm2/
 #                       a, b, c; c with gguf-0.19.0-py3-none-any.whl and the file's sha256), on one machine kept
 #                       warm: the call that brings the last part joins and checks it into /tmp/smollm2
@@ -53,7 +56,7 @@
 # Every step has its own time limit, and the whole suite stays within SUITE_S (default 560) seconds
 # so that its results are packed before the call's 10-minute limit.
 # (no set -u: the machine's PYTHONPATH may be unset)
-suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | smollm2 | compiled | sampling | prefix | check | paged"}
+suite=${1:?"suite: flashinfer [version] | tests [version] | wheel <version> | runner | features | dense | bounded | transformers | tp | tp_generate | smollm2 | compiled | sampling | prefix | check | paged"}
 FI=${2:-0.5.3}
 export PYTHONUNBUFFERED=1 OUT=${OUT:?run on the GPU machine, where OUT is set}
 export COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo unknown)}
@@ -190,6 +193,16 @@ tp)
   T 120 tp_failure_graphs python3 bench/tp_failure.py --graphs --timeout 20 --out "$R"
   T 120 tp_failure_eager python3 bench/tp_failure.py --timeout 20 --out "$R"
   gpu_tests 300 tests tests/distributed tests/node/test_gpu_runner.py tests/node/test_multi_token_decode.py
+  flashinfer_modules_out "$FI" ;;
+tp_generate)
+  [ "${NCCL_NVLS_ENABLE:-}" = 0 ] && [ "${TORCH_SYMM_MEM_DISABLE_MULTICAST:-}" = 1 ] && [ "${NVSHMEM_DISABLE_NVLS:-}" = 1 ] \
+    || { echo "NVLink multicast is not switched off here: not running"; exit 1; }
+  flashinfer_site "$FI" || exit 1; project flashinfer; envinfo; nvidia-smi topo -m >> "$R/env.txt" 2>&1
+  export PYTHONPATH=$PYTHONPATH:/tmp/site-gguf
+  smol=(); [ -f /tmp/smollm2/SmolLM2-135M-Instruct.Q4_1.gguf ] && smol=(--smol /tmp/smollm2)
+  T 340 tp_generate python3 bench/tp_generate.py --out "$R" --models "${MODELS:-smollm2,llama1b,llama1b_seed}" \
+    --work /tmp/tp_generate "${smol[@]}"
+  gpu_tests 200 tests tests/integrations/transformers/test_gpu_tensor_parallel.py
   flashinfer_modules_out "$FI" ;;
 smollm2)
   store=/tmp/smollm2-parts; mkdir -p "$store" /tmp/smollm2

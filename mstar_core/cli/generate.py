@@ -202,6 +202,7 @@ def run(args: argparse.Namespace) -> int:
             "steps": rep.kinds, "waits": rep.waits, "new_tokens": rep.new_tokens, "seconds": rep.seconds,
             "tokens_per_s": rep.tokens_per_s, "first_token_s_median": ttft[len(ttft) // 2],
             "decode_step_ms_median": dec[len(dec) // 2] if dec else None,
+            "graph_steps": sum(1 for x in rep.steps if x.graph),
             "compiled": rep.compiled, "prefix_hit_rate": rep.prefix_hit_rate, "prefill_tokens": rep.prefill_tokens,
             "ids": rep.ids, "prompts": rows, "tp": args.tp,
             "sharded_by": None if sharded is None else sharded.by,
