@@ -1,13 +1,15 @@
 """Tensor-parallel tests' ranks: ``run_ranks(target, ...)`` runs ``target(rank, timeout_s, ...)``
 in WORLD spawned CPU processes joined by gloo through the environment torchrun gives each worker,
-and returns what each rank returned or raised."""
+and returns what each rank returned or raised; ``cli_rank`` is the target that runs the CLI."""
 
 from __future__ import annotations
 
+import io
 import os
 import socket
 import time
 from collections.abc import Callable
+from contextlib import redirect_stdout
 from typing import Any
 
 import torch.multiprocessing as mp
@@ -53,3 +55,13 @@ def run_ranks(target: Callable[..., Any], *args: Any, timeout_s: float = 60.0,
         got = dict(results)
     assert not hung, f"ranks {hung} still running after {join_s} s: {got}"
     return got
+
+
+def cli_rank(rank: int, timeout_s: float, argv: list[str]) -> tuple[int, str]:
+    """One rank of ``mstar ARGV --tp-timeout timeout_s``: its exit code and what it printed."""
+    from mstar_core import cli
+
+    out = io.StringIO()
+    with redirect_stdout(out):
+        rc = cli.main([*argv, "--tp-timeout", str(timeout_s)])
+    return rc, out.getvalue()

@@ -2,13 +2,11 @@
 the single-process one does, ranks that admit differently fail loudly on every rank, and a rank
 that fails or stalls mid-run turns into a clear error on the other, not a hang."""
 
-import io
 import json
 import os
 import subprocess
 import sys
 import time
-from contextlib import redirect_stdout
 
 import pytest
 import torch
@@ -26,7 +24,7 @@ from mstar_core.cli.parallel import launched
 from mstar_core.distributed import StallWatchdog, shard_heads
 
 from ..helpers import REF_WRAPPERS
-from ..ranks import WORLD, run_ranks
+from ..ranks import WORLD, cli_rank, run_ranks
 
 # -- the pieces -------------------------------------------------------------------------------
 
@@ -154,21 +152,12 @@ def test_ranks_that_admit_differently_fail_before_their_collectives_mismatch():
 
 # -- the bench: the CLI, as torchrun starts it --------------------------------------------------
 
-def _bench_rank(rank, timeout_s, argv):
-    from mstar_core import cli
-
-    out = io.StringIO()
-    with redirect_stdout(out):
-        rc = cli.main([*argv, "--tp-timeout", str(timeout_s)])
-    return rc, out.getvalue()
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs+preplan"])
 def test_bench_tp2_reports_the_all_reduce_share_on_rank_0(graphs):
     argv = ["bench", "--tp", "2", "--layers", "2", "--batch", "2", "--context", "20", "--steps", "3", "--warmup", "1",
             "--json", *(["--graphs", "--preplan"] if graphs else [])]
-    got = run_ranks(_bench_rank, argv)
+    got = run_ranks(cli_rank, argv)
     assert got[1] == ("ok", (0, "")), got[1]  # rank 0 prints the table, rank 1 nothing
     kind, (rc, out) = got[0]
     assert kind == "ok" and rc == 0

@@ -28,7 +28,7 @@ from mstar_core.integrations.transformers import run
 from mstar_core.integrations.transformers.parallel import model_sharding, shard
 from mstar_core.testing.hf_models import build
 
-from ...ranks import WORLD, run_ranks
+from ...ranks import WORLD, cli_rank, run_ranks
 
 NEW = 12
 LENGTHS = (1, 16, 17, 30, 5)
@@ -197,18 +197,6 @@ def test_torchrun_generate_tp2_prints_the_single_process_ids_once(tmp_path, caps
     assert out["ids"] == want and out["tp"] == 2 and out["sharded_by"] == "transformers"
 
 
-def _cli_rank(rank, timeout_s, argv):
-    import io
-    from contextlib import redirect_stdout
-
-    from mstar_core import cli
-
-    out = io.StringIO()
-    with redirect_stdout(out):
-        rc = cli.main([*argv, "--tp-timeout", str(timeout_s)])
-    return rc, out.getvalue()
-
-
 @pytest.mark.slow
 def test_generate_tp2_shards_random_weights_itself(tmp_path, capsys):
     from mstar_core import cli
@@ -219,7 +207,7 @@ def test_generate_tp2_shards_random_weights_itself(tmp_path, capsys):
             "--backend", "reference", "--seed", "3"]
     assert cli.main([*argv, "--json"]) == 0
     want = json.loads(capsys.readouterr().out)["ids"]
-    got = run_ranks(_cli_rank, [*argv, "--tp", "2"])
+    got = run_ranks(cli_rank, [*argv, "--tp", "2"])
     assert got[1] == ("ok", (0, ""))  # rank 0 prints, rank 1 nothing
     kind, (rc, out) = got[0]
     assert kind == "ok" and rc == 0
