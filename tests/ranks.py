@@ -1,6 +1,7 @@
 """Tensor-parallel tests' ranks: ``run_ranks(target, ...)`` runs ``target(rank, timeout_s, ...)``
 in WORLD spawned CPU processes joined by gloo through the environment torchrun gives each worker,
-and returns what each rank returned or raised; ``cli_rank`` is the target that runs the CLI."""
+and returns what each rank returned or raised; ``cli_rank`` is the target that runs the CLI, and
+``breaking`` makes one rank fail mid-run."""
 
 from __future__ import annotations
 
@@ -65,3 +66,20 @@ def cli_rank(rank: int, timeout_s: float, argv: list[str]) -> tuple[int, str]:
     with redirect_stdout(out):
         rc = cli.main([*argv, "--tp-timeout", str(timeout_s)])
     return rc, out.getvalue()
+
+
+def breaking(real: Callable[..., Any], rank: int, how: str, timeout_s: float) -> Callable[..., Any]:
+    """``real``, except that rank 1's fourth call raises (``how="raises"``) or stalls past
+    ``timeout_s`` (``"stalls"``: alive, not reaching the next collective in time)."""
+    calls = 0
+
+    def wrapped(*a: Any, **kw: Any) -> Any:
+        nonlocal calls
+        calls += 1
+        if rank == 1 and calls == 4:
+            if how == "raises":
+                raise ValueError("rank 1 breaks at its fourth step")
+            time.sleep(timeout_s + 5)
+        return real(*a, **kw)
+
+    return wrapped

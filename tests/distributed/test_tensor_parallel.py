@@ -24,7 +24,7 @@ from mstar_core.cli.parallel import launched
 from mstar_core.distributed import StallWatchdog, shard_heads
 
 from ..helpers import REF_WRAPPERS
-from ..ranks import WORLD, cli_rank, run_ranks
+from ..ranks import WORLD, breaking, cli_rank, run_ranks
 
 # -- the pieces -------------------------------------------------------------------------------
 
@@ -194,19 +194,7 @@ def _failing_demo_rank(rank, timeout_s, how):
     from mstar_core.demo import TinyDecoder
     from mstar_core.demo.text import run_text_demo
 
-    calls = 0
-    real = TinyDecoder.forward_step
-
-    def forward_step(self, *a, **kw):
-        nonlocal calls
-        calls += 1
-        if rank == 1 and calls == 4:
-            if how == "raises":
-                raise ValueError("rank 1 breaks at its fourth step")
-            time.sleep(timeout_s + 5)  # stalls: alive, not reaching the next collective within the timeout
-        return real(self, *a, **kw)
-
-    TinyDecoder.forward_step = forward_step
+    TinyDecoder.forward_step = breaking(TinyDecoder.forward_step, rank, how, timeout_s)
     with launched(WORLD, "cpu", "demo", timeout_s) as (tp, _):
         t0 = time.monotonic()
         try:

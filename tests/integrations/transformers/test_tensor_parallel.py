@@ -28,7 +28,7 @@ from mstar_core.integrations.transformers import run
 from mstar_core.integrations.transformers.parallel import model_sharding, shard
 from mstar_core.testing.hf_models import build
 
-from ...ranks import WORLD, cli_rank, run_ranks
+from ...ranks import WORLD, breaking, cli_rank, run_ranks
 
 NEW = 12
 LENGTHS = (1, 16, 17, 30, 5)
@@ -137,28 +137,11 @@ def test_ranks_that_differ_fail_on_every_rank():
 # -- a rank failing mid-run ---------------------------------------------------------------------
 
 def _failing_rank(rank, timeout_s, directory, how):
-    calls = 0
-    real = Engine._forward
-
-    def forward(self, ctx, tokens):
-        nonlocal calls
-        calls += 1
-        if rank == 1 and calls == 4:
-            if how == "raises":
-                raise ValueError("rank 1 breaks at its fourth step")
-            time.sleep(timeout_s + 5)  # stalls: alive, not reaching the next collective within the timeout
-        return real(self, ctx, tokens)
-
-    Engine._forward = forward
+    Engine._forward = breaking(Engine._forward, rank, how, timeout_s)
     with launched(WORLD, "cpu", "test", timeout_s) as (tp, _):
         # raises: the model transformers sharded (its own all-reduces notice); stalls: mstar's sharding
         model = _load(directory, sharded=True) if how == "raises" else build("llama")
-        t0 = time.monotonic()
-        try:
-            generate(model, [[1, 2, 3], [4, 5]], 16, backend="reference", tp=None if how == "raises" else WORLD)
-        finally:
-            if rank == 0:
-                print(f"rank 0 ended after {time.monotonic() - t0:.1f} s", file=sys.stderr)
+        generate(model, [[1, 2, 3], [4, 5]], 16, backend="reference", tp=None if how == "raises" else WORLD)
         return "finished"
 
 
