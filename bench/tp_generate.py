@@ -83,7 +83,7 @@ def prepare(name: str, a, work: Path) -> tuple[str, list[list[int]], str]:
             torch.manual_seed(0)
             transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).save_pretrained(d)
     how = "mstar (random weights from --seed on every rank)" if name == "llama1b_seed" else \
-        "transformers (safetensors: each rank reads its slice)"
+        "transformers (safetensors, loaded sharded)"
     return str(d), prompts, how
 
 

@@ -76,7 +76,10 @@ def peer_failed(rank: int, what: str, e: BaseException) -> TensorParallelError:
 def is_collective_failure(e: BaseException) -> bool:
     """Whether ``e`` is a process group's report of a failed collective, raised by a collective a
     library ran itself (transformers' sharded layers): a ``DistError``, or the ``RuntimeError``
-    gloo raises, whose message starts with its source path."""
+    gloo raises, whose message starts with its source path; not a :class:`TensorParallelError`,
+    which already says so."""
+    if isinstance(e, TensorParallelError):
+        return False
     return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "/gloo/" in str(e).split("]", 1)[0])
 
 
@@ -114,7 +117,8 @@ class TensorParallel:
         row-parallel weight); ``dim``'s size must divide evenly."""
         if t.shape[dim] % self.world_size:
             raise InputError(f"cannot split dimension {dim} of size {t.shape[dim]} over {self.world_size} ranks")
-        return t.chunk(self.world_size, dim)[self.rank].contiguous()
+        # A copy, never a view: a view along dim 0 would keep the whole tensor's storage alive.
+        return t.chunk(self.world_size, dim)[self.rank].clone(memory_format=torch.contiguous_format)
 
     @property
     def _device(self) -> torch.device:
@@ -149,12 +153,13 @@ class TensorParallel:
                         self.group)
         return {name: (a, b) for name, a, b in zip(values, lo.tolist(), hi.tolist(), strict=True)}
 
-    def check_same(self, what: str, values: Mapping[str, int]) -> None:
-        """Raise on every rank unless the named ints are identical on all ranks (min == max)."""
+    def check_same(self, what: str, values: Mapping[str, int], why: str = "admission decisions have diverged") -> None:
+        """Raise on every rank unless the named ints are identical on all ranks (min == max);
+        ``why`` ends the error."""
         bad = [f"{what} {name}: rank {self.rank} has {values[name]}, ranks range from {a} to {b}"
                for name, (a, b) in self.ranges(what, values).items() if a != b]
         if bad:
-            raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; admission decisions have diverged")
+            raise StateError(f"tensor-parallel ranks disagree on {'; '.join(bad)}; {why}")
 
 
 class StallWatchdog:

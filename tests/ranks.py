@@ -68,9 +68,9 @@ def cli_rank(rank: int, timeout_s: float, argv: list[str]) -> tuple[int, str]:
     return rc, out.getvalue()
 
 
-def breaking(real: Callable[..., Any], rank: int, how: str, timeout_s: float) -> Callable[..., Any]:
-    """``real``, except that rank 1's fourth call raises (``how="raises"``) or stalls past
-    ``timeout_s`` (``"stalls"``: alive, not reaching the next collective in time)."""
+def breaking(real: Callable[..., Any], rank: int, how: str, stall_s: float) -> Callable[..., Any]:
+    """``real``, except that rank 1's fourth call raises (``how="raises"``) or first sleeps
+    ``stall_s`` (otherwise: alive, not reaching the next collective in time)."""
     calls = 0
 
     def wrapped(*a: Any, **kw: Any) -> Any:
@@ -79,7 +79,7 @@ def breaking(real: Callable[..., Any], rank: int, how: str, timeout_s: float) ->
         if rank == 1 and calls == 4:
             if how == "raises":
                 raise ValueError("rank 1 breaks at its fourth step")
-            time.sleep(timeout_s + 5)
+            time.sleep(stall_s)
         return real(*a, **kw)
 
     return wrapped

@@ -215,7 +215,7 @@ def run(args: argparse.Namespace) -> int:
     print(f"model: {type(model).__name__} from {args.model} ({what}, {dtype_name} on {device}), "
           f"loaded in {load_s:.2f} s")
     if sharded is not None:
-        how = "each rank read its slice" if sharded.by == "transformers" else "each rank loaded the whole model"
+        how = "loaded sharded" if sharded.by == "transformers" else "each rank loaded the whole model, kept its slice"
         print(f"tensor parallel: {sharded.tp.world_size} ranks, the heads sharded by {sharded.by} ({how})")
     for line in rep.lines():
         print(line)

@@ -194,7 +194,7 @@ def _failing_demo_rank(rank, timeout_s, how):
     from mstar_core.demo import TinyDecoder
     from mstar_core.demo.text import run_text_demo
 
-    TinyDecoder.forward_step = breaking(TinyDecoder.forward_step, rank, how, timeout_s)
+    TinyDecoder.forward_step = breaking(TinyDecoder.forward_step, rank, how, timeout_s + 5)
     with launched(WORLD, "cpu", "demo", timeout_s) as (tp, _):
         t0 = time.monotonic()
         try:

@@ -27,9 +27,10 @@ that noticed, or ends itself when no step makes progress for the engine's ``tp_t
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
@@ -103,12 +104,10 @@ class _Launched(NamedTuple):
 Stop = Callable[[int, list[int]], bool]
 
 
-def _checksum(values: Iterable[int]) -> int:
-    """An order-sensitive hash of ints that fits an int64 (what the ranks compare)."""
-    h = 0
-    for v in values:
-        h = (h * 1_000_003 + v) % (1 << 61)
-    return h
+def _digest(value: object) -> int:
+    """A hash of ``value``'s repr that fits an int64, the same in every process (what the ranks
+    compare; Python's own ``hash`` of a string differs per process)."""
+    return int.from_bytes(hashlib.blake2b(repr(value).encode(), digest_size=7).digest(), "little")
 
 
 def run(engine: Engine, prompts: Sequence[Sequence[int]], max_new_tokens: int,
@@ -154,6 +153,13 @@ def run_checked(engine: Engine, prompts: list[list[int]], max_new_tokens: int, a
             if missing:
                 raise InputError(f"generate: prompt {i} needs the sampler's filters {missing}; the engine's has "
                                  f"{sorted(engine.sampler.filters)} (EngineOptions(sampler=...))")
+    if engine.tp is not None:
+        # Ranks given other requests would compute the same wrong tokens together, or diverge.
+        engine.tp.check_same("the requests", {
+            "prompts": _digest(prompts), "arrivals": _digest(arrivals), "max_new_tokens": max_new_tokens,
+            "end-of-sequence ids": _digest(sorted(eos)), "sampling": _digest(params), "stop": int(stop is not None)},
+            "every rank must generate for the same prompts, arrivals, max_new_tokens, end-of-sequence ids, sampling "
+            "and stop")
     seeds = [request_seed(sp) for sp in params]
     if engine.tp is not None and any(sp.seed is None for sp in params):
         # Seeds drawn from each rank's own generator differ: every rank draws with rank 0's.
@@ -222,8 +228,9 @@ class _Loop:
                         raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
             seconds = time.perf_counter() - self.t0
             if e.tp is not None:
-                ids = (t for r in self.reqs for t in (r.index, *r.generated))
-                e.tp.check_same("the generated tokens", {"count": self.produced, "checksum": _checksum(ids)})
+                e.tp.check_same("the generated tokens", {
+                    "count": self.produced, "checksum": _digest([r.generated for r in self.reqs])},
+                    "the ranks computed different tokens")
         except RuntimeError as err:
             if e.tp is not None and is_collective_failure(err):  # a collective the model's layers ran
                 raise peer_failed(e.tp.rank, f"step {step_no}", err) from err
@@ -314,7 +321,7 @@ class _Loop:
                 # otherwise all-reduce tensors of other shapes.
                 self.e.tp.check_same(f"step {self.step_no}'s admission", {
                     "rows": len(rows), "tokens": sum(s.num_tokens for s in spans),
-                    "free pages": self.e.kv.num_free_pages, "requests": _checksum(key)})
+                    "free pages": self.e.kv.num_free_pages, "requests": _digest(key)})
             self._last_key, self._last = key, (Step(KVStep(spans), self.e.step_attn), kind)
         assert self._last is not None
         return self._last

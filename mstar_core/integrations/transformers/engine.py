@@ -27,7 +27,7 @@ from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel
 from mstar_core.errors import CompileError, InputError, InputTypeError, StateError
 from mstar_core.graphs import GraphRunner, check_buckets
 from mstar_core.integrations.transformers.attention import BINDING_KWARG, NAME, bound, register
-from mstar_core.integrations.transformers.parallel import check_heads, serving
+from mstar_core.integrations.transformers.parallel import check_heads, compact_shards, group_for, per_rank, shard
 from mstar_core.integrations.transformers.probe import (
     ModelAttention,
     UnsupportedModel,
@@ -213,9 +213,9 @@ class Engine:
     ``tp``: the tensor-parallel ranks it runs over (every rank builds its own engine and runs the
     same requests): None, as the model is sharded (transformers' tensor parallelism) or on one
     rank; a rank count or a :class:`~mstar_core.distributed.TensorParallel`, whose group a whole
-    model is sharded over in place (:func:`.parallel.shard`). Each rank's KV cache holds its KV
-    heads; after warm-up and at every step whose rows change the ranks check they admitted the
-    same."""
+    model is sharded over in place (:func:`.parallel.shard`), once everything the whole model
+    allows is checked and built. Each rank's KV cache holds its KV heads; after warm-up and at
+    every step whose rows change the ranks check they admitted the same."""
 
     def __init__(self, model: Any, backend: str | Mapping[str, str] | None = None,
                  options: EngineOptions | None = None, tp: int | TensorParallel | None = None) -> None:
@@ -227,7 +227,13 @@ class Engine:
             raise InputError("Engine: options.max_pages is required (generate() sizes it for its prompts)")
         if getattr(model, "training", False):
             raise InputError("Engine: the model is in training mode (dropout); call model.eval() first")
-        self.tp = serving(model, tp, "Engine")
+        self.tp, must_shard = group_for(model, tp, "Engine")
+        if self.tp is not None and not must_shard:  # sharded by transformers
+            before, after = compact_shards(model)
+            if after < before:
+                log.info("rank %d: the model's weight shards were views of whole layers (transformers' sharded "
+                         "loading); copied into storage of their own: %.1f MB -> %.1f MB", self.tp.rank, before / 1e6,
+                         after / 1e6)
         self.model = model
         self.options = o
         self._nodes: list[Node] = []  # what close() cleans up (empty until built; once closed)
@@ -236,9 +242,13 @@ class Engine:
         switch(model)
         self._switched = True
         try:
-            self.attention: ModelAttention = probe(model)
-            a = self.attention
-            check_heads(model, a.qo_heads, a.kv_heads, self.tp)
+            a = probe(model)
+            if must_shard:  # what its layers will ask for once sharded, which is done last
+                assert self.tp is not None
+                a = per_rank(a, self.tp.world_size)
+            else:
+                check_heads(model, a.qo_heads, a.kv_heads, self.tp)
+            self.attention: ModelAttention = a
             features = a.features(o.kv_dtype)
             self.device, self.dtype = a.device, a.dtype
             kvc = KVConfig(len(a.layers), a.kv_heads, a.head_dim, o.page_size, o.max_pages, a.qo_heads)
@@ -270,6 +280,13 @@ class Engine:
                 max_batch_size=o.max_batch_size, max_total_tokens=o.max_prefill_tokens + o.max_batch_size)
             self.backend = str(self.attn.backend_name)
             self.backends = dict(self.attn.backend_names)  # capability -> the backend(s) serving it
+            if must_shard:
+                # After every check the whole model allows (what its layers ask, the backend, the
+                # cache): a failure before here leaves the caller's model whole.
+                assert self.tp is not None
+                shard(model, self.tp, "Engine")
+                got = probe(model)
+                check_heads(model, got.qo_heads, got.kv_heads, self.tp)
             log.info("%s on backend %s%s", a.describe(), summary(self.attn),  # describe() names the features
                      "" if self.tp is None else f"; rank {self.tp.rank} of {self.tp.world_size} (its heads)")
             self.node = Node([self.kv, self.attn])

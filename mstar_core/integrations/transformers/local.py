@@ -184,7 +184,7 @@ def read_model(source: Source, config: Any, device: str = "cpu", dtype: torch.dt
     """``(model in eval mode on device, weights_loaded)``: the GGUF's or the safetensors weights,
     else random weights from ``seed``. ``tp_size`` > 1 (inside an initialised process group of
     that many ranks): safetensors weights load sharded by transformers' tensor parallelism, each
-    rank reading its slice; GGUF and random weights load whole (mstar shards them when it serves
+    rank keeping its slice; GGUF and random weights load whole (mstar shards them when it serves
     them)."""
     from transformers import AutoModelForCausalLM
 
@@ -194,6 +194,12 @@ def read_model(source: Source, config: Any, device: str = "cpu", dtype: torch.dt
     if tp_size > 1 and shards:
         from transformers.distributed import DistributedConfig
 
+        # transformers' sharded loading puts each rank on the host's accelerator, whatever device was asked for.
+        accelerator = torch.accelerator.current_accelerator()
+        if accelerator is not None and torch.device(device).type != accelerator.type:
+            raise InputError(f"{source.where()}: loading its safetensors weights sharded over {tp_size} ranks puts "
+                             f"each rank on this host's {accelerator.type}, not {device}: run on --device "
+                             f"{accelerator.type}")
         sharded["distributed_config"] = DistributedConfig(tp_size=tp_size)
     try:
         if weights:

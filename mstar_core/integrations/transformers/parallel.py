@@ -14,8 +14,9 @@ tensors, so the step can be captured in a CUDA graph and traced by ``torch.compi
 from __future__ import annotations
 
 import logging
+import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from torch.nn import functional
 
 from mstar_core.distributed import TensorParallel, check_shardable
 from mstar_core.errors import InputError, InputTypeError, StateError, UnsupportedModel
+from mstar_core.integrations.transformers.probe import ModelAttention
 
 log = logging.getLogger(__name__)
 
@@ -59,10 +61,48 @@ def model_sharding(model: Any) -> Sharding | None:
     return None
 
 
-def serving(model: Any, tp: int | TensorParallel | None, who: str = "generate") -> TensorParallel | None:
-    """The ranks ``model`` runs over for ``tp``: None, the group it is sharded over (or none); an
-    int, that many ranks of the default process group; a :class:`TensorParallel`, its group. A
-    whole model asked to run over several ranks is sharded in place (:func:`shard`)."""
+def _storage_bytes(model: Any) -> int:
+    """The bytes of the distinct storages behind the model's parameters (a DTensor's local shard)."""
+    from torch.distributed.tensor import DTensor
+
+    seen: dict[int, int] = {}
+    for p in model.parameters():
+        t = p.to_local() if isinstance(p, DTensor) else p
+        st = t.untyped_storage()
+        seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values())
+
+
+def compact_shards(model: Any) -> tuple[int, int]:
+    """Give every DTensor weight whose local shard is a view of a larger tensor a storage of its
+    own (transformers' sharded loading keeps the whole tensor a colwise or embedding shard was cut
+    from, so each rank would hold up to the whole layer); ties stay tied. Returns the parameters'
+    storage bytes before and after."""
+    from torch.distributed.tensor import DTensor
+
+    before = _storage_bytes(model)
+    done: dict[int, torch.nn.Parameter] = {}
+    with torch.no_grad():
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if not isinstance(p, DTensor):
+                    continue
+                if id(p) not in done:
+                    local = p.to_local()
+                    if local.untyped_storage().nbytes() <= local.numel() * local.element_size():
+                        continue
+                    new = DTensor.from_local(local.clone(), p.device_mesh, p.placements, run_check=False,
+                                             shape=p.shape, stride=p.stride())
+                    done[id(p)] = torch.nn.Parameter(new, requires_grad=p.requires_grad)
+                module._parameters[name] = done[id(p)]
+    return before, _storage_bytes(model)
+
+
+def group_for(model: Any, tp: int | TensorParallel | None, who: str = "generate") -> tuple[TensorParallel | None, bool]:
+    """The ranks ``model`` runs over for ``tp``, and whether mstar must shard it there
+    (:func:`shard`): None, the group it is sharded over (or none); an int, that many ranks of
+    the default process group; a :class:`TensorParallel`, its group. Checks what needs no shard:
+    the value, the head counts and the plan's layers against the rank count, the group's size."""
     if tp is not None and (isinstance(tp, bool) or not isinstance(tp, (int, TensorParallel))):
         raise InputTypeError(f"{who}: tp must be a rank count, a TensorParallel or None (the model's own sharding), "
                              f"got {tp!r}")
@@ -70,22 +110,39 @@ def serving(model: Any, tp: int | TensorParallel | None, who: str = "generate") 
         raise InputError(f"{who}: tp must be a rank count >= 1, got {tp}")
     have = model_sharding(model)
     if tp is None:
-        return None if have is None else have.tp
+        return (None if have is None else have.tp), False
     size = tp if isinstance(tp, int) else tp.world_size
     if have is not None:
         if have.tp.world_size != size:
             raise InputError(f"{who}: tp={size}, but {type(model).__name__} is sharded over {have.tp.world_size} "
                              f"ranks (by {have.by}); pass tp={have.tp.world_size} or None")
-        return have.tp
+        if isinstance(tp, TensorParallel) and _ranks(tp) != _ranks(have.tp):
+            raise InputError(f"{who}: tp is a group of ranks {_ranks(tp)}, but {type(model).__name__} is sharded over "
+                             f"ranks {_ranks(have.tp)} (by {have.by}); pass that group or None")
+        return have.tp, False
     if size == 1:
-        return None
+        return None, False
     check_shardable(size, *head_counts(model.config), who=who)  # before asking for a process group
+    _targets(model, size, who)
     group = TensorParallel.from_group() if isinstance(tp, int) else tp
     if group.world_size != size:
         raise InputError(f"{who}: tp={size}, but the process group has {group.world_size} ranks (start one process "
                          "per rank: torchrun --nproc-per-node N)")
-    shard(model, group, who)
-    return group
+    return group, True
+
+
+def _ranks(tp: TensorParallel) -> list[int]:
+    """The global ranks of ``tp``'s group."""
+    import torch.distributed as dist
+
+    return dist.get_process_group_ranks(tp.group or dist.group.WORLD)
+
+
+def per_rank(attention: ModelAttention, world: int) -> ModelAttention:
+    """What a whole model's layers will ask for once sharded over ``world`` ranks: their heads'
+    share."""
+    layers = tuple(replace(x, qo_heads=x.qo_heads // world, kv_heads=x.kv_heads // world) for x in attention.layers)
+    return replace(attention, layers=layers)
 
 
 def head_counts(config: Any) -> tuple[int, int]:
@@ -120,12 +177,16 @@ def _targets(model: Any, world: int, who: str) -> list[tuple[str, torch.nn.Linea
             if type(m) is not torch.nn.Linear:
                 raise UnsupportedModel(f"{who}: {name}'s {n} is a {type(m).__name__}; its plan splits it {style}, "
                                        "and mstar splits plain torch.nn.Linear layers only")
-            size = m.weight.shape[SHARDED[style]]
-            if size % world:
-                raise InputError(f"{who}: cannot split {n} ({style}, {size} features) over {world} ranks")
             out.append((n, m, style))
     if not out:
         raise UnsupportedModel(f"{who}: no layer of {name} matches its tp_plan's colwise or rowwise entries")
+    sizes = {n: m.weight.shape[SHARDED[style]] for n, m, style in out}
+    uneven = {n: size for n, size in sizes.items() if size % world}
+    if uneven:
+        g = math.gcd(*sizes.values())
+        n, size = next(iter(uneven.items()))
+        raise InputError(f"{who}: cannot split {n} ({size} features) over {world} ranks (rank counts that split "
+                         f"every layer of the plan: {', '.join(str(d) for d in range(1, g + 1) if g % d == 0)})")
     return out
 
 
@@ -133,7 +194,7 @@ def _check_replicas(model: Any, tp: TensorParallel, who: str) -> None:
     """Refuse to shard unless every rank holds the same weights (each keeps its slice of its own
     copy): one float64 sum per tensor, compared bit for bit."""
     named = [(n, p) for n, p in model.named_parameters()]
-    sums = torch.stack([p.detach().double().sum().cpu() for _, p in named]).view(torch.int64).tolist()
+    sums = torch.stack([p.detach().sum(dtype=torch.float64).cpu() for _, p in named]).view(torch.int64).tolist()
     ranges = tp.ranges("the model's weights", dict(zip((n for n, _ in named), sums, strict=True)))
     bad = [n for n, (a, b) in ranges.items() if a != b]
     if bad:

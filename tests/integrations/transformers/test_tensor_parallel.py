@@ -68,7 +68,10 @@ def _runs(model, tp):
 
     sampled = generate(model, ps, NEW, backend="reference", tp=tp, eos_token_id=None,
                        sampling=SamplingParams(temperature=1.0, top_k=20))
-    return {"greedy": greedy, "heads": heads, "sampled": sampled}
+    w = model.model.layers[0].self_attn.q_proj.weight
+    w = w.to_local() if hasattr(w, "to_local") else w
+    return {"greedy": greedy, "heads": heads, "sampled": sampled, "numel": w.numel() * w.element_size(),
+            "storage": w.untyped_storage().nbytes()}
 
 
 def _generate_rank(rank, timeout_s, directory):
@@ -99,26 +102,42 @@ def test_two_ranks_generate_the_single_process_ids(arch, tmp_path):
         for by in ("transformers", "mstar"):
             assert res[by]["greedy"] == want.ids, f"rank {r}, sharded by {by}: ids differ from one process's"
             assert res[by]["heads"] == (kv // WORLD, q // WORLD)  # each rank's cache holds its KV heads
-            assert res[by]["sampled"] == got[0][1][by]["sampled"]  # one draw on every rank
+            assert res[by]["sampled"] != res[by]["greedy"]  # drawn, not argmax, with rank 0's seeds on both
+            assert res[by]["storage"] == res[by]["numel"]  # a shard holds its slice's memory only
 
 
 # -- ranks that differ ----------------------------------------------------------------------------
 
 def _diverging_rank(rank, timeout_s):
-    """What each rank raised: for weights that differ (rank 1 built its random model from another
-    seed), then for admissions that differ (rank 1's scheduler sees one more prompt token)."""
+    """What each rank raised when the ranks differ: in their weights (rank 1 built its random
+    model from another seed), their prompts (one token), their admissions (rank 1's scheduler
+    defers a prompt); and for a backend that does not exist, with the model left whole."""
+    from mstar_core.integrations.transformers import batching
+
     raised = {}
+
+    def whole(model):
+        return model_sharding(model) is None and model.model.layers[0].self_attn.q_proj.weight.shape[0] == 8 * 64
+
     with launched(WORLD, "cpu", "test", timeout_s) as (tp, _):
         model = build("llama", seed=rank)
         with pytest.raises(StateError) as e:
             generate(model, [[1, 2, 3]], 4, backend="reference", tp=WORLD)
-        raised["weights"] = str(e.value)
-        assert model_sharding(model) is None  # refused before a weight changed
-        assert model.model.layers[0].self_attn.q_proj.weight.shape[0] == model.config.num_attention_heads * 64
-        ps = [[1, 2, 3], [4, 5, 6, 7, *([8] if rank == 1 else [])]]
+        raised["weights"] = (str(e.value), whole(model))
+        model = build("llama")
+        with pytest.raises(ValueError) as e:
+            generate(model, [[1, 2, 3]], 4, backend="no-such-backend", tp=WORLD)
+        raised["backend"] = (str(e.value), whole(model))
         with pytest.raises(StateError) as e:
-            generate(build("llama"), ps, 4, backend="reference", tp=WORLD)
-        raised["admissions"] = str(e.value)
+            generate(model, [[1, 2, 3], [4, 5, 9 if rank else 6]], 4, backend="reference", tp=WORLD)
+        raised["prompts"] = (str(e.value), whole(model))
+        if rank == 1:
+            real = batching._Loop._joining
+            batching._Loop._joining = lambda self, decode: real(self, decode)[:-1] if self.step_no == 0 else \
+                real(self, decode)
+        with pytest.raises(StateError) as e:
+            generate(model, [[1, 2, 3], [4, 5, 6]], 4, backend="reference", tp=WORLD)
+        raised["admissions"] = (str(e.value), whole(model))
     return raised
 
 
@@ -128,36 +147,51 @@ def test_ranks_that_differ_fail_on_every_rank():
     for r in range(WORLD):
         kind, raised = got[r]
         assert kind == "ok", raised
-        assert "the ranks hold different weights" in raised["weights"], raised
-        assert "every rank must load the same model" in raised["weights"]
-        assert "ranks disagree on step 0's admission tokens: rank" in raised["admissions"], raised
-        assert "range from 7 to 8" in raised["admissions"]
+        said = {k: v[0] for k, v in raised.items()}
+        assert [k for k, (_, left_whole) in raised.items() if left_whole] == ["weights", "backend"], raised
+        assert "the ranks hold different weights" in said["weights"], said
+        assert "every rank must load the same model" in said["weights"]
+        assert "no-such-backend" in said["backend"], said
+        assert "ranks disagree on the requests prompts: rank" in said["prompts"], said
+        assert "every rank must generate for the same prompts" in said["prompts"]
+        assert "ranks disagree on step 0's admission rows: rank" in said["admissions"], said
+        assert "range from 1 to 2" in said["admissions"] and "admission decisions have diverged" in said["admissions"]
 
 
 # -- a rank failing mid-run ---------------------------------------------------------------------
 
 def _failing_rank(rank, timeout_s, directory, how):
-    Engine._forward = breaking(Engine._forward, rank, how, timeout_s)
+    # stalls: 20 s in a step, past the engine's tp_timeout_s of 1 s plus the watchdog's grace of 10 s,
+    # well inside the group's timeout: no collective would notice before the watchdog.
+    Engine._forward = breaking(Engine._forward, rank, how, 20.0)
     with launched(WORLD, "cpu", "test", timeout_s) as (tp, _):
-        # raises: the model transformers sharded (its own all-reduces notice); stalls: mstar's sharding
-        model = _load(directory, sharded=True) if how == "raises" else build("llama")
-        generate(model, [[1, 2, 3], [4, 5]], 16, backend="reference", tp=None if how == "raises" else WORLD)
+        if how == "raises":  # the model transformers sharded: its own all-reduces notice the peer
+            generate(_load(directory, sharded=True), [[1, 2, 3], [4, 5]], 16, backend="reference")
+        else:  # mstar's sharding; the stall watchdog ends the ranks
+            generate(build("llama"), [[1, 2, 3], [4, 5]], 16, backend="reference", tp=WORLD, tp_timeout_s=1.0)
         return "finished"
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("how", ["raises", "stalls"])
-def test_a_rank_failing_mid_run_is_a_clear_error_on_the_other_not_a_hang(how, tmp_path):
+def test_a_rank_failing_mid_run_is_a_clear_error_on_the_other_not_a_hang(tmp_path):
     directory = _saved("llama", str(tmp_path / "llama"))
-    timeout_s = 10.0
-    t0 = time.monotonic()
-    got = run_ranks(_failing_rank, directory, how, timeout_s=timeout_s, join_s=120.0)
-    assert time.monotonic() - t0 < 100.0
-    if how == "raises":
-        assert got[1] == ("error", "ValueError: rank 1 breaks at its fourth step")
+    got = run_ranks(_failing_rank, directory, "raises", timeout_s=10.0, join_s=120.0)
+    assert got[1] == ("error", "ValueError: rank 1 breaks at its fourth step")
     kind, msg = got[0]
-    assert kind == "error" and msg.startswith("TensorParallelError: rank 0: "), msg
-    assert "another rank has failed or stalled" in msg, msg
+    assert kind == "error" and msg.startswith("TensorParallelError: rank 0: step 3 failed (RuntimeError: ["), msg
+    assert "/gloo/" in msg and "another rank has failed or stalled" in msg, msg
+
+
+@pytest.mark.slow
+def test_a_stalled_rank_ends_every_rank_within_the_engines_timeout(capfd):
+    t0 = time.monotonic()
+    got = run_ranks(_failing_rank, None, "stalls", timeout_s=60.0, join_s=90.0)
+    assert time.monotonic() - t0 < 40.0  # the group's own timeout (60 s) never came
+    assert got == {}  # both ranks ended themselves (exit status 3) instead of returning
+    err = capfd.readouterr().err
+    for r in range(WORLD):
+        assert f"mstar: generate rank {r} of 2: no progress for" in err and "(timeout 11 s)" in err, err[-2000:]
+    assert "another tensor-parallel rank has failed or stalled" in err
 
 
 # -- the CLI, as torchrun starts it ---------------------------------------------------------------
