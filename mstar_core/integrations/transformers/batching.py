@@ -192,7 +192,7 @@ class _Loop:
         self._last_key: list[int] = []
         self._last: tuple[Step, str] | None = None
         self.produced = 0  # tokens appended to the requests' outputs so far
-        self.step_no = 0
+        self.step_no = 0  # the step being launched (what the ranks' checks name)
         # On CUDA a step's end is read from a timed event, against this one recorded at the start.
         self._origin: torch.cuda.Event | None = None
 
@@ -204,14 +204,12 @@ class _Loop:
         self.t0 = time.perf_counter()
         inflight: _Launched | None = None  # launched, not read
         last: _Launched | None = None  # the last step launched: the next one's decode tokens come from it
-        step_no = 0
         limit = 100 * (len(self.reqs) + max(r.max_new for r in self.reqs)) + 1000
         total = sum(r.max_new for r in self.reqs)
         try:
             with stall_guard(e.tp, e.options.tp_timeout_s, "generate") as pet:
                 while self.pending or self.active or inflight:
-                    self.step_no = step_no
-                    self._arrive(step_no)
+                    self._arrive(self.step_no)
                     launched = self._launch(last)
                     if inflight is not None:
                         self._read(inflight)
@@ -220,12 +218,12 @@ class _Loop:
                         self._read(inflight)  # it has run: nothing to overlap, nothing to drop
                         inflight = None
                     self._leave(inflight.rows if inflight else [])
-                    step_no += 1
+                    self.step_no += 1
                     pet()
                     if self.on_step is not None:
                         self.on_step(self.produced, total)
-                    if step_no > limit:
-                        raise StateError(f"generate made no progress in {step_no} steps (a bug: please report it)")
+                    if self.step_no > limit:
+                        raise StateError(f"generate made no progress in {self.step_no} steps (a bug: please report it)")
             seconds = time.perf_counter() - self.t0
             if e.tp is not None:
                 e.tp.check_same("the generated tokens", {
@@ -233,7 +231,7 @@ class _Loop:
                     "the ranks computed different tokens")
         except RuntimeError as err:
             if e.tp is not None and is_collective_failure(err):  # a collective the model's layers ran
-                raise peer_failed(e.tp.rank, f"step {step_no}", err) from err
+                raise peer_failed(e.tp.rank, f"step {self.step_no}", err) from err
             raise
         finally:
             # Cut short between a prepare and its launch (an interrupt, a host-side error), the

@@ -11,7 +11,6 @@ plan (prefill, mixed or decode: one plan per step and distinct window) for its l
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import weakref
 from collections.abc import Mapping
@@ -39,7 +38,7 @@ from mstar_core.kv import KVConfig, KVManager
 from mstar_core.memory import check_fits
 from mstar_core.node import Node
 from mstar_core.sampling import FILTERS, Sampler
-from mstar_core.step import AttentionStep, StepContext, is_int
+from mstar_core.step import AttentionStep, StepContext, is_int, is_positive_finite
 
 log = logging.getLogger(__name__)
 LABEL = "text"
@@ -96,8 +95,7 @@ class EngineOptions:
         if self.prefix_cache is not None and not isinstance(self.prefix_cache, bool):
             raise InputTypeError(f"mstar generate: prefix_cache must be a bool or None (the config's), got "
                                  f"{self.prefix_cache!r}")
-        if isinstance(self.tp_timeout_s, bool) or not isinstance(self.tp_timeout_s, (int, float)) \
-                or not math.isfinite(self.tp_timeout_s) or self.tp_timeout_s <= 0:
+        if not is_positive_finite(self.tp_timeout_s):
             raise InputError(f"mstar generate: tp_timeout_s must be a finite number of seconds > 0, got "
                              f"{self.tp_timeout_s!r}")
         if self.compile is not False and self.graphs is False:
