@@ -7,14 +7,7 @@ first use of their names, so ``import mstar_core`` imports neither transformers 
 
 import importlib
 import importlib.util
-import warnings
 from typing import TYPE_CHECKING, Any
-
-if importlib.util.find_spec("numpy") is None:
-    # torch warns at import when numpy is absent; mstar-core never hands torch numpy arrays,
-    # so in a core-only install the warning is noise on every `mstar` command. Only that one
-    # message is silenced, and only when numpy really is missing.
-    warnings.filterwarnings("ignore", message="Failed to initialize NumPy", category=UserWarning)
 
 from mstar_core.attention.base import AttentionManager
 from mstar_core.attention.dense import DenseAttentionManager, DensePlan, DenseSegment
