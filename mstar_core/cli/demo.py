@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mstar_core.cli.options import add_config, check_device, config_from
+from mstar_core.cli.options import add_config, add_threads, apply_threads, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.errors import InputError
 
@@ -28,6 +28,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--device", default="cpu", help="torch device, e.g. cpu or cuda (default: cpu)")
     p.add_argument("--seed", type=int, default=0, help="weights, prompts and data seed (default: 0)")
     add_tp(p, "demo")
+    add_threads(p)
     add_config(p)
     p.set_defaults(func=run)
 
@@ -43,6 +44,7 @@ def check_seed(seed: int, command: str = "demo") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    apply_threads(args, "demo")
     check_seed(args.seed)
     check_device(args.device, "demo")
     config = config_from(args)

@@ -13,7 +13,7 @@ from typing import Any
 
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.generate_inputs import check_fits, check_flags, encode_all, sampling_from
-from mstar_core.cli.options import add_compile, add_config, check_device, config_from
+from mstar_core.cli.options import add_compile, add_config, add_threads, apply_threads, check_device, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.cli.prompt_input import Prompt, gather
 from mstar_core.distributed import check_shardable
@@ -87,6 +87,7 @@ def register(sub: argparse._SubParsersAction) -> None:
                      "[kv] prefix_cache, else off); the report gives the tokens found")
     add_compile(eng, "the model's decode steps (the graph steps; on a CPU the graph path runs without CUDA graphs)")
     add_tp(eng, "generate DIR")
+    add_threads(eng)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     add_config(p)
     p.set_defaults(func=run)
@@ -160,6 +161,7 @@ def _results(prompts: list[Prompt], ids: list[list[int]], rep: Any, tokenizer: A
 
 
 def run(args: argparse.Namespace) -> int:
+    threads = apply_threads(args, "generate", quiet=args.json)
     check_seed(args.seed, "generate")
     device = check_device(args.device, "generate")
     config = config_from(args)  # before the model loads: a typo fails fast
@@ -204,7 +206,7 @@ def run(args: argparse.Namespace) -> int:
             "decode_step_ms_median": dec[len(dec) // 2] if dec else None,
             "graph_steps": sum(1 for x in rep.steps if x.graph),
             "compiled": rep.compiled, "prefix_hit_rate": rep.prefix_hit_rate, "prefill_tokens": rep.prefill_tokens,
-            "ids": rep.ids, "prompts": rows, "tp": args.tp,
+            "ids": rep.ids, "prompts": rows, "tp": args.tp, "threads": threads.count, "threads_why": threads.why,
             "sharded_by": None if sharded is None else sharded.by,
         }
         if tokenizer is not None:

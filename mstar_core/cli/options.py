@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 
 import torch
 
@@ -10,6 +12,9 @@ from mstar_core.compiling import BACKENDS
 from mstar_core.config import Config, load_config
 from mstar_core.errors import InputError
 from mstar_core.features import KV_DTYPES
+from mstar_core.threads import MAX_THREADS, Threads, choose, parse_count
+
+log = logging.getLogger(__name__)
 
 
 def add_config(p: argparse.ArgumentParser, pins_only: bool = False) -> None:
@@ -27,6 +32,31 @@ def add_compile(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--compile-backend", default="inductor", metavar="NAME",
                    help=f"torch.compile backend (default inductor, which needs a C++ compiler on a CPU; "
                    f"{', '.join(BACKENDS[1:])} need none)")
+
+
+def add_threads(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--threads", default=None, metavar="N",
+                   help="torch's intra-op threads on the CPU (default: $OMP_NUM_THREADS when set, else the cores "
+                   "this process may use less those other processes keep busy now, at least 1); lower it on a "
+                   "machine shared with busy processes or running several mstar processes at once")
+
+
+def apply_threads(args: argparse.Namespace, command: str, quiet: bool = False) -> Threads:
+    """Choose the intra-op thread count (``--threads``, else ``OMP_NUM_THREADS``, else the free
+    cores), set it in torch, log it and print it as one line unless ``quiet``. Called before any
+    torch work, so that the load read is other processes' and the run uses the count throughout."""
+    flag = None
+    if args.threads is not None:
+        flag = parse_count(str(args.threads))
+        if flag is None:
+            raise InputError(f"{command}: --threads {args.threads!r} is not a thread count; give an integer from 1 to "
+                             f"{MAX_THREADS} (or leave it out: $OMP_NUM_THREADS when set, else the free cores)")
+    threads = choose(flag)
+    torch.set_num_threads(threads.count)
+    log.info("%s: %s", command, threads.line())
+    if not quiet and os.environ.get("RANK", "0") == "0":  # one line for a tensor-parallel run, from rank 0
+        print(threads.line(), flush=True)
+    return threads
 
 
 def config_from(args: argparse.Namespace) -> Config | None:
