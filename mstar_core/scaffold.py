@@ -45,6 +45,24 @@ test = ["pytest"]
 
 [tool.setuptools]
 packages = ["{pkg}"]
+
+# The lint and type gate mstar holds its own code to (pip install ruff mypy; ruff check . && mypy).
+[tool.ruff]
+line-length = 120
+target-version = "py311"
+
+[tool.ruff.lint]
+select = ["E", "F", "W", "I", "UP", "B"]
+
+[tool.mypy]
+files = ["{pkg}", "tests"]
+python_version = "3.11"
+warn_unused_ignores = true
+warn_redundant_casts = true
+warn_unused_configs = true
+check_untyped_defs = true
+no_implicit_optional = true
+strict_equality = true
 '''
 
 README = '''\
@@ -76,7 +94,6 @@ registry imports it at discovery, on every machine; the kernel library loads in 
 and in the wrapper's module)."""
 
 import torch
-
 from mstar_core.registry import BackendSpec, HeadDims, hookimpl
 
 SPEC = BackendSpec(
@@ -123,9 +140,11 @@ a time: replace ``run``'s body with the kernel."""
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import torch
+from mstar_core import InputError, StateError
 
 
 class PrefixedPrefillWrapper:
@@ -140,7 +159,11 @@ class PrefixedPrefillWrapper:
     def plan(self, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool = True,
              dtype: torch.dtype = torch.bfloat16, sm_scale: float | None = None, window_left: int = -1) -> None:
         # A plan replaces the previous one whole: the managers plan one wrapper step after step.
-        bounds = list(zip(torch.as_tensor(cu_q).tolist(), torch.as_tensor(cu_k).tolist()))
+        starts_q, starts_k = torch.as_tensor(cu_q).tolist(), torch.as_tensor(cu_k).tolist()
+        if len(starts_q) != len(starts_k):
+            raise InputError(f"cu_q has {{len(starts_q)}} offsets and cu_k {{len(starts_k)}}: "
+                             "one per segment, plus one")
+        bounds = list(zip(starts_q, starts_k, strict=True))
         scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
         self._plan = (bounds, causal, scale, window_left)
 
@@ -150,7 +173,7 @@ class PrefixedPrefillWrapper:
         bounds, causal, scale, window_left = self._plan
         group = self.num_qo_heads // self.num_kv_heads  # query head h reads KV head h // group
         out = torch.zeros_like(q)  # the queries' shape, dtype and device
-        for (q0, k0), (q1, k1) in zip(bounds, bounds[1:]):
+        for (q0, k0), (q1, k1) in itertools.pairwise(bounds):
             n, m = q1 - q0, k1 - k0
             qs = q[q0:q1].float()
             ks = k[k0:k1].float().repeat_interleave(group, dim=1)
