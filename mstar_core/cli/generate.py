@@ -94,16 +94,32 @@ def register(sub: argparse._SubParsersAction) -> None:
 
 
 class _Progress:
-    """``on_step``: a line on stderr every few seconds once a run is long."""
+    """``on_step``: a line on stderr every few seconds once a run is long, and where one was
+    printed a last one with the tokens generated (requests that end early leave the total, every
+    prompt's ``--max-new-tokens``, an upper bound)."""
 
     def __init__(self) -> None:
         self.t0 = self.last = time.perf_counter()
+        self.done = 0
+        self.shown = False
 
     def __call__(self, done: int, total: int) -> None:
+        self.done = done
         now = time.perf_counter()
         if now - self.last >= PROGRESS_EVERY_S:
             self.last = now
-            print(f"mstar generate: {done}/{total} tokens, {now - self.t0:.0f} s", file=sys.stderr, flush=True)
+            self.shown = True
+            print(f"mstar generate: {done} tokens of at most {total}, {now - self.t0:.0f} s", file=sys.stderr,
+                  flush=True)
+
+    def end(self) -> None:
+        if self.shown:
+            print(f"mstar generate: done, {_tokens(self.done)} generated in {time.perf_counter() - self.t0:.0f} s",
+                  file=sys.stderr, flush=True)
+
+
+def _tokens(n: int) -> str:
+    return f"{n} token" if n == 1 else f"{n} tokens"
 
 
 def _options(args: argparse.Namespace, config: Any, count: int, tokenizer: Any, printing: bool) -> dict[str, Any]:
@@ -160,6 +176,23 @@ def _results(prompts: list[Prompt], ids: list[list[int]], rep: Any, tokenizer: A
     return out
 
 
+def _chat_hint(prompts: list[Prompt], rows: list[dict[str, Any]], tokenizer: Any, chat: bool) -> str | None:
+    """One line suggesting ``--chat`` where text prompts given without it ended at their first
+    token (end-of-sequence) and the tokenizer has a chat template: an instruct model's usual
+    answer to text outside its template."""
+    from mstar_core.integrations.transformers.text import has_chat_template
+
+    if chat or tokenizer is None or not has_chat_template(tokenizer):
+        return None
+    ended = [i for i, (p, r) in enumerate(zip(prompts, rows, strict=True))
+             if p.text is not None and p.messages is None and r["finish"] == "eos" and len(r["generated_ids"]) == 1]
+    if not ended:
+        return None
+    which = ", ".join(f"[{i}]" for i in ended[:5]) + (f" and {len(ended) - 5} more" if len(ended) > 5 else "")
+    return (f"mstar generate: hint: {which} ended at once (the first new token was end-of-sequence); the tokenizer "
+            "has a chat template, and an instruct model expects its prompts put through it: try --chat")
+
+
 def run(args: argparse.Namespace) -> int:
     threads = apply_threads(args, "generate", quiet=args.json)
     check_seed(args.seed, "generate")
@@ -192,8 +225,10 @@ def run(args: argparse.Namespace) -> int:
         sharded = model_sharding(model)
     if not printing:
         return 0  # rank 0 prints; every rank generated the same ids (checked)
+    options["on_step"].end()
     rows = _results(prompts, ids, rep, tokenizer, options.get("stop"), _eos(model, args.ignore_eos),
                     args.max_new_tokens)
+    hint = _chat_hint(prompts, rows, tokenizer, args.chat)
     ttft = sorted(rep.first_token_s)
     dec = sorted(rep.decode_step_ms())
     dtype_name = str(dtype).replace("torch.", "")
@@ -212,6 +247,7 @@ def run(args: argparse.Namespace) -> int:
         if tokenizer is not None:
             out["texts"] = [r["generated_text"] for r in rows]
         print(json.dumps(out, indent=2))
+        _say(hint)
         return 0
     what = ("GGUF weights" if source.gguf else "weights") if weights else f"random weights, seed {args.seed}"
     print(f"model: {type(model).__name__} from {args.model} ({what}, {dtype_name} on {device}), "
@@ -222,8 +258,18 @@ def run(args: argparse.Namespace) -> int:
     for line in rep.lines():
         print(line)
     for i, r in enumerate(rows):
-        print(f"[{i}] {' '.join(map(str, r['generated_ids']))}")
-        if r["generated_text"] is not None:
-            print(f"[{i}] {r['generated_text']!r}")
+        # the finish ends each prompt's last line: its text, or its ids where there is no text
+        finish = f"(finish: {r['finish']}, {_tokens(len(r['generated_ids']))})"
+        text = r["generated_text"]
+        print(f"[{i}] {' '.join(map(str, r['generated_ids']))}" + ("" if text is not None else f" {finish}"))
+        if text is not None:
+            print(f"[{i}] {text!r} {finish}")
+    _say(hint)
     return 0
 
+
+def _say(hint: str | None) -> None:
+    """The hint on stderr, after the report (stdout stays the report alone: --json parses)."""
+    if hint is not None:
+        sys.stdout.flush()
+        print(hint, file=sys.stderr, flush=True)

@@ -18,3 +18,10 @@ def fails(capsys, *argv: str) -> str:
     err = capsys.readouterr().err
     assert "Traceback" not in err
     return err.strip().splitlines()[-1]
+
+
+def run_text(capsys, *argv: str) -> tuple[str, str]:
+    """``mstar generate``'s text report: (stdout, stderr)."""
+    assert main(["generate", *argv]) == 0, capsys.readouterr().err
+    got = capsys.readouterr()
+    return got.out, got.err

@@ -4,6 +4,7 @@ tokenizer), ids checked against transformers' own greedy generation of the same 
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -53,6 +54,8 @@ def test_text_output_names_backend_steps_and_ids(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "backend: reference" in text and "steps: 3 (prefill 1, mixed 0, decode 2" in text
     assert "tokens/s" in text and text.splitlines()[-1].startswith("[0] ")
+    # no tokenizer: the ids line ends with why the request ended and how many tokens it made
+    assert re.fullmatch(r"\[0\] \d+ \d+ \d+ \(finish: length, 3 tokens\)", text.splitlines()[-1])
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -69,3 +72,4 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, argv, message):
     assert main(["generate", *argv]) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err
+

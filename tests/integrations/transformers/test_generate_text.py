@@ -6,6 +6,7 @@ and the engine's sizes, and the JSON report's fields."""
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import pytest
@@ -14,7 +15,7 @@ from mstar_core.cli import main
 from mstar_core.testing.hf_models import build
 
 from ...helpers import hf_greedy
-from .cli_runs import fails, run_json
+from .cli_runs import fails, run_json, run_text
 
 WORDS = ["[UNK]", "<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>", "the", "cat", "sat", "on", "mat"]
 UNK, BOS, EOS, USER, ASSISTANT, SYSTEM, THE, CAT, SAT, ON, MAT = range(len(WORDS))
@@ -256,3 +257,70 @@ def test_stop_strings_check_only_the_tail():
     assert not stop(0, [THE, CAT]) and stop(0, [THE, CAT, SAT]) and stop(0, [MAT] * 500 + [CAT, SAT])
     assert stop.window == len("cat sat") + 4
     assert stop.cut("the cat sat on") == ("the ", True) and stop.cut("the mat") == ("the mat", False)
+
+
+@pytest.fixture(scope="module")
+def ends_at_once(saved, tmp_path_factory):
+    """The instruct directory with its end-of-sequence id set to the token greedy decoding puts
+    first after ``<s> the``: that prompt ends at once, as an instruct model's plain text often does."""
+    d, model = saved
+    first = hf_greedy(model, [BOS, THE], 1)[0]
+    d2 = tmp_path_factory.mktemp("ends-at-once") / "m"
+    shutil.copytree(d, d2)
+    gen = d2 / "generation_config.json"
+    cfg = json.loads(gen.read_text()) if gen.exists() else {}
+    gen.write_text(json.dumps({**cfg, "eos_token_id": first}))
+    return d2, first
+
+
+def test_a_text_prompt_that_ends_at_once_gets_one_hint_to_use_chat(ends_at_once, capsys):
+    d, first = ends_at_once
+    out, err = run_text(capsys, str(d), "--prompt", "the", "--prompt", "the", "--max-new-tokens", "6")
+    lines = out.splitlines()
+    text = WORDS[first] if first < len(WORDS) else f"w{first}"
+    shown = "" if first in (BOS, EOS, USER, ASSISTANT, SYSTEM) else text  # special tokens are not decoded
+    assert lines[-4:] == [f"[0] {first}", f"[0] {shown!r} (finish: eos, 1 token)",
+                          f"[1] {first}", f"[1] {shown!r} (finish: eos, 1 token)"]
+    hints = [x for x in err.splitlines() if "hint:" in x]
+    assert hints == ["mstar generate: hint: [0], [1] ended at once (the first new token was end-of-sequence); the "
+                     "tokenizer has a chat template, and an instruct model expects its prompts put through it: try "
+                     "--chat"]
+    # --json: stdout is the JSON alone, the hint is on stderr
+    assert main(["generate", str(d), "--prompt", "the", "--max-new-tokens", "6", "--json"]) == 0
+    got = capsys.readouterr()
+    assert json.loads(got.out)["prompts"][0]["finish"] == "eos" and "hint: [0] ended at once" in got.err
+
+
+def test_no_chat_hint_for_chats_ids_longer_answers_or_a_tokenizer_without_a_template(ends_at_once, tmp_path,
+                                                                                   capsys):
+    d, first = ends_at_once
+    _, err = run_text(capsys, str(d), "--chat", "--prompt", "the", "--max-new-tokens", "2")
+    assert "hint" not in err
+    out, err = run_text(capsys, str(d), "--ids", "--prompt", f"{BOS} {THE}", "--max-new-tokens", "2")
+    assert "(finish: eos, 1 token)" in out and "hint" not in err  # token ids are not text
+    out, err = run_text(capsys, str(d), "--prompt", "the", "--max-new-tokens", "2", "--ignore-eos")
+    assert "(finish: length, 2 tokens)" in out and "hint" not in err
+    plain = tmp_path / "plain"
+    shutil.copytree(d, plain)
+    tokenizer(chat_template=None).save_pretrained(plain)
+    cfg = json.loads((plain / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    out, err = run_text(capsys, str(plain), "--prompt", "the", "--max-new-tokens", "2")
+    assert "(finish: eos, 1 token)" in out and "hint" not in err
+
+
+def test_the_progress_line_ends_on_the_tokens_generated(ends_at_once, capsys, monkeypatch):
+    from mstar_core.cli import generate
+
+    d, _ = ends_at_once
+    monkeypatch.setattr(generate, "PROGRESS_EVERY_S", 0.0)  # a line after every step
+    assert main(["generate", str(d), "--prompt", "the", "--prompt", "the cat sat", "--max-new-tokens", "6",
+                 "--json"]) == 0
+    got = capsys.readouterr()
+    out = json.loads(got.out)
+    lines = [x for x in got.err.splitlines() if x.startswith("mstar generate:") and "hint" not in x]
+    assert out["prompts"][0]["finish"] == "eos" and out["new_tokens"] < 12  # prompt 0 ended at once
+    assert len(lines) >= 2 and all(" of at most 12, " in x for x in lines[:-1])  # the total: an upper bound
+    assert re.fullmatch(rf"mstar generate: done, {out['new_tokens']} tokens generated in \d+ s", lines[-1])
