@@ -45,6 +45,7 @@ class BuildInfo:
 
 
 _DTYPES = {"float32": torch.float32, "float64": torch.float64, "float16": torch.float16, "bfloat16": torch.bfloat16}
+DTYPE_NAMES = tuple(_DTYPES)  # the names as_dtype takes
 
 
 def spec_required(spec: Mapping[str, Any], key: str, owner: str) -> Any:

@@ -13,7 +13,16 @@ from typing import Any
 
 from mstar_core.cli.demo import check_seed
 from mstar_core.cli.generate_inputs import check_fits, check_flags, encode_all, sampling_from
-from mstar_core.cli.options import add_compile, add_config, add_threads, apply_threads, check_device, config_from
+from mstar_core.cli.options import (
+    add_compile,
+    add_config,
+    add_threads,
+    apply_threads,
+    check_backend,
+    check_device,
+    check_dtype,
+    config_from,
+)
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.cli.prompt_input import Prompt, gather
 from mstar_core.distributed import check_shardable
@@ -198,16 +207,16 @@ def run(args: argparse.Namespace) -> int:
     check_seed(args.seed, "generate")
     device = check_device(args.device, "generate")
     config = config_from(args)  # before the model loads: a typo fails fast
+    dtype = check_dtype(args.dtype, device, "generate")
     check_flags(args)
     prompts = gather(args.prompt, args.prompt_file, args.ids)
+    check_backend(args.backend, config, device)  # a misspelt name fails now, not after the load
     if importlib.util.find_spec("transformers") is None:
         raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
     from mstar_core.integrations.transformers import generate_report
     from mstar_core.integrations.transformers.local import read_config, read_model, read_tokenizer, resolve
     from mstar_core.integrations.transformers.parallel import head_counts, model_sharding
-    from mstar_core.resource import resolve_dtype
 
-    dtype = resolve_dtype(args.dtype, device)
     t0 = time.perf_counter()
     source = resolve(args.model)
     model_config = read_config(source)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
+from mstar_core.cli.options import check_compile
 from mstar_core.cli.prompt_input import Prompt
 from mstar_core.errors import InputError, InputTypeError
 
@@ -36,6 +37,7 @@ def check_flags(args: argparse.Namespace) -> None:
     if args.stop and any(not s for s in args.stop):
         raise InputError("generate: --stop takes a non-empty string")
     sampling_from(args, 1)  # its values refused now, not after the weights load
+    check_compile(args, "generate")
 
 
 def sampling_from(args: argparse.Namespace, count: int) -> list[Any] | None:

@@ -8,10 +8,12 @@ import os
 
 import torch
 
+from mstar_core.capabilities import PAGED
 from mstar_core.compiling import BACKENDS
-from mstar_core.config import Config, load_config
+from mstar_core.config import Config, did_you_mean, load_config
 from mstar_core.errors import InputError
 from mstar_core.features import KV_DTYPES
+from mstar_core.resource import DTYPE_NAMES, resolve_dtype
 from mstar_core.threads import MAX_THREADS, Threads, choose, parse_count
 
 log = logging.getLogger(__name__)
@@ -32,6 +34,21 @@ def add_compile(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--compile-backend", default="inductor", metavar="NAME",
                    help=f"torch.compile backend (default inductor, which needs a C++ compiler on a CPU; "
                    f"{', '.join(BACKENDS[1:])} need none)")
+
+
+def check_compile(args: argparse.Namespace, command: str) -> None:
+    """With ``--compile``: ``--compile-backend`` one torch.compile has, and no ``--no-graphs``;
+    refused before anything loads (the engine would refuse them only once built)."""
+    if not args.compile:
+        return
+    known = torch._dynamo.list_backends(exclude_tags=())
+    if args.compile_backend not in known:
+        raise InputError(f"{command}: --compile-backend {args.compile_backend!r} is not a torch.compile backend"
+                         f"{did_you_mean(args.compile_backend, known)}; mstar is tested with {', '.join(BACKENDS)} "
+                         f"(this torch has {len(known)}: torch._dynamo.list_backends(exclude_tags=()))")
+    if getattr(args, "graphs", None) is False:
+        raise InputError(f"{command}: --compile compiles the graph steps and --no-graphs turns them off: give one "
+                         "of them")
 
 
 def add_threads(p: argparse.ArgumentParser) -> None:
@@ -62,6 +79,27 @@ def apply_threads(args: argparse.Namespace, command: str, quiet: bool = False) -
 def config_from(args: argparse.Namespace) -> Config | None:
     """The ``--config`` file, read and checked now: a typo fails before anything is built."""
     return load_config(args.config) if args.config is not None else None
+
+
+def check_backend(backend: str | None, config: Config | None, device: torch.device) -> None:
+    """The backend ``--backend``, ``$MSTAR_ATTENTION_BACKEND`` or the config names (or auto),
+    selected for the paged steps on ``device`` before anything loads: an unknown name (with a
+    did-you-mean and the known backends), or one that cannot run there, is the error the
+    engine's own selection would give later. The model's dtype, head dim and features are
+    judged when the engine is built."""
+    from mstar_core.registry import select_backend  # plugins load here
+
+    select_backend(capabilities=PAGED, requested=backend, device=device, dtype=None, head_dim=None, config=config)
+
+
+def check_dtype(text: str, device: torch.device, command: str) -> torch.dtype:
+    """``--dtype TEXT`` (auto: bfloat16 on CUDA, float32 elsewhere), refused naming the option."""
+    try:
+        return resolve_dtype(text, device)
+    except InputError:
+        names = ("auto", *DTYPE_NAMES)
+        raise InputError(f"{command}: --dtype {text!r} is not supported{did_you_mean(text, names)}; choose one of "
+                         f"{', '.join(names)}") from None
 
 
 # The device types mstar runs on (ROCm GPUs are "cuda" in torch).

@@ -65,6 +65,10 @@ def test_config_option_names_the_backend(tmp_path, capsys):
     good.write_text('[attention]\nbackend = "no_such_backend"\n')
     assert main(["demo", "--config", str(good)]) == 2
     assert "'no_such_backend' (from config) is unknown" in capsys.readouterr().err
+    # generate names it before it reads the model (the directory does not exist), transformers or not
+    assert main(["generate", "model-dir-never-read", "--ids", "--prompt", "1", "--config", str(good)]) == 2
+    err = capsys.readouterr().err
+    assert "'no_such_backend' (from config) is unknown" in err and "Known backends: " in err
     good.write_text('[attention]\nbackend = "reference"\n')
     assert main(["bench", "--steps", "1", "--warmup", "1", "--config", str(good)]) == 0
     assert "backend: reference" in capsys.readouterr().out
