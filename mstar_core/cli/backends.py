@@ -3,8 +3,9 @@ what it provides and which attention features per capability, whether it runs he
 which one ``auto`` picks per capability -- for plain attention, or for the features asked for with
 ``--kv-dtype``/``--soft-cap``/``--sink-logits``/``--layer-windows``/``--decode-query-tokens``, with
 the reason every other backend was passed over and the features not asked of that capability; where
-layers ask different things (per-layer windows or sink logits), each layer group's picks -- and
-every plugin that failed to load.
+layers ask different things (per-layer windows or sink logits), each layer group's picks; with
+``--config FILE``, what that config's backend choice and pins pick per capability -- and every
+plugin that failed to load.
 ``--json`` prints the same as one JSON object."""
 
 from __future__ import annotations
@@ -21,13 +22,14 @@ import torch
 
 from mstar_core.attention.groups import layer_groups, same_picks
 from mstar_core.capabilities import FEATURE_REACH, PAGED
-from mstar_core.cli.options import parse_device, parse_kv_dtype
+from mstar_core.cli.options import add_config, config_from, parse_device, parse_kv_dtype
+from mstar_core.config import Config
 from mstar_core.errors import InputError
 from mstar_core.features import FEATURES, KV_DTYPES, MAX_DECODE_QUERY_TOKENS, PLAIN, AttentionFeatures
 from mstar_core.registry import CAPABILITIES, BackendUnavailable, Registry, get_registry, select_backend
 from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.device import describe, device_arch
-from mstar_core.registry.selection import ENV_BACKEND
+from mstar_core.registry.selection import AUTO, ENV_BACKEND, name_for
 from mstar_core.registry.spec import dtype_name
 
 
@@ -59,6 +61,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "write --layer-windows=-1,4096 when the list starts with -1")
     f.add_argument("--decode-query-tokens", default=None, metavar="N",
                    help=f"query tokens per decode row, 1..{MAX_DECODE_QUERY_TOKENS} (2..: speculative verification)")
+    add_config(p, shown=True)
 
 
 # How each feature is asked for on this command line (the legend under the features table).
@@ -169,9 +172,11 @@ def _dtype(name: str | None, device: torch.device) -> torch.dtype:
 
 
 def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_dim: int,
-            features: AttentionFeatures = PLAIN) -> dict[str, Any]:
+            features: AttentionFeatures = PLAIN, config: Config | None = None,
+            config_file: str | None = None) -> dict[str, Any]:
     """Everything the table shows, as plain data (the ``--json`` output); ``features`` is what
-    every auto pick is judged for."""
+    every auto pick is judged for, and ``config`` (read from ``config_file``) what the config
+    section's picks are selected under."""
     backends = []
     listed = [(spec, registry.device_reasons(spec, device)) for spec in registry.backends.values()]
     # A name several distributions register: every claimant, none available until pinned.
@@ -231,7 +236,13 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         # requested features auto did not judge this capability on, and why
         auto[cap]["not_asked"] = not_asked(cap, features)
     auto = {cap: auto[cap] for cap in CAPABILITIES}  # in the capability table's order
+
+    def select_configured(caps: tuple[str, ...]) -> Any:
+        return select_backend(capabilities=caps, device=device, dtype=dtype, head_dim=head_dim, config=config,
+                              registry=registry, honor_env=False, features=features)
+
     return {
+        "config": None if config is None else config_picks(config, config_file, select_configured),
         "layer_groups": group_picks(select, features, group),
         "device": describe(device),
         "arch": device_arch(device),
@@ -256,6 +267,53 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         # it would choose without the override)
         "env_override": os.environ.get(ENV_BACKEND, "").strip() or None,
     }
+
+
+def config_picks(config: Config, file: str | None, select: Any) -> dict[str, Any]:
+    """What ``config`` asks (its backend choice, pins and prefix cache) and picks per capability
+    (``select(capabilities)`` selects under it): the paged capabilities together, as the paged
+    manager takes them, the others alone; where a selection fails, its error (then each paged
+    capability alone, so each says its own)."""
+    choice = config.backend if config.backend is not None else AUTO
+    picks: dict[str, dict[str, Any]] = {}
+    try:
+        group = select(PAGED)
+        picks.update({cap: {"pick": group.names[cap], "error": None} for cap in PAGED})
+    except BackendUnavailable:
+        pass
+    for cap in CAPABILITIES:
+        if cap not in picks:
+            try:
+                picks[cap] = {"pick": select((cap,)).name, "error": None}
+            except BackendUnavailable as e:
+                picks[cap] = {"pick": None, "error": str(e)}
+    return {
+        "file": file,
+        "backend": config.backend if isinstance(config.backend, str | None) else dict(config.backend),
+        "pins": dict(config.pins),
+        "prefix_cache": config.prefix_cache,
+        # capability -> the name the config gives it ("auto" where it names none), then what that picks
+        "picks": {cap: {"asks": name_for(choice, cap), **picks[cap]} for cap in CAPABILITIES},
+    }
+
+
+def _config_lines(data: dict[str, Any], env: str | None) -> list[str]:
+    backend = data["backend"]
+    asked = ("not set (auto)" if backend is None else repr(backend) if isinstance(backend, str) else
+             "{" + ", ".join(f"{k} = {v!r}" for k, v in backend.items()) + "}")
+    pins = ", ".join(f"{n} = {d}" for n, d in data["pins"].items()) or "none"
+    cache = "not set (off)" if data["prefix_cache"] is None else str(data["prefix_cache"]).lower()
+    where = f"config {data['file']!r}" if data["file"] is not None else "config"
+    lines = [f"{where}: attention.backend = {asked}; attention.pins: {pins}; kv.prefix_cache = {cache}",
+             "picks under this config" + (f" ({ENV_BACKEND}={env} overrides its backend: below)" if env else "") + ":"]
+    said: dict[str, str] = {}  # an error with its capability's name taken out -> the first capability it was given for
+    for cap, p in data["picks"].items():
+        if p["pick"] is not None:
+            lines.append(f"  {cap:<16} {p['pick']} ({'auto' if p['asks'] == AUTO else 'named'})")
+            continue
+        first = said.setdefault(p["error"].replace(cap, "*"), cap)
+        lines.append(f"  {cap:<16} (none: {p['error'] if first == cap else f'as for {first}'})")
+    return lines
 
 
 def group_picks(select: Any, features: AttentionFeatures, whole: Any) -> dict[str, Any] | None:
@@ -370,6 +428,8 @@ def render(data: dict[str, Any]) -> str:
                          f"{picks[paged['multi_token_wrapper']]}")
     else:
         lines += ["", f"the paged manager cannot be built here: {paged['error']}"]
+    if data["config"] is not None:
+        lines += ["", *_config_lines(data["config"], data["env_override"])]
     if data["env_override"]:
         lines += ["", f"{ENV_BACKEND}={data['env_override']}: every selection uses it, overriding config and "
                       "the name code gives (select_backend(requested=), a manager spec's \"backend\", --backend)"]
@@ -390,7 +450,8 @@ def run(args: argparse.Namespace) -> int:
                          "(the head dim auto's picks are judged for)")
     features = features_from_args(args)
     device = parse_device(args.device, "backends") if args.device is not None else _default_device()
-    data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features)
+    config = config_from(args)
+    data = collect(get_registry(), device, _dtype(args.dtype, device), args.head_dim, features, config, args.config)
     print(json.dumps(data, indent=2) if args.json else render(data))
     return 0
 

@@ -19,10 +19,14 @@ from mstar_core.threads import MAX_THREADS, Threads, choose, parse_count
 log = logging.getLogger(__name__)
 
 
-def add_config(p: argparse.ArgumentParser, pins_only: bool = False) -> None:
+def add_config(p: argparse.ArgumentParser, pins_only: bool = False, shown: bool = False) -> None:
+    """``--config FILE``: used (its backend and pins; ``pins_only``: its pins), or with ``shown``
+    only judged (``mstar backends`` says what it would pick)."""
     pins = "[attention.pins] NAME = DISTRIBUTION for a name several distributions register"
     p.add_argument("--config", default=None, metavar="FILE",
                    help=f"a TOML config whose {pins} is used" if pins_only else
+                   f"a TOML config: show what its [attention] backend (a name, or a table of capability -> name) "
+                   f"and {pins} pick here" if shown else
                    f"a TOML config: [attention] backend = NAME, and {pins} (--backend and $MSTAR_ATTENTION_BACKEND "
                    "win over its backend)")
 

@@ -308,3 +308,80 @@ def test_the_auto_column_shows_the_paged_managers_picks_when_multi_token_rows_mo
     assert data["paged"]["multi_token_wrapper"] == "paged_prefill"
     assert {c: data["auto"][c]["pick"] for c in data["paged"]["picks"]} == data["paged"]["picks"]
     assert "dec" not in data["auto"]["paged_decode"]["rejected"]
+
+
+# -- --config FILE -------------------------------------------------------------------------------
+
+def _toml(tmp_path, text: str) -> str:
+    path = tmp_path / "mstar.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_a_config_table_shows_each_capabilitys_pick_in_json_and_the_table(registry, run_json, run_text, tmp_path):
+    assert run_json()["config"] is None and "picks under this config" not in run_text()
+    cfg = _toml(tmp_path, '[attention.backend]\npaged_decode = "reference"\nmixed = "flashinfer"\n'
+                          '[attention.pins]\nreference = "mstar-core"\n[kv]\nprefix_cache = true\n')
+    data = run_json("--config", cfg)["config"]
+    assert (data["file"], data["backend"], data["pins"], data["prefix_cache"]) == (
+        cfg, {"paged_decode": "reference", "mixed": "flashinfer"}, {"reference": "mstar-core"}, True)
+    picks = data["picks"]
+    assert list(picks) == ["paged_prefill", "paged_decode", "mixed", "prefixed_ragged", "bounded"]
+    assert picks["paged_decode"] == {"asks": "reference", "pick": "reference", "error": None}
+    assert picks["paged_prefill"] == {"asks": "auto", "pick": "reference", "error": None}
+    assert picks["mixed"]["asks"] == "flashinfer" and picks["mixed"]["pick"] is None
+    assert "attention backend 'flashinfer' (mstar-flashinfer 0.1.0, from config, for mixed) cannot run here" in \
+        picks["mixed"]["error"] and "runs on cuda, not on cpu" in picks["mixed"]["error"]
+    lines = run_text("--config", cfg).splitlines()
+    at = lines.index("picks under this config:")
+    assert lines[at - 1] == (f"config {cfg!r}: attention.backend = {{paged_decode = 'reference', mixed = "
+                             "'flashinfer'}; attention.pins: reference = mstar-core; kv.prefix_cache = true")
+    assert lines[at + 1:at + 3] == ["  paged_prefill    reference (auto)", "  paged_decode     reference (named)"]
+    assert lines[at + 3].startswith("  mixed            (none: attention backend 'flashinfer' (mstar-flashinfer")
+
+
+def test_a_misspelt_config_backend_is_named_once_with_a_did_you_mean(registry, run_json, run_text, tmp_path,
+                                                                     monkeypatch):
+    cfg = _toml(tmp_path, '[attention]\nbackend = "refrence"\n')
+    picks = run_json("--config", cfg)["config"]["picks"]
+    assert all(p["pick"] is None and "(did you mean 'reference'?)" in p["error"] for p in picks.values())
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+    lines = run_text("--config", cfg).splitlines()
+    at = lines.index("picks under this config (MSTAR_ATTENTION_BACKEND=reference overrides its backend: below):")
+    assert lines[at + 1].startswith("  paged_prefill    (none: attention backend 'refrence' (from config) is unknown")
+    assert lines[at + 2:at + 6] == [f"  {cap:<16} (none: as for paged_prefill)"
+                                    for cap in ("paged_decode", "mixed", "prefixed_ragged", "bounded")]
+
+
+@pytest.fixture
+def two_toys(fake_module, make_ep, fake_entry_points, monkeypatch):
+    """``toy``, a paged decode backend on CPU, registered by two distributions: neither serves it
+    until a pin says which."""
+    from mstar_core import hookimpl
+
+    for module, desc in (("toy_a_plugin", "a"), ("toy_b_plugin", "b")):
+        toy = BackendSpec(name="toy", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, devices=("cpu",),
+                          dtypes=(torch.float32,), priority=1, description=desc)
+
+        @hookimpl
+        def hook(register, toy=toy):
+            register(toy)
+
+        fake_module(module, mstar_register_backends=hook)
+    fake_entry_points(make_ep("toy", "toy_a_plugin", "toy-a", "1.0"), make_ep("toy", "toy_b_plugin", "toy-b", "1.0"))
+    reg = Registry()
+    monkeypatch.setattr(cli, "get_registry", lambda: reg)
+    return reg
+
+
+def test_a_config_pin_settles_a_name_two_distributions_register(two_toys, run_json, tmp_path, capsys):
+    data = run_json("--config", _toml(tmp_path, '[attention.pins]\ntoy = "toy-b"\n'))
+    assert "toy" in data["auto"]["paged_decode"]["rejected"]  # auto alone passes the conflicted name over
+    assert data["config"]["picks"]["paged_decode"] == {"asks": "auto", "pick": "toy", "error": None}
+    named = run_json("--config", _toml(tmp_path, '[attention]\nbackend = "toy"\n'))["config"]["picks"]
+    assert "registered by 2 distributions (toy-a 1.0 and toy-b 1.0)" in named["paged_decode"]["error"]
+    # a pin to a distribution that does not register the name is the config's error
+    assert main(["backends", "--device", "cpu", "--config", _toml(tmp_path, '[attention.pins]\ntoy = "toy-c"\n')]) == 2
+    err = capsys.readouterr().err
+    assert "backend 'toy' is pinned to distribution 'toy-c', which does not register it" in err and \
+        err.count("\n") == 1

@@ -51,7 +51,7 @@ def test_a_good_config_and_a_file(tmp_path):
 
 
 @pytest.mark.parametrize("command", [["demo"], ["demo", "--workload", "denoise"], ["bench", "--steps", "1"],
-                                     ["generate", "model-dir-never-read", "--prompt", "1"]])
+                                     ["generate", "model-dir-never-read", "--prompt", "1"], ["backends"]])
 def test_config_option_fails_before_anything_is_built(command, tmp_path, capsys):
     bad = tmp_path / "bad.toml"
     bad.write_text('[attenton]\nbackend = "reference"\n')
