@@ -5,6 +5,7 @@ on the GPU machine is shadowed only for the test that asks, and restored afterwa
 
 from __future__ import annotations
 
+import functools
 import importlib
 import importlib.machinery
 import importlib.metadata as md
@@ -12,6 +13,7 @@ import importlib.util
 import os
 import sys
 import types
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -29,16 +31,76 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 
+# -- optional parts: a test that needs one carries its marker and skips, with the reason, without it
+
+# The packages the transformers extra brings (pyproject.toml).
+TRANSFORMERS_EXTRA = ("transformers", "gguf", "accelerate")
+# Every module here imports the integration (which imports transformers): all are marked
+# requires_transformers, and without the extra they are reported skipped instead of imported.
+TRANSFORMERS_TESTS = Path(__file__).parent / "integrations" / "transformers"
+
+
+@functools.cache
+def missing_transformers() -> str | None:
+    """Why the transformers extra's tests cannot run here, or None."""
+    absent = [m for m in TRANSFORMERS_EXTRA if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return f"needs the transformers extra ({', '.join(absent)} not installed): pip install -e '.[transformers]'"
+
+
+@functools.cache
+def missing_plugin(name: str) -> str | None:
+    """Why plugin ``name`` (``plugins/<name>``, distribution ``mstar-<name>``) is not installed
+    here, or None: its tests select the backend through the registry, which finds it by its
+    entry point, not by the package on the path."""
+    try:
+        md.distribution(f"mstar-{name}")
+    except md.PackageNotFoundError:
+        return f"needs the {name} plugin installed: pip install --no-deps -e ./plugins/{name}"
+    return None
+
+
+def _missing(item: pytest.Item) -> str | None:
+    if item.get_closest_marker("requires_transformers") is not None and missing_transformers():
+        return missing_transformers()
+    for mark in item.iter_markers("requires_plugin"):
+        reason = missing_plugin(*mark.args)
+        if reason:
+            return reason
+    if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
+        return "needs a CUDA GPU"
+    return None
+
+
+class _NotImported(pytest.Module):
+    """A test module whose imports need an absent optional part: reported skipped, not imported."""
+
+    reason = ""
+
+    def collect(self):
+        pytest.skip(f"{self.path.relative_to(Path(__file__).parent.parent)}: {self.reason}")
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.is_relative_to(TRANSFORMERS_TESTS) and missing_transformers():
+        module = _NotImported.from_parent(parent, path=module_path)
+        module.reason = missing_transformers()
+        return module
+    return None
+
+
 def pytest_collection_modifyitems(config, items):
     # The Triton interpreter must be switched on before anything imports triton: its tests first.
     items.sort(key=lambda item: "triton_interp" not in getattr(item, "fixturenames", ()))
-    # GPU tests skip cleanly without a GPU; decided once, here.
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    # Tests that need a GPU, the transformers extra or a plugin skip cleanly without it; decided
+    # once, here.
     for item in items:
-        if "gpu" in item.keywords:
-            item.add_marker(skip)
+        if item.path.is_relative_to(TRANSFORMERS_TESTS):
+            item.add_marker(pytest.mark.requires_transformers)
+        reason = _missing(item)
+        if reason:
+            item.add_marker(pytest.mark.skip(reason=reason))
 
 
 # -- stand-in kernel libraries -------------------------------------------------------------------

@@ -30,7 +30,7 @@ FEATURES = [
 
 
 @pytest.mark.parametrize("features", FEATURES)
-@pytest.mark.parametrize("which", ["reference", "fa3"])
+@pytest.mark.parametrize("which", ["reference", pytest.param("fa3", marks=pytest.mark.requires_plugin("fa3"))])
 def test_dense_steps_with_features(features, which, request):
     dtype = torch.float32
     W = ReferencePrefixedPrefillWrapper

@@ -12,9 +12,12 @@ import pytest
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
+# the script builds a transformers model
+pytestmark = pytest.mark.requires_transformers
+
+
 @pytest.fixture
 def bench(monkeypatch):
-    pytest.importorskip("transformers")  # the script builds a transformers model
     monkeypatch.syspath_prepend(str(BENCH))  # as `python3 bench/cpu_threads.py` finds its siblings
     return importlib.import_module("cpu_threads")
 

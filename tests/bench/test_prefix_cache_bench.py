@@ -13,6 +13,7 @@ BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
 @pytest.mark.slow
+@pytest.mark.requires_transformers
 def test_prefix_cache_bench_runs_small_on_cpu(tmp_path, monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))  # as `python3 bench/prefix_cache.py` finds its siblings
     bench = importlib.import_module("prefix_cache")

@@ -9,10 +9,10 @@ import pathlib
 
 import pytest
 
-pytest.importorskip("transformers")
 BENCH = pathlib.Path(__file__).resolve().parents[2] / "bench"
 
 
+@pytest.mark.requires_transformers
 def test_the_teacher_forced_check_runs_small_on_cpu(monkeypatch):
     monkeypatch.syspath_prepend(str(BENCH))
     bench = importlib.import_module("transformers_check")

@@ -79,8 +79,8 @@ def test_help_documents_the_option(command):
     assert "--threads N" in text and "OMP_NUM_THREADS" in text and "several mstar processes" in text
 
 
+@pytest.mark.requires_transformers
 def test_generate_json_carries_the_count_and_prints_no_line(tmp_path, capsys):
-    pytest.importorskip("transformers")
     from mstar_core.testing.hf_models import config
 
     config("llama").save_pretrained(tmp_path)
@@ -90,8 +90,8 @@ def test_generate_json_carries_the_count_and_prints_no_line(tmp_path, capsys):
     assert out["threads"] == 1 and out["threads_why"] == "--threads 1"
 
 
+@pytest.mark.requires_transformers
 def test_generate_text_output_opens_with_the_line(tmp_path, capsys, monkeypatch):
-    pytest.importorskip("transformers")
     from mstar_core.testing.hf_models import config
 
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -7,7 +7,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-from mstar_core import generate
 from mstar_core.sampling import Sampler, SamplingParams
 from mstar_core.testing.hf_models import build
 
@@ -53,7 +52,10 @@ def test_draws_on_the_gpu_are_the_cpus_and_replay_in_a_graph():
         assert torch.equal(out, want), step
 
 
+@pytest.mark.requires_transformers
 def test_a_model_samples_the_same_tokens_with_and_without_graphs():
+    from mstar_core import generate
+
     model = build("llama", "gpu", dtype=torch.bfloat16, device="cuda")
     g = torch.Generator().manual_seed(0)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 30, 12, 64)]

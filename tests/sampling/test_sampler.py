@@ -76,6 +76,7 @@ CASES = {
 
 
 @pytest.mark.parametrize("name", list(CASES))
+@pytest.mark.requires_transformers
 def test_draws_follow_transformers_distribution(name):
     params = CASES[name]
     seen = [0, 1, 9] if params.repetition_penalty != 1 else []
@@ -85,12 +86,14 @@ def test_draws_follow_transformers_distribution(name):
     assert stat < critical(df), (name, counts.tolist(), (want * DRAWS).tolist())
 
 
+@pytest.mark.requires_transformers
 def test_the_chi_squared_check_tells_one_temperature_from_another():
     counts = torch.bincount(draw(CASES["temperature-1"]), minlength=VOCAB).double()
     stat, df = chi2(counts, transformers_probs(CASES["temperature-0.6"]))
     assert stat > 10 * critical(df)
 
 
+@pytest.mark.requires_transformers
 def test_filters_never_give_a_token_they_removed():
     assert set(draw(SamplingParams(temperature=5.0, top_k=3)).tolist()) == {0, 1, 2}
     kept = transformers_probs(SamplingParams(temperature=1.0, top_p=0.5)) > 0
@@ -114,6 +117,7 @@ def test_greedy_rows_are_the_argmax_beside_sampled_ones():
     assert out[0] == logits[0].argmax() and out[2] == logits[2].argmax()
 
 
+@pytest.mark.requires_transformers
 def test_greedy_with_a_repetition_penalty_is_transformers_penalised_argmax():
     from transformers import RepetitionPenaltyLogitsProcessor
 

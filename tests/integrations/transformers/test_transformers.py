@@ -9,7 +9,6 @@ import functools
 
 import pytest
 import torch
-import transformers
 
 from mstar_core import (
     Engine,
@@ -134,6 +133,8 @@ def test_outside_mstars_runner_the_attention_says_how_to_run():
 
 
 def test_cross_attention_model_is_refused_and_left_unchanged():
+    import transformers
+
     cfg = transformers.T5Config(vocab_size=64, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=2)
     model = transformers.T5ForConditionalGeneration(cfg).eval()
     before = model.config._attn_implementation
@@ -143,6 +144,8 @@ def test_cross_attention_model_is_refused_and_left_unchanged():
 
 
 def test_latent_attention_mla_is_refused_naming_it():
+    import transformers
+
     cfg = transformers.DeepseekV3Config(
         vocab_size=64, hidden_size=64, intermediate_size=64, moe_intermediate_size=32, num_hidden_layers=1,
         num_attention_heads=2, num_key_value_heads=2, q_lora_rank=16, kv_lora_rank=16, qk_rope_head_dim=8,

@@ -10,12 +10,12 @@ import dataclasses
 import pytest
 import torch
 
-from mstar_core import Registry, generate_report
+from mstar_core import Registry
 from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.testing.hf_models import build
 from mstar_fa3.plugin import FA3
 
-pytestmark = pytest.mark.usefixtures("fa3_standin")
+pytestmark = [pytest.mark.usefixtures("fa3_standin"), pytest.mark.requires_transformers]
 
 
 @pytest.fixture
@@ -32,6 +32,8 @@ def cpu_fa3(monkeypatch):
 @pytest.mark.parametrize("arch", ["llama", "gpt_oss"])
 @pytest.mark.parametrize("backend", ["fa3", {"paged_decode": "fa3", "default": "reference"}], ids=["all", "decode"])
 def test_greedy_ids_equal_the_reference_backends(cpu_fa3, arch, backend):
+    from mstar_core import generate_report
+
     model = build(arch, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (5, 23, 12)]
