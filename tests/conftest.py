@@ -26,7 +26,7 @@ from .helpers import STANDINS
 
 # One intra-op thread unless OMP_NUM_THREADS says otherwise (also for the CLI's subprocesses): the
 # tensors here are tiny, and on a busy 2-core machine a second thread makes each op wait for it
-# (the quick subset took 190 s with two threads, 40 s with one).
+# (bench/cpu_threads.py measures the cost); pytest -n auto uses the cores instead.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 

@@ -109,6 +109,7 @@ def test_compile_options_are_checked_where_they_are_given():
         GraphRunner(tiny_graph_node()[3], lambda c, t: t, [2], "cpu", compiled=lambda t: t)
 
 
+@pytest.mark.slow  # inductor compiles the decoder: seconds even from a warm cache
 def test_bench_compiles_the_tiny_decoder_and_says_so():
     cmd = [sys.executable, "-m", "mstar_core.cli", "bench", "--graphs", "--compile", "--compile-backend", "aot_eager",
            "--steps", "2", "--warmup", "1", "--batch", "2", "--context", "8", "--layers", "1"]
