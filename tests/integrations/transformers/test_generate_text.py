@@ -40,6 +40,17 @@ def tokenizer(chat_template: str | None = CHAT_TEMPLATE):
                                    chat_template=chat_template)
 
 
+def without_chat_template(model_dir, dest):
+    """A copy of ``model_dir`` whose tokenizer has no chat template."""
+    shutil.copytree(model_dir, dest)
+    tokenizer(chat_template=None).save_pretrained(dest)
+    cfg = json.loads((dest / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (dest / "tokenizer_config.json").write_text(json.dumps(cfg))
+    (dest / "chat_template.jinja").unlink(missing_ok=True)
+    return dest
+
+
 @pytest.fixture(scope="module")
 def saved(tmp_path_factory):
     d = tmp_path_factory.mktemp("instruct")
@@ -238,13 +249,7 @@ def test_text_or_chat_the_tokenizer_cannot_serve_is_refused_before_the_weights(s
     shutil.copy(d / "config.json", bare / "config.json")
     assert "--prompt 1 is text, and model directory" in fails(capsys, str(bare), "--prompt", "the cat")
     assert "has no tokenizer: give token ids with --ids" in fails(capsys, str(bare), "--prompt", "the cat")
-    plain = tmp_path / "plain"
-    shutil.copytree(d, plain)
-    tokenizer(chat_template=None).save_pretrained(plain)
-    cfg = json.loads((plain / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    plain = without_chat_template(d, tmp_path / "plain")
     assert "--prompt 1: --chat needs a chat template, and the tokenizer of model directory" in \
         fails(capsys, str(plain), "--chat", "--prompt", "the cat")
 
@@ -300,13 +305,7 @@ def test_no_chat_hint_for_chats_ids_longer_answers_or_a_tokenizer_without_a_temp
     assert "(finish: eos, 1 token)" in out and "hint" not in err  # token ids are not text
     out, err = run_text(capsys, str(d), "--prompt", "the", "--max-new-tokens", "2", "--ignore-eos")
     assert "(finish: length, 2 tokens)" in out and "hint" not in err
-    plain = tmp_path / "plain"
-    shutil.copytree(d, plain)
-    tokenizer(chat_template=None).save_pretrained(plain)
-    cfg = json.loads((plain / "tokenizer_config.json").read_text())
-    cfg.pop("chat_template", None)
-    (plain / "tokenizer_config.json").write_text(json.dumps(cfg))
-    (plain / "chat_template.jinja").unlink(missing_ok=True)
+    plain = without_chat_template(d, tmp_path / "plain")
     out, err = run_text(capsys, str(plain), "--prompt", "the", "--max-new-tokens", "2")
     assert "(finish: eos, 1 token)" in out and "hint" not in err
 
