@@ -33,20 +33,30 @@ torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))
 
 # -- optional parts: a test that needs one carries its marker and skips, with the reason, without it
 
-# The packages the transformers extra brings (pyproject.toml).
-TRANSFORMERS_EXTRA = ("transformers", "gguf", "accelerate")
 # Every module here imports the integration (which imports transformers): all are marked
-# requires_transformers, and without the extra they are reported skipped instead of imported.
+# requires_transformers, and without transformers they are reported skipped instead of imported.
 TRANSFORMERS_TESTS = Path(__file__).parent / "integrations" / "transformers"
+# What transformers' GGUF loader needs besides transformers (mstar_core.integrations.transformers.local).
+GGUF_PACKAGES = ("gguf", "accelerate")
+
+
+def _absent(modules: tuple[str, ...]) -> str | None:
+    absent = [m for m in modules if importlib.util.find_spec(m) is None]
+    if not absent:
+        return None
+    return f"needs the transformers extra ({', '.join(absent)} not installed): pip install -e '.[transformers]'"
 
 
 @functools.cache
 def missing_transformers() -> str | None:
-    """Why the transformers extra's tests cannot run here, or None."""
-    absent = [m for m in TRANSFORMERS_EXTRA if importlib.util.find_spec(m) is None]
-    if not absent:
-        return None
-    return f"needs the transformers extra ({', '.join(absent)} not installed): pip install -e '.[transformers]'"
+    """Why tests of the transformers integration cannot run here, or None."""
+    return _absent(("transformers",))
+
+
+@functools.cache
+def missing_gguf() -> str | None:
+    """Why tests that read a GGUF file cannot run here, or None."""
+    return _absent(("transformers", *GGUF_PACKAGES))
 
 
 @functools.cache
@@ -64,6 +74,8 @@ def missing_plugin(name: str) -> str | None:
 def _missing(item: pytest.Item) -> str | None:
     if item.get_closest_marker("requires_transformers") is not None and missing_transformers():
         return missing_transformers()
+    if item.get_closest_marker("requires_gguf") is not None and missing_gguf():
+        return missing_gguf()
     for mark in item.iter_markers("requires_plugin"):
         reason = missing_plugin(*mark.args)
         if reason:

@@ -17,6 +17,8 @@ from .gguf_files import BOS, write_llama_gguf
 
 USER, ASSISTANT = 2, 4  # <|user|>, <|assistant|> in gguf_files.SPECIAL
 
+pytestmark = pytest.mark.requires_gguf  # the files are written with gguf and read through accelerate
+
 
 @pytest.fixture(scope="module")
 def written(tmp_path_factory):
