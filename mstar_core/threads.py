@@ -4,8 +4,9 @@ physical cores) less the cores other processes keep busy right now.
 
 A thread whose core another process holds stalls every op: torch's OpenMP workers wait at each
 op's barrier for the slowest of them, so on a 2-core machine with one busy process two threads
-ran a decode step about 5x slower than one. :func:`pick` is the rule on given readings; the
-``read_*`` functions read this machine (Linux's /proc and /sys), each ``None`` where it cannot.
+ran SmolLM2's decode step 2.5x slower than one (results/cpu/cpu_threads-gguf.md). :func:`pick`
+is the rule on given readings; the ``read_*`` functions read this machine (Linux's /proc and
+/sys), each ``None`` where it cannot.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ MAX_THREADS = 1024  # far above any CPU's cores; a larger value is a typo, not a
 PROC_STAT = Path("/proc/stat")
 SYS_CPU = Path("/sys/devices/system/cpu")
 CGROUP = Path("/sys/fs/cgroup")
+PROC_SELF_CGROUP = Path("/proc/self/cgroup")
 
 
 @dataclass(frozen=True)
@@ -153,25 +155,55 @@ def quota_cores(text: str) -> float | None:
     return quota / period if quota > 0 and period > 0 else None
 
 
-def read_quota(root: Path = CGROUP) -> float | None:
-    """This cgroup's CPU quota in cores (v2 ``cpu.max``, else v1 ``cfs_quota_us``), None for none."""
+def _read(path: Path) -> str | None:
     try:
-        return quota_cores((root / "cpu.max").read_text())
+        return path.read_text().strip()
     except OSError:
-        pass
-    for d in ("cpu", "cpu,cpuacct"):
-        try:
-            quota = (root / d / "cpu.cfs_quota_us").read_text().strip()
-            period = (root / d / "cpu.cfs_period_us").read_text().strip()
-        except OSError:
-            continue
-        return quota_cores(f"{quota} {period}") if not quota.startswith("-") else None
-    return None
+        return None
 
 
-def read_physical(cpus: Iterable[int], root: Path = SYS_CPU) -> int | None:
+def own_cgroups(text: str) -> dict[str, str]:
+    """``/proc/self/cgroup`` as controllers -> this process's cgroup path (``""``: cgroup v2)."""
+    out = {}
+    for line in text.splitlines():
+        parts = line.split(":", 2)
+        if len(parts) == 3:
+            out[parts[1]] = parts[2]
+    return out
+
+
+def _upwards(base: Path, path: str) -> list[Path]:
+    """``base/path`` and each folder above it up to ``base``: a quota on any of them binds."""
+    d = base / path.strip("/")
+    dirs = [d]
+    while base in d.parents:
+        d = d.parent
+        dirs.append(d)
+    return dirs
+
+
+def read_quota(root: Path | None = None, own: str | None = None) -> float | None:
+    """The tightest CPU quota in cores on this process's cgroup and those above it (v2
+    ``cpu.max``, v1 ``cpu.cfs_quota_us``), None for none. ``own``: ``/proc/self/cgroup``'s text
+    (read when None; without it, the root's quota alone)."""
+    root = CGROUP if root is None else root
+    paths = own_cgroups(_read(PROC_SELF_CGROUP) or "" if own is None else own)
+    quotas = [quota_cores(text) for d in _upwards(root, paths.get("", "/"))
+              if (text := _read(d / "cpu.max")) is not None]
+    v1 = next((p for controllers, p in paths.items() if "cpu" in controllers.split(",")), "/")
+    for mount in ("cpu", "cpu,cpuacct"):
+        for d in _upwards(root / mount, v1):
+            quota, period = _read(d / "cpu.cfs_quota_us"), _read(d / "cpu.cfs_period_us")
+            if quota is not None and period is not None and not quota.startswith("-"):
+                quotas.append(quota_cores(f"{quota} {period}"))
+    found = [q for q in quotas if q is not None]
+    return min(found) if found else None
+
+
+def read_physical(cpus: Iterable[int], root: Path | None = None) -> int | None:
     """The physical cores among ``cpus`` (CPUs that share a core's sibling list count once), or
     None where the topology cannot be read."""
+    root = SYS_CPU if root is None else root
     cores = set()
     for cpu in cpus:
         try:

@@ -13,7 +13,7 @@ from mstar_core.threads import busy_between, choose, parse_count, pick, quota_co
 
 
 @pytest.mark.parametrize("cpus, busy, quota, physical, want", [
-    (2, 1.0, None, None, 1),     # the user's case: one of two cores held by another process
+    (2, 1.0, None, None, 1),     # one of two cores held by another process
     (2, 0.0, None, None, 2),     # idle: every core
     (2, 0.4, None, None, 2),     # background noise takes no core
     (2, 0.6, None, None, 1),     # a core busy over half the time is taken
@@ -106,16 +106,29 @@ def test_cgroup_v2_quota(text, want):
     assert quota_cores(text) == want
 
 
-def test_read_quota_v2_then_v1(tmp_path):
-    assert read_quota(tmp_path) is None  # no cgroup files: no quota
+def test_read_quota_v2_and_v1_the_tightest(tmp_path):
+    root = "0::/\n1:cpu,cpuacct:/\n"
+    assert read_quota(tmp_path, root) is None  # no cgroup files: no quota
     (tmp_path / "cpu").mkdir()
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("-1\n")
     (tmp_path / "cpu" / "cpu.cfs_period_us").write_text("100000\n")
-    assert read_quota(tmp_path) is None  # v1 without a quota
+    assert read_quota(tmp_path, root) is None  # v1 without a quota
     (tmp_path / "cpu" / "cpu.cfs_quota_us").write_text("300000\n")
-    assert read_quota(tmp_path) == 3.0
+    assert read_quota(tmp_path, root) == 3.0
     (tmp_path / "cpu.max").write_text("100000 100000\n")
-    assert read_quota(tmp_path) == 1.0  # v2 read first
+    assert read_quota(tmp_path, root) == 1.0  # v2's 1 core is the tighter
+
+
+def test_read_quota_follows_the_process_cgroup_and_those_above_it(tmp_path):
+    own = "0::/system.slice/job.service\n"
+    (tmp_path / "cpu.max").write_text("max 100000\n")
+    (tmp_path / "system.slice" / "job.service").mkdir(parents=True)
+    (tmp_path / "system.slice" / "cpu.max").write_text("400000 100000\n")
+    (tmp_path / "system.slice" / "job.service" / "cpu.max").write_text("max 100000\n")
+    assert read_quota(tmp_path, own) == 4.0  # the slice above binds
+    (tmp_path / "system.slice" / "job.service" / "cpu.max").write_text("150000 100000\n")
+    assert read_quota(tmp_path, own) == 1.5  # the service's own, tighter
+    assert read_quota(tmp_path, "0::/\n") is None  # the root's alone: no quota there
 
 
 def test_physical_cores_count_hyperthread_siblings_once(tmp_path):
@@ -134,4 +147,3 @@ def test_this_machine_reads_sensibly():
     assert busy is None or 0.0 <= busy <= cpus + 0.5  # jiffies are coarse: a little slack
     assert quota is None or quota > 0
     assert physical is None or 1 <= physical <= cpus
-    assert 1 <= pick(cpus, busy, quota, physical) <= cpus
