@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from mstar_core.cli.options import add_config, add_threads, apply_threads, check_device, config_from
+from mstar_core.cli.options import add_config, add_threads, apply_threads, check_device, check_threads, config_from
 from mstar_core.cli.parallel import add_tp, launched
 from mstar_core.errors import InputError
 
@@ -44,10 +44,11 @@ def check_seed(seed: int, command: str = "demo") -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    apply_threads(args, "demo")
+    check_threads(args, "demo")
     check_seed(args.seed)
     check_device(args.device, "demo")
     config = config_from(args)
+    apply_threads(args, "demo")
     if args.workload != "text":
         from mstar_core.demo import denoise, shared_prefix
 

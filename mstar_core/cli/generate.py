@@ -21,6 +21,7 @@ from mstar_core.cli.options import (
     check_backend,
     check_device,
     check_dtype,
+    check_threads,
     config_from,
 )
 from mstar_core.cli.parallel import add_tp, launched
@@ -203,7 +204,7 @@ def _chat_hint(prompts: list[Prompt], rows: list[dict[str, Any]], tokenizer: Any
 
 
 def run(args: argparse.Namespace) -> int:
-    threads = apply_threads(args, "generate", quiet=args.json)
+    check_threads(args, "generate")
     check_seed(args.seed, "generate")
     device = check_device(args.device, "generate")
     config = config_from(args)  # before the model loads: a typo fails fast
@@ -211,6 +212,7 @@ def run(args: argparse.Namespace) -> int:
     check_flags(args)
     prompts = gather(args.prompt, args.prompt_file, args.ids)
     check_backend(args.backend, config, device)  # a misspelt name fails now, not after the load
+    threads = apply_threads(args, "generate", quiet=args.json)
     if importlib.util.find_spec("transformers") is None:
         raise StateError("mstar generate needs transformers: pip install '.[transformers]' in a clone of mstar")
     from mstar_core.integrations.transformers import generate_report

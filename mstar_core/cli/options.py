@@ -62,17 +62,23 @@ def add_threads(p: argparse.ArgumentParser) -> None:
                    "machine shared with busy processes or running several mstar processes at once")
 
 
+def check_threads(args: argparse.Namespace, command: str) -> int | None:
+    """``--threads`` as a count (None: not given), refused with the other flags' checks."""
+    if args.threads is None:
+        return None
+    flag = parse_count(str(args.threads))
+    if flag is None:
+        raise InputError(f"{command}: --threads {args.threads!r} is not a thread count; give an integer from 1 to "
+                         f"{MAX_THREADS} (or leave it out: $OMP_NUM_THREADS when set, else the free cores)")
+    return flag
+
+
 def apply_threads(args: argparse.Namespace, command: str, quiet: bool = False) -> Threads:
     """Choose the intra-op thread count (``--threads``, else ``OMP_NUM_THREADS``, else the free
-    cores), set it in torch, log it and print it as one line unless ``quiet``. Called before any
-    torch work, so that the load read is other processes' and the run uses the count throughout."""
-    flag = None
-    if args.threads is not None:
-        flag = parse_count(str(args.threads))
-        if flag is None:
-            raise InputError(f"{command}: --threads {args.threads!r} is not a thread count; give an integer from 1 to "
-                             f"{MAX_THREADS} (or leave it out: $OMP_NUM_THREADS when set, else the free cores)")
-    threads = choose(flag)
+    cores), set it in torch, log it and print it as one line unless ``quiet``. Called once the
+    flags are checked and before any torch work, so that the load read is other processes' and
+    the run uses the count throughout."""
+    threads = choose(check_threads(args, command))
     torch.set_num_threads(threads.count)
     log.info("%s: %s", command, threads.line())
     if not quiet and os.environ.get("RANK", "0") == "0":  # one line for a tensor-parallel run, from rank 0
