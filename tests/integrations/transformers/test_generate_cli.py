@@ -74,39 +74,3 @@ def test_bad_input_is_one_clear_line(tmp_path, capsys, argv, message):
     assert message in err and "Traceback" not in err
 
 
-@pytest.mark.parametrize("argv, env, config, message", [
-    (["--backend", "flashinfr"], None, None, "attention backend 'flashinfr' (from argument) is unknown"),
-    ([], "refrence", None, "attention backend 'refrence' (from env MSTAR_ATTENTION_BACKEND) is unknown"),
-    ([], None, '[attention]\nbackend = "flashinfr"\n', "attention backend 'flashinfr' (from config) is unknown"),
-    ([], None, '[attention.backend]\npaged_decode = "flashinfr"\n',
-     "attention backend 'flashinfr' (from config, for paged_decode) is unknown"),
-])
-def test_a_backend_name_is_checked_before_the_model_is_read(tmp_path, capsys, monkeypatch, argv, env, config,
-                                                             message):
-    if env is not None:
-        monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", env)
-    else:
-        monkeypatch.delenv("MSTAR_ATTENTION_BACKEND", raising=False)
-    if config is not None:
-        (tmp_path / "c.toml").write_text(config)
-        argv = [*argv, "--config", str(tmp_path / "c.toml")]
-    # the model path does not exist: the backend's error comes first, so nothing was read
-    assert main(["generate", str(tmp_path / "never-read"), "--prompt", "1", "--ids", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err
-    assert "Known backends:" in err and "reference" in err  # the names that would do
-    if "flashinfr" in message:
-        assert "(did you mean 'flashinfer'?)" in err
-
-
-@pytest.mark.parametrize("argv, message", [
-    (["--dtype", "bf16"], "--dtype 'bf16' is not supported (did you mean 'bfloat16'?); choose one of auto, "),
-    (["--compile", "--compile-backend", "inducter"],
-     "--compile-backend 'inducter' is not a torch.compile backend (did you mean 'inductor'?)"),
-    (["--compile", "--compile-backend", "eager", "--no-graphs"],
-     "--compile compiles the graph steps and --no-graphs turns them off"),
-])
-def test_dtype_and_compile_flags_are_checked_before_the_model_is_read(tmp_path, capsys, argv, message):
-    assert main(["generate", str(tmp_path / "never-read"), "--prompt", "1", "--ids", *argv]) == 2
-    err = capsys.readouterr().err
-    assert message in err and "Traceback" not in err

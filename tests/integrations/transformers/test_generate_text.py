@@ -301,6 +301,13 @@ def test_no_chat_hint_for_chats_ids_longer_answers_or_a_tokenizer_without_a_temp
     d, first = ends_at_once
     _, err = run_text(capsys, str(d), "--chat", "--prompt", "the", "--max-new-tokens", "2")
     assert "hint" not in err
+    # a chat that ended at once gets no hint either: it went through the template already
+    from mstar_core.cli.generate import _chat_hint
+    from mstar_core.cli.prompt_input import Prompt
+
+    prompts, rows = [Prompt("--prompt 1", text="the")], [{"finish": "eos", "generated_ids": [first]}]
+    assert _chat_hint(prompts, rows, tokenizer(), chat=False) is not None  # the same rows without --chat: a hint
+    assert _chat_hint(prompts, rows, tokenizer(), chat=True) is None
     out, err = run_text(capsys, str(d), "--ids", "--prompt", f"{BOS} {THE}", "--max-new-tokens", "2")
     assert "(finish: eos, 1 token)" in out and "hint" not in err  # token ids are not text
     out, err = run_text(capsys, str(d), "--prompt", "the", "--max-new-tokens", "2", "--ignore-eos")
