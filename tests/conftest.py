@@ -77,7 +77,7 @@ def _missing(item: pytest.Item) -> str | None:
     if item.get_closest_marker("requires_gguf") is not None and missing_gguf():
         return missing_gguf()
     for mark in item.iter_markers("requires_plugin"):
-        reason = missing_plugin(*mark.args)
+        reason = missing_plugin(*mark.args, **mark.kwargs)
         if reason:
             return reason
     if item.get_closest_marker("gpu") is not None and not torch.cuda.is_available():
@@ -85,20 +85,16 @@ def _missing(item: pytest.Item) -> str | None:
     return None
 
 
-class _NotImported(pytest.Module):
-    """A test module whose imports need an absent optional part: reported skipped, not imported."""
-
-    reason = ""
+class _WithoutTransformers(pytest.Module):
+    """A test module whose imports need transformers, absent here: reported skipped, not imported."""
 
     def collect(self):
-        pytest.skip(f"{self.path.relative_to(Path(__file__).parent.parent)}: {self.reason}")
+        pytest.skip(f"{self.nodeid}: {missing_transformers()}")
 
 
 def pytest_pycollect_makemodule(module_path, parent):
     if module_path.is_relative_to(TRANSFORMERS_TESTS) and missing_transformers():
-        module = _NotImported.from_parent(parent, path=module_path)
-        module.reason = missing_transformers()
-        return module
+        return _WithoutTransformers.from_parent(parent, path=module_path)
     return None
 
 

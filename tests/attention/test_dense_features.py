@@ -29,18 +29,20 @@ FEATURES = [
 ]
 
 
-@pytest.mark.parametrize("features", FEATURES)
-@pytest.mark.parametrize("which", ["reference", pytest.param("fa3", marks=pytest.mark.requires_plugin("fa3"))])
-def test_dense_steps_with_features(features, which, request):
+def _fa3_lacks(features: AttentionFeatures) -> list[str]:
+    return features.lacking("prefixed_ragged", FA3.supports("prefixed_ragged"))
+
+
+# every feature on the reference; on FA3's wrapper (its stand-in), the features FA3 declares
+CASES = [pytest.param("reference", p.values[0], id=f"reference-{p.id}") for p in FEATURES] + [
+    pytest.param("fa3", p.values[0], id=f"fa3-{p.id}") for p in FEATURES if not _fa3_lacks(p.values[0])]
+
+
+@pytest.mark.parametrize(("which", "features"), CASES)
+def test_dense_steps_with_features(which, features, request):
     dtype = torch.float32
     W = ReferencePrefixedPrefillWrapper
     if which == "fa3":
-        lacking = features.lacking("prefixed_ragged", FA3.supports("prefixed_ragged"))
-        if lacking:  # not declared (the tested build has no soft-cap): selection says so, naming it
-            with pytest.raises(BackendUnavailable, match=f"does not support feature {lacking[0]} "):
-                select_backend(("prefixed_ragged",), requested="fa3", device="cpu", dtype=torch.bfloat16,
-                               head_dim=32, features=features)
-            return
         request.getfixturevalue("fa3_standin")
         from mstar_fa3.ragged import FA3PrefixedPrefillWrapper as W
         dtype = torch.bfloat16
@@ -55,6 +57,15 @@ def test_dense_steps_with_features(features, which, request):
     if features.layer_windows is not None:
         (run,) = h.attn._current.label_runs  # the last step's plan (it has landed: not current)
         assert sorted(run.per_window) == sorted(set(features.layer_windows))
+
+
+@pytest.mark.requires_plugin("fa3")  # selection finds FA3 by its entry point
+@pytest.mark.parametrize("features", [p for p in FEATURES if _fa3_lacks(p.values[0])])
+def test_fa3_is_not_selected_for_a_feature_it_does_not_declare(features):
+    lacking = _fa3_lacks(features)  # the tested build has no soft-cap: selection says so, naming it
+    with pytest.raises(BackendUnavailable, match=f"does not support feature {lacking[0]} "):
+        select_backend(("prefixed_ragged",), requested="fa3", device="cpu", dtype=torch.bfloat16, head_dim=32,
+                       features=features)
 
 
 def test_fp8_prefix_is_dequantized_once_per_stream_and_layer():

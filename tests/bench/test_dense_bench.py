@@ -44,7 +44,7 @@ def test_prepare_host_bench_runs_on_cpu(tmp_path, monkeypatch, flashinfer_standi
 
 # the scripts that import transformers (or the integration) at their top
 NEEDS_TRANSFORMERS = {"compiled_decode", "cpu_generate", "cpu_threads", "prefix_cache", "sampled_decode",
-                      "transformers_baselines", "transformers_check", "transformers_decode"}
+                      "transformers_check", "transformers_decode"}
 
 
 @pytest.mark.parametrize("name", [

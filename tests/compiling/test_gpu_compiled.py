@@ -114,6 +114,7 @@ def test_compiled_graph_steps_match_the_no_cache_forward_and_the_uncompiled_runn
     assert same >= 0.9 * sum(len(s) for s in seqs.values()), (seqs, seqs2)
 
 
+@pytest.mark.requires_transformers
 def test_a_transformers_llama_served_compiled_agrees_with_uncompiled():
     from mstar_core.integrations.transformers import generate_report
     from mstar_core.testing.hf_models import build
