@@ -19,6 +19,8 @@ from mstar_core.registry.api import API_VERSION
 from mstar_core.registry.discovery import RESERVED
 
 _NAME = re.compile(r"[a-z][a-z0-9_]*")
+# The lint and type tools the skeleton pins: the releases mstar-core's test extra pins.
+LINT_PINS = {"ruff": "0.17.6", "mypy": "2.4.1"}
 # A backend name also names the package (NAME_mstar) and the distribution: 64 characters keep
 # every path the skeleton writes far inside a file system's 255-byte name limit.
 MAX_NAME = 64
@@ -38,7 +40,8 @@ requires-python = ">=3.11"
 dependencies = ["mstar-core", "torch"]
 
 [project.optional-dependencies]
-test = ["pytest"]
+# ruff and mypy at the releases mstar's own gate pins (a new release may add findings)
+test = ["pytest", "ruff=={ruff}", "mypy=={mypy}"]
 
 [project.entry-points."mstar.backends"]
 {name} = "{pkg}.plugin"
@@ -46,7 +49,7 @@ test = ["pytest"]
 [tool.setuptools]
 packages = ["{pkg}"]
 
-# The lint and type gate mstar holds its own code to (pip install ruff mypy; ruff check . && mypy).
+# The lint and type gate mstar holds its own code to: ruff check . && mypy
 [tool.ruff]
 line-length = 120
 target-version = "py311"
@@ -78,6 +81,7 @@ pip install -e '.[test]'       # mstar-core (and torch) installed first: mstar-c
 mstar backends                 # lists {name}, its distribution and whether it runs here
 mstar check {name}             # the conformance suite against a float64 oracle
 python -m pytest               # the same suite, one pytest test per case
+ruff check . && mypy           # lint and types, as mstar checks its own code
 pip wheel --no-deps . -w dist  # a wheel to ship (--no-deps: mstar-core is on no index)
 ```
 
@@ -218,7 +222,8 @@ def check_name(name: str) -> str:
 def files_for(name: str) -> dict[str, str]:
     """Relative path -> text of every file of the skeleton for backend ``name``."""
     check_name(name)
-    fields = {"name": name, "pkg": f"{name}_mstar", "dist": f"{name.replace('_', '-')}-mstar", "api": API_VERSION}
+    fields = {"name": name, "pkg": f"{name}_mstar", "dist": f"{name.replace('_', '-')}-mstar", "api": API_VERSION,
+              **LINT_PINS}
     pkg = fields["pkg"]
     return {
         "pyproject.toml": PYPROJECT.format(**fields),

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import shutil
 import subprocess
 import sys
+import tomllib
 from pathlib import Path
 from types import ModuleType
 
@@ -44,6 +46,18 @@ def _needs(tool: str) -> None:
 def _run(args: list[str], cwd: Path, **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", *args], cwd=cwd, capture_output=True, text=True,
                           env={**os.environ, **env}, timeout=600)
+
+
+def test_the_skeleton_carries_mstars_own_lint_and_type_settings_and_pins(skeleton):
+    mine = tomllib.loads((REPO / "pyproject.toml").read_text())
+    theirs = tomllib.loads((skeleton / "pyproject.toml").read_text())
+    assert theirs["tool"]["ruff"]["line-length"] == mine["tool"]["ruff"]["line-length"]
+    assert theirs["tool"]["ruff"]["lint"]["select"] == mine["tool"]["ruff"]["lint"]["select"]
+    assert {k: v for k, v in theirs["tool"]["mypy"].items() if k != "files"} == \
+        {k: v for k, v in mine["tool"]["mypy"].items() if k not in ("files", "overrides")}
+    pins = {re.split("==", d)[0]: d for d in mine["project"]["optional-dependencies"]["test"] if "==" in d}
+    assert {"ruff", "mypy"} <= set(pins) and all(pins[t] in theirs["project"]["optional-dependencies"]["test"]
+                                                 for t in ("ruff", "mypy"))
 
 
 def test_the_skeleton_passes_ruff_under_its_own_config(skeleton):
