@@ -213,29 +213,23 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
         return select_backend(capabilities=caps, requested="auto", device=device, dtype=dtype, head_dim=head_dim,
                               registry=registry, honor_env=False, features=f)
 
+    group, each = select_each(select)
+    if isinstance(group, BackendUnavailable):
+        paged: dict[str, Any] = {"picks": None, "multi_token_wrapper": None, "error": str(group)}
+    else:
+        paged = {"picks": group.names, "multi_token_wrapper": group.multi_token_wrapper, "error": None}
     auto: dict[str, dict[str, Any]] = {}
-    # The paged manager takes each paged capability from its own pick (over mstar's KV layout);
-    # where multi-token decode rows run depends on the picks together, so a paged capability's
-    # pick is the group's (alone only where the group cannot be built).
-    group = None
-    try:
-        group = select(PAGED)
-        paged: dict[str, Any] = {"picks": group.names, "multi_token_wrapper": group.multi_token_wrapper,
-                                 "error": None}
-        auto.update({cap: {"pick": group.names[cap], "rejected": dict(group.rejected_by.get(cap, {})),
-                           "measured": group.measured.get(cap)} for cap in PAGED})
-    except BackendUnavailable as e:
-        paged = {"picks": None, "multi_token_wrapper": None, "error": str(e)}
-    for cap in CAPABILITIES:
-        if cap not in auto:
-            try:
-                sel = select((cap,))
-                auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected), "measured": sel.measured.get(cap)}
-            except BackendUnavailable as e:
-                auto[cap] = {"pick": None, "rejected": e.reasons, "measured": None}
+    for cap, sel in each.items():
+        if isinstance(sel, BackendUnavailable):
+            auto[cap] = {"pick": None, "rejected": sel.reasons, "measured": None}
+        elif sel is group:
+            auto[cap] = {"pick": group.names[cap], "rejected": dict(group.rejected_by.get(cap, {})),
+                         "measured": group.measured.get(cap)}
+        else:
+            auto[cap] = {"pick": sel.name, "rejected": dict(sel.rejected), "measured": sel.measured.get(cap)}
         # requested features auto did not judge this capability on, and why
         auto[cap]["not_asked"] = not_asked(cap, features)
-    auto = {cap: auto[cap] for cap in CAPABILITIES}  # in the capability table's order
+    group = None if isinstance(group, BackendUnavailable) else group
 
     def select_configured(caps: tuple[str, ...]) -> Any:
         return select_backend(capabilities=caps, device=device, dtype=dtype, head_dim=head_dim, config=config,
@@ -269,24 +263,31 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     }
 
 
+def select_each(select: Any) -> tuple[Any, dict[str, Any]]:
+    """``select(capabilities)`` for every capability, in the capability table's order: the paged
+    ones from the paged group's selection, as the paged manager takes them (where multi-token
+    decode rows run depends on the picks together), each alone where the group cannot be built
+    (so each says its own reason), the others alone. Returns the group's selection and each
+    capability's, a selection that failed as its :class:`BackendUnavailable`."""
+    def attempt(caps: tuple[str, ...]) -> Any:
+        try:
+            return select(caps)
+        except BackendUnavailable as e:
+            return e
+
+    group = attempt(PAGED)
+    failed = isinstance(group, BackendUnavailable)
+    return group, {cap: group if cap in PAGED and not failed else attempt((cap,)) for cap in CAPABILITIES}
+
+
 def config_picks(config: Config, file: str | None, select: Any) -> dict[str, Any]:
     """What ``config`` asks (its backend choice, pins and prefix cache) and picks per capability
-    (``select(capabilities)`` selects under it): the paged capabilities together, as the paged
-    manager takes them, the others alone; where a selection fails, its error (then each paged
-    capability alone, so each says its own)."""
+    (``select(capabilities)`` selects under it, as :func:`select_each` walks them); where a
+    selection fails, its error."""
     choice = config.backend if config.backend is not None else AUTO
-    picks: dict[str, dict[str, Any]] = {}
-    try:
-        group = select(PAGED)
-        picks.update({cap: {"pick": group.names[cap], "error": None} for cap in PAGED})
-    except BackendUnavailable:
-        pass
-    for cap in CAPABILITIES:
-        if cap not in picks:
-            try:
-                picks[cap] = {"pick": select((cap,)).name, "error": None}
-            except BackendUnavailable as e:
-                picks[cap] = {"pick": None, "error": str(e)}
+    group, each = select_each(select)
+    picks = {cap: {"pick": None, "error": str(sel)} if isinstance(sel, BackendUnavailable) else
+             {"pick": sel.names[cap] if sel is group else sel.name, "error": None} for cap, sel in each.items()}
     return {
         "file": file,
         "backend": config.backend if isinstance(config.backend, str | None) else dict(config.backend),
