@@ -11,9 +11,9 @@ from typing import TYPE_CHECKING, Any
 
 from mstar_core.attention.base import AttentionManager
 from mstar_core.attention.dense import DenseAttentionManager, DensePlan, DenseSegment
-from mstar_core.attention.grouped import GroupedPagedAttentionManager, GroupedPlan, build_paged_attention
+from mstar_core.attention.grouped import GroupedPagedAttentionManager, GroupedPlan
 from mstar_core.attention.groups import LayerGroup, layer_groups
-from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan
+from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan, build_paged_attention
 from mstar_core.attention.protocols import (
     MixedWrapper,
     PagedDecodeWrapper,

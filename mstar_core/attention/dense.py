@@ -51,7 +51,9 @@ from typing import Any
 import torch
 
 from mstar_core import ops
+from mstar_core.attention import calls
 from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
+from mstar_core.attention.plans import WrapperSize, ragged_plan
 from mstar_core.attention.prefix_cache import GatheredPrefixCache, PrefixCacheStats, SharedKey, StreamId
 from mstar_core.attention.protocols import PrefixedPrefillWrapper
 from mstar_core.errors import InputError, InputTypeError, StateError, UnknownName
@@ -169,6 +171,7 @@ class DenseAttentionManager(AttentionManager):
         flashinfer_backend: str = "auto",
         max_cached_tokens: int | None = None,
         backend_name: str | None = None,
+        api_version: str | None = None,
     ) -> None:
         # The model's features are the KV manager's: an FP8 cache is read back here (the gathered
         # prefix dequantised once per stream and layer), so the wrappers see the model dtype.
@@ -181,6 +184,9 @@ class DenseAttentionManager(AttentionManager):
         self.kv_config = kv_config
         self.wrapper_class = resolve_class(wrapper_class)
         self.backend_name = backend_name
+        # The contract version the wrapper speaks (mstar_core.attention.calls): its spec's where the
+        # registry picked it; else 2.0 where the class builds from a WrapperSize, else 1.1.
+        self.api_version = api_version or ("2.0" if hasattr(self.wrapper_class, "from_size") else "1.1")
         self.flashinfer_backend = flashinfer_backend
         self.max_cached_tokens = max_cached_tokens
         self.prefixes = GatheredPrefixCache(max_cached_tokens)
@@ -208,7 +214,7 @@ class DenseAttentionManager(AttentionManager):
         if not isinstance(kv, KVManager):
             raise InputTypeError(f"DenseAttentionManager needs a paged KVManager, got {type(kv).__name__}")
         wrapper_class = spec.get("wrapper_class")
-        backend_name = None
+        backend_name = api_version = None
         if wrapper_class is None:
             from mstar_core.registry import select_backend  # the registry imports plugins: keep it lazy
 
@@ -217,9 +223,11 @@ class DenseAttentionManager(AttentionManager):
                 dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
             )
             wrapper_class, backend_name = sel.classes[DENSE_CAPABILITY], sel.name
+            api_version = sel.backend_for(DENSE_CAPABILITY).api_version
         return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
                    flashinfer_backend=spec.get("flashinfer_backend", "auto"),
-                   max_cached_tokens=spec.get("max_cached_tokens"), backend_name=backend_name)
+                   max_cached_tokens=spec.get("max_cached_tokens"), backend_name=backend_name,
+                   api_version=api_version)
 
     # -- resource identity -------------------------------------------------------------------
     @property
@@ -325,26 +333,32 @@ class DenseAttentionManager(AttentionManager):
         cu_k = (0, *itertools.accumulate(g.k_len for g in segs))
         max_q = max((g.q_len for g in segs), default=0)
         max_k = max((g.k_len for g in segs), default=0)
+        # Host tensors: the wrapper moves them to the device once per step, not per layer.
         cu_q_t, cu_k_t = torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32)
-        kw = plan_kwargs(logits_soft_cap=self.features.soft_cap)
+        try:  # built and checked once per label; each window's plan shares it
+            base = ragged_plan(cu_q_t, cu_k_t, max_q, max_k, self.dtype, causal=causal, sm_scale=sm_scale,
+                               logits_soft_cap=self.features.soft_cap, sink_logits=self.features.any_sinks,
+                               who=f"{type(self).__name__}.plan")
+        except Exception as e:
+            blame(e, self.backend_name, self, "plan")
+            raise
         plans = []
         for i, window in enumerate(self.features.windows(window_left)):  # one plan per distinct window; run picks
             key = (label, self._serial % self.slots, i)
             w = self._wrappers.get(key)
             if w is None:
                 c = self.kv_config
+                size = WrapperSize(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
+                                   options={"backend": self.flashinfer_backend})
                 try:
-                    w = self.wrapper_class(c.qo_heads, c.num_kv_heads, c.head_dim, self.device,
-                                           backend=self.flashinfer_backend)
+                    w = calls.build_wrapper(self.wrapper_class, DENSE_CAPABILITY, size, self.api_version)
                 except Exception as e:
                     blame(e, self.backend_name, self.wrapper_class, "__init__")
                     raise
                 self._wrappers[key] = w
             self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-            # Host tensors: the wrapper moves them to the device once per step, not per layer.
             try:
-                w.plan(cu_q_t, cu_k_t, max_q, max_k, causal=causal, dtype=self.dtype, sm_scale=sm_scale,
-                       window_left=window, **kw)
+                calls.plan_ragged(w, replace(base, window_left=window), self.api_version)
             except Exception as e:
                 blame(e, self.backend_name, w, "plan")
                 raise

@@ -1,27 +1,28 @@
-"""The paged attention manager for a model's features: one :class:`PagedAttentionManager`
-where one selection serves every layer, else :class:`GroupedPagedAttentionManager`, one manager
+"""Paged attention over layer groups that take different backends:
+:class:`GroupedPagedAttentionManager`, one :class:`~mstar_core.attention.paged.PagedAttentionManager`
 per layer group (:mod:`.groups`) over the same KV manager, each with its own backend, wrappers
-and graphs.
+and graphs (``build_paged_attention`` in :mod:`.paged` makes one where a model needs it).
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mstar_core.attention.base import AttentionManager
-from mstar_core.attention.groups import LayerGroup, select_groups
-from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan, full_past_capacity, selected
+from mstar_core.attention.groups import LayerGroup
 from mstar_core.capabilities import PAGED
 from mstar_core.errors import InputError
 from mstar_core.features import AttentionFeatures
-from mstar_core.kv.config import KVConfig
 from mstar_core.kv.paged import KVManager
 from mstar_core.step import Step, StepContext
+
+if TYPE_CHECKING:  # paged.py builds this class's instances: it imports this module
+    from mstar_core.attention.paged import PagedAttentionManager, PagedAttnPlan
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +76,7 @@ class GroupedPagedAttentionManager(AttentionManager):
 
     def describe(self) -> str:
         """``layers 0,2 (window 128): fa3; layers 1,3 (full): reference``."""
-        return "; ".join(f"{g.describe()}: {summary(m)}" for g, m in zip(self.groups, self.managers, strict=True))
+        return "; ".join(f"{g.describe()}: {m.describe()}" for g, m in zip(self.groups, self.managers, strict=True))
 
     # -- step ----------------------------------------------------------------------------------
     def plan(self, step: Step, ctx: StepContext) -> GroupedPlan:
@@ -153,39 +154,17 @@ class GroupedPagedAttentionManager(AttentionManager):
         self._current = None
 
 
-PagedManager = PagedAttentionManager | GroupedPagedAttentionManager
+# Moved to .paged (which imports this module); the old path keeps working for one MINOR.
+_MOVED = ("build_paged_attention", "summary", "PagedManager")
 
 
-def summary(attn: PagedManager) -> str:
-    """The backend of every paged capability, as logs name it: one name, or ``capability:
-    name`` each, or (layer groups) that per group."""
-    if isinstance(attn, GroupedPagedAttentionManager):
-        return attn.describe()
-    names = attn.backend_names
-    if len(set(names.values())) <= 1:
-        return str(attn.backend_name)
-    return ", ".join(f"{c}: {n}" for c, n in names.items())
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        import warnings
 
+        from mstar_core.attention import paged
 
-def build_paged_attention(kv: KVManager, device: torch.device | str, dtype: torch.dtype, kv_config: KVConfig,
-                          backend: str | Mapping[str, str] | None = None, config: Any = None,
-                          features: AttentionFeatures | None = None, registry: Any = None,
-                          head_dim: int | None = None, **options: Any) -> PagedManager:
-    """The paged attention manager for ``features`` (None: the KV manager's): the backend
-    ``backend`` names (or config's, or auto) selected per layer group; one
-    :class:`PagedAttentionManager` where one selection serves every layer, else one per group
-    under a :class:`GroupedPagedAttentionManager`. ``options``: the managers' keywords
-    (``accelerator_graph``, ``max_batch_size``, ...); ``head_dim`` None: the KV layout's."""
-    features = kv.features if features is None else features
-    features.check_layers(kv_config.num_layers, "PagedAttentionManager")
-    select = dict(requested=backend, device=device, dtype=dtype, head_dim=head_dim or kv_config.head_dim, config=config,
-                  registry=registry)
-    # grouped as the manager plans (a window past the cache is full); the whole model selected as given
-    picked = select_groups(full_past_capacity(features, kv_config), kv_config.num_layers, PAGED, features, **select)
-    if not picked.split:
-        sel = picked.whole
-        return PagedAttentionManager(kv, device, dtype, kv_config, sel.classes, features=features,
-                                     **selected(sel, features), **options)
-    managers = [(g, PagedAttentionManager(kv, device, dtype, kv_config, sel.classes, features=g.features,
-                                          **selected(sel, g.features), **options)) for g, sel in picked.groups]
-    return GroupedPagedAttentionManager(kv, managers, full_past_capacity(features, kv_config))
+        warnings.warn(f"mstar_core.attention.grouped.{name} moved to mstar_core.attention.paged.{name}; the old "
+                      "path goes in the next MINOR", DeprecationWarning, stacklevel=2)
+        return getattr(paged, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

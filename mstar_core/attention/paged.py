@@ -16,8 +16,12 @@ from typing import Any
 import torch
 
 from mstar_core import ops
-from mstar_core.attention.base import AttentionManager, blame, check_q, plan_kwargs
-from mstar_core.capabilities import PAGED, PAGED_DECODE, PAGED_PREFILL, paged_step_capability
+from mstar_core.attention import calls
+from mstar_core.attention.base import AttentionManager, blame, check_q
+from mstar_core.attention.grouped import GroupedPagedAttentionManager
+from mstar_core.attention.groups import select_groups
+from mstar_core.attention.plans import PagedPlan, WrapperSize, paged_plan
+from mstar_core.capabilities import MIXED, PAGED, PAGED_DECODE, PAGED_PREFILL, paged_step_capability
 from mstar_core.errors import InputError, StateError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.kv.config import KVConfig
@@ -129,15 +133,6 @@ def layer_variants(features: AttentionFeatures) -> tuple[int, ...] | None:
     return tuple(variants.index((features.window(i, -1), features.layer_sinks(i))) for i in range(n))
 
 
-def selected(sel: Any, features: AttentionFeatures) -> dict[str, Any]:
-    """The keywords a ``Selection`` gives the manager besides its wrapper classes: the backend
-    names (per capability), where multi-token decode rows run, and whether decode steps can be
-    captured."""
-    wrapper = sel.multi_token_wrapper or PAGED_PREFILL
-    return {"backend_name": sel.name, "backend_names": sel.names, "multi_token_wrapper": wrapper,
-            "graph_capturable": decode_capturable(sel.capturable, features, wrapper)}
-
-
 class PagedAttentionManager(AttentionManager):
     """Attention through a backend's paged prefill / decode / mixed wrappers."""
 
@@ -147,7 +142,7 @@ class PagedAttentionManager(AttentionManager):
         device: torch.device | str,
         dtype: torch.dtype,
         kv_config: KVConfig,
-        wrappers: Mapping[str, type],
+        wrappers: Mapping[str, type] | None = None,
         flashinfer_backend: str = "auto",
         max_batch_size: int = 256,
         max_total_tokens: int = 16384,
@@ -160,7 +155,20 @@ class PagedAttentionManager(AttentionManager):
         backend_name: str | None = None,
         multi_token_wrapper: str = PAGED_PREFILL,
         backend_names: Mapping[str, str] | None = None,
+        selection: Any = None,
     ) -> None:
+        """``selection``: the registry's ``Selection``, whole: the wrapper classes, the backend
+        serving each kind, the contract version each speaks, where multi-token decode rows run and
+        whether decode steps can be captured all come from it (the keywords of the same names are
+        for wrappers given without one)."""
+        features = kv_cache.features if features is None else features
+        if selection is not None:
+            wrappers = selection.classes
+            backend_name, backend_names = selection.name, selection.names
+            multi_token_wrapper = selection.multi_token_wrapper or PAGED_PREFILL
+            graph_capturable = decode_capturable(selection.capturable, features, multi_token_wrapper)
+        if wrappers is None:
+            raise InputError("PagedAttentionManager needs a selection or wrappers (capability -> wrapper class)")
         missing = [c for c in PAGED if c not in wrappers]
         if missing:
             raise InputError(f"PagedAttentionManager needs wrappers for {list(PAGED)}; missing {missing}")
@@ -168,7 +176,7 @@ class PagedAttentionManager(AttentionManager):
             raise InputError(f"PagedAttentionManager: multi_token_wrapper must be {PAGED_DECODE!r} or "
                              f"{PAGED_PREFILL!r} (the selection's), got {multi_token_wrapper!r}")
         # The model's features; the KV manager's by default (it stores what they ask for).
-        self.features = kv_cache.features if features is None else features
+        self.features = features
         if self.features.kv_dtype != kv_cache.features.kv_dtype:
             raise InputError(f"PagedAttentionManager: features ask for kv_dtype {self.features.kv_dtype!r} but the KV "
                              f"cache stores {kv_cache.features.kv_dtype!r}; build both with the same features")
@@ -179,6 +187,11 @@ class PagedAttentionManager(AttentionManager):
         self.dtype = dtype
         self.kv_config = kv_config
         self.wrapper_classes = dict(wrappers)
+        # The contract version each kind's wrapper speaks (mstar_core.attention.calls): its spec's;
+        # without a selection, 2.0 where the class builds from a WrapperSize, else 1.1.
+        self.api_versions = {c: selection.backend_for(c).api_version if selection is not None
+                             else "2.0" if hasattr(cls, "from_size") else "1.1"
+                             for c, cls in self.wrapper_classes.items()}
         self.backend_name = backend_name
         # Which backend each kind's wrapper comes from (errors name it); the one name by default.
         self.backend_names = dict(backend_names) if backend_names else dict.fromkeys(PAGED, backend_name)
@@ -205,8 +218,8 @@ class PagedAttentionManager(AttentionManager):
         if f.quantized:
             self._layer_kw = tuple(dict(zip(("k_scale", "v_scale"), kv_cache.scales(i), strict=True))
                                    for i in range(kv_config.num_layers))
-        self._feature_plan_kw = plan_kwargs(logits_soft_cap=f.soft_cap,
-                                            kv_data_type=kv_cache.kv_dtype if f.quantized else None)
+        self._soft_cap = f.soft_cap
+        self._kv_data_type = kv_cache.kv_dtype if f.quantized else None
         self._graph_max_bs = 0
         self._wrappers: dict[WrapperKey, Any] = {}
         self._plans = 0
@@ -218,16 +231,21 @@ class PagedAttentionManager(AttentionManager):
     @classmethod
     def build(cls, spec: Mapping[str, Any], info: BuildInfo) -> AttentionManager:
         """Pick the backend (``spec["backend"]``, a name or "auto") through the registry, per
-        layer group (:func:`~mstar_core.attention.grouped.build_paged_attention`: this class where
-        one selection serves every layer), and build over ``info.built["kv"]``."""
-        from mstar_core.attention.grouped import build_paged_attention  # it imports this module
-
+        layer group (:func:`build_paged_attention`: this class where one selection serves every
+        layer), and build over ``info.built["kv"]``."""
         kv = info.dependency(spec.get("kv", "kv"), cls.__name__)
         assert isinstance(kv, KVManager)
         keys = ("max_batch_size", "max_total_tokens", "max_prefill_rows", "slots", "accelerator_graph")
         extra = {k: spec[k] for k in keys if k in spec}
         return build_paged_attention(kv, info.device, info.dtype, kv.config, spec.get("backend"), spec.get("config"),
                                      kv.features, head_dim=info.head_dim, **extra)
+
+    def describe(self) -> str:
+        """The backend of every paged capability: one name, or ``capability: name`` each."""
+        names = self.backend_names
+        if len(set(names.values())) <= 1:
+            return str(self.backend_name)
+        return ", ".join(f"{c}: {n}" for c, n in names.items())
 
     # -- wrappers ------------------------------------------------------------------------------
     def _ws(self, times: int = 1) -> torch.Tensor:
@@ -248,24 +266,20 @@ class PagedAttentionManager(AttentionManager):
 
     def _build_wrapper(self, cls: type, kind: str, bucket: int | None, graph_tokens: int | None) -> Any:
         c = self.kv_config
-        common = (c.qo_heads, c.num_kv_heads, c.head_dim, c.page_size)
+        size = WrapperSize(c.qo_heads, c.num_kv_heads, c.head_dim, self.device, c.page_size,
+                           workspace_bytes=self.workspace_bytes, options={"backend": self.flashinfer_backend})
         if bucket is not None:
             # One graph-mode wrapper per (bucket, slot): its static buffers are what the graph
             # captured for that bucket reads; padding rows add one page each. Multi-token decode
-            # rows run on the prefill wrapper, sized for the bucket's tokens.
-            size: dict[str, int | None] = {"max_total_tokens": graph_tokens} if kind == "paged_prefill" else {}
-            if kind == PAGED_DECODE and self._multi_on_decode and graph_tokens is not None and graph_tokens > bucket:
-                # the bucket's rows of the runner's query tokens each (a one-token runner: one)
-                size = {"query_tokens": graph_tokens // bucket}
-            # A wrapper class may ask for a larger workspace in graph mode (FlashInfer's prefill
-            # sizes its split-KV scratch for the static maximum).
-            ws = self._ws(getattr(cls, "graph_workspace_factor", 1) if kind == "paged_prefill" else 1)
-            return cls(ws, *common, batch_size=bucket, max_num_pages=c.max_pages + bucket,
-                       device=self.device, accelerator_graph=True, backend=self.flashinfer_backend, **size)
-        if kind == "mixed":
-            return cls(self._ws(), self._ws(), *common, self.max_batch_size, self.max_total_tokens,
-                       c.max_pages, self.max_prefill_rows, self.device, backend=self.flashinfer_backend)
-        return cls(self._ws(), *common, device=self.device, backend=self.flashinfer_backend)
+            # rows on the prefill wrapper size it for the bucket's tokens.
+            t = graph_tokens // bucket if (kind == PAGED_DECODE and self._multi_on_decode and graph_tokens is not None
+                                           and graph_tokens > bucket) else 1
+            size = replace(size, batch_size=bucket, max_num_pages=c.max_pages + bucket, accelerator_graph=True,
+                           max_total_tokens=graph_tokens if kind == PAGED_PREFILL else None, query_tokens=t)
+        elif kind == MIXED:
+            size = replace(size, batch_size=self.max_batch_size, max_total_tokens=self.max_total_tokens,
+                           max_num_pages=c.max_pages, max_prefill_rows=self.max_prefill_rows)
+        return calls.build_wrapper(cls, kind, size, self.api_versions[kind])
 
     # -- step ----------------------------------------------------------------------------------
     def plan(self, step: Step, ctx: StepContext) -> PagedAttnPlan:
@@ -281,8 +295,6 @@ class PagedAttentionManager(AttentionManager):
             raise InputError(f"{type(self).__name__}.plan: the step sets window_left={a.window_left}, but the features "
                              "give each layer its window (layer_windows); leave the step's window_left at -1")
         variants = plan_variants(self.features, a.window_left)
-        kw = self._feature_plan_kw if a.sm_scale is None else {**self._feature_plan_kw, "sm_scale": a.sm_scale}
-        kw_sinks = {**kw, "sink_logits": True}
         graph_tokens = ctx.graph_tokens
         entries = []
         for label, lay in kv_plan.labels:
@@ -291,11 +303,12 @@ class PagedAttentionManager(AttentionManager):
             if ctx.bucket is not None:
                 self._check_graph_step(kind, ctx, lay)
             plans = []
+            p = self._paged_plan(kind, lay, a.causal, a.sm_scale)  # built and checked once per label
             for i, (window, sinks) in enumerate(variants):  # one plan per variant; run(layer_idx) picks
                 key = (label, kind, slot, ctx.bucket, i)
                 w = self._wrapper(key, graph_tokens)
                 self._planned.pop(key, None)  # a refused plan leaves the wrapper's old plan unusable either way
-                self._plan_wrapper(w, kind, lay, a.causal, window, kw_sinks if sinks else kw)
+                self._plan_wrapper(w, kind, p.variant(window, sinks))
                 self._planned[key] = self._serial
                 plans.append((window, w, key))
             if log.isEnabledFor(logging.DEBUG):  # the arguments cost more than the call when it is off
@@ -360,20 +373,26 @@ class PagedAttentionManager(AttentionManager):
         # per-slot wrappers: planning step N+1 never touches what step N's replay reads
         return self.accelerator_graph
 
-    def _plan_wrapper(self, w: Any, kind: str, lay: LabelLayout, causal: bool, window_left: int,
-                      kw: dict[str, Any]) -> None:
+    def _paged_plan(self, kind: str, lay: LabelLayout, causal: bool, sm_scale: float | None) -> PagedPlan:
+        """The label's plan: the KV layout's arrays, checked once. The mixed split is host
+        arithmetic over the pages, so a mixed plan takes the host page indices (no device sync);
+        decode and prefill take those gathered on the device."""
+        t = 1
+        if kind == PAGED_DECODE and self._multi_on_decode and lay.num_tokens != len(lay.q_lens):
+            t = lay.num_tokens // len(lay.q_lens)  # uniform rows (_kind)
+        indices = lay.kv_indices_host if kind == MIXED else lay.kv_indices
         try:
-            if kind == "paged_decode":
-                if self._multi_on_decode and lay.num_tokens != len(lay.q_lens):  # uniform rows (_kind)
-                    kw = {**kw, "query_tokens": lay.num_tokens // len(lay.q_lens)}
-                w.plan(lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, dtype=self.dtype, kv_lens=lay.kv_lens,
-                       window_left=window_left, **kw)
-            else:
-                # The mixed split is host arithmetic over the pages: it gets them from the host lists
-                # (no device sync); decode and prefill take the indices gathered on the device.
-                indices = lay.kv_indices_host if kind == "mixed" else lay.kv_indices
-                w.plan(lay.qo_indptr, lay.kv_indptr, indices, lay.kv_last_page_len, causal=causal,
-                       dtype=self.dtype, kv_lens=lay.kv_lens, window_left=window_left, **kw)
+            return paged_plan(kind, None if kind == PAGED_DECODE else lay.qo_indptr, lay.kv_indptr, indices,
+                              lay.kv_last_page_len, self.kv_config.page_size, self.dtype, causal=causal or kind ==
+                              PAGED_DECODE, kv_lens=lay.kv_lens, sm_scale=sm_scale, logits_soft_cap=self._soft_cap,
+                              kv_data_type=self._kv_data_type, query_tokens=t, who=f"{type(self).__name__}.plan")
+        except Exception as e:
+            blame(e, self.backend_names.get(kind), self, "plan")
+            raise
+
+    def _plan_wrapper(self, w: Any, kind: str, plan: PagedPlan) -> None:
+        try:
+            calls.plan_paged(w, plan, self.api_versions[kind])
         except Exception as e:
             blame(e, self.backend_names.get(kind), w, "plan")
             raise
@@ -466,3 +485,35 @@ class PagedAttentionManager(AttentionManager):
         self._wrappers.clear()
         self._planned.clear()
         self._current = None
+
+
+PagedManager = PagedAttentionManager | GroupedPagedAttentionManager
+
+
+def summary(attn: PagedManager) -> str:
+    """The backend of every paged capability, as logs name it: one name, or ``capability:
+    name`` each, or (layer groups) that per group."""
+    return attn.describe()
+
+
+def build_paged_attention(kv: KVManager, device: torch.device | str, dtype: torch.dtype, kv_config: KVConfig,
+                          backend: str | Mapping[str, str] | None = None, config: Any = None,
+                          features: AttentionFeatures | None = None, registry: Any = None,
+                          head_dim: int | None = None, **options: Any) -> PagedManager:
+    """The paged attention manager for ``features`` (None: the KV manager's): the backend
+    ``backend`` names (or config's, or auto) selected per layer group; one
+    :class:`PagedAttentionManager` where one selection serves every layer, else one per group
+    under a :class:`GroupedPagedAttentionManager`. ``options``: the managers' keywords
+    (``accelerator_graph``, ``max_batch_size``, ...); ``head_dim`` None: the KV layout's."""
+    features = kv.features if features is None else features
+    features.check_layers(kv_config.num_layers, "PagedAttentionManager")
+    select = dict(requested=backend, device=device, dtype=dtype, head_dim=head_dim or kv_config.head_dim, config=config,
+                  registry=registry)
+    # grouped as the manager plans (a window past the cache is full); the whole model selected as given
+    picked = select_groups(full_past_capacity(features, kv_config), kv_config.num_layers, PAGED, features, **select)
+    if not picked.split:
+        return PagedAttentionManager(kv, device, dtype, kv_config, features=features, selection=picked.whole,
+                                     **options)
+    managers = [(g, PagedAttentionManager(kv, device, dtype, kv_config, features=g.features, selection=sel,
+                                          **options)) for g, sel in picked.groups]
+    return GroupedPagedAttentionManager(kv, managers, full_past_capacity(features, kv_config))

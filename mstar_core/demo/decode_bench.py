@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.attention.grouped import PagedManager, build_paged_attention
+from mstar_core.attention.paged import PagedManager, build_paged_attention
 from mstar_core.compiling import CompileOptions
 from mstar_core.demo import TinyDecoder, TinyDecoderConfig
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel, check_shardable, stall_guard

@@ -11,10 +11,11 @@ declares the version it was written for (``api_version``). The rule (docs/PLUGIN
   field, hook or argument, a changed layout, a new required argument, a behaviour stated
   differently.
 
-A plugin runs when its MAJOR equals the core's and its MINOR is not newer (a plugin for 1.0
-runs on a 1.3 core; one for 1.4 needs a newer core, one for 2.0 or 0.x a different one). An
-incompatible plugin is listed, with both versions in the reason, and never imported past its
-spec or picked.
+A plugin runs when the core implements its MAJOR and its MINOR is not newer than the newest
+MINOR of that MAJOR the core implements. A core keeps running every MAJOR it has released
+(:data:`IMPLEMENTED`): a 2.0 core runs plugins for 1.0, 1.1 and 2.0, calling each as its version
+says (``mstar_core.attention.calls``). An incompatible plugin is listed, with both versions in
+the reason, and never imported past its spec or picked.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ import re
 
 from mstar_core.errors import InputError
 
-API_VERSION = "1.1"
+API_VERSION = "2.0"
+# Per MAJOR the core runs, the newest MINOR of it the core implements.
+IMPLEMENTED: dict[int, int] = {1: 1, 2: 0}
 
 _FORMAT = re.compile(r"(\d+)\.(\d+)")
 
@@ -39,16 +42,18 @@ def parse_api_version(value: object, who: str = "api_version") -> tuple[int, int
 
 def api_reasons(declared: str, core: str | None = None) -> list[str]:
     """Why a backend written for contract ``declared`` cannot run on a core implementing
-    ``core`` (default: :data:`API_VERSION`); empty when it can."""
+    ``core`` (default: :data:`API_VERSION`, with every earlier MAJOR in :data:`IMPLEMENTED`; a
+    ``core`` given runs its own MAJOR alone); empty when it can."""
+    implemented = dict(IMPLEMENTED) if core is None else {}
     core = core or API_VERSION
     (major, minor), (core_major, core_minor) = parse_api_version(declared), parse_api_version(core, "core version")
-    if major == core_major and minor <= core_minor:
+    implemented[core_major] = core_minor
+    if major in implemented and minor <= implemented[major]:
         return []
-    if major == core_major:
-        fix = "upgrade mstar-core"
-    elif major > core_major:
-        fix = "upgrade mstar-core to a release implementing it"
+    if major in implemented or major > core_major:
+        fix = "upgrade mstar-core" if major in implemented else "upgrade mstar-core to a release implementing it"
     else:
         fix = "upgrade the plugin to a release written for it"
+    runs = ", ".join(f"{m}.0 to {m}.{n}" for m, n in sorted(implemented.items()))
     return [(f"written for plugin API {declared}, but this mstar-core implements plugin API {core} "
-             f"(compatible: {core_major}.0 to {core}); {fix}")]
+             f"(compatible: {runs}); {fix}")]

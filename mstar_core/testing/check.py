@@ -285,7 +285,7 @@ def plan_checks(spec: BackendSpec, classes: Mapping[str, Any], device: torch.dev
                 spec.name, classes.get("paged_prefill"), classes.get("paged_decode"), classes.get("mixed"),
                 classes.get("prefixed_ragged"), device=str(dev), dtype=dtype,
                 workspace_bytes=(128 << 20) if dev.type == "cuda" else (1 << 20), device_indices=dev.type == "cuda",
-                thorough=True)
+                thorough=True, api_version=spec.api_version)
 
         ws = wrapper_set(device)
         for cap, kind in STEP_KINDS.items():

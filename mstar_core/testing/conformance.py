@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention import calls
+from mstar_core.attention.plans import PagedPlan, RaggedPlan, WrapperSize, paged_plan, ragged_plan
 from mstar_core.features import KV_DTYPES
 from mstar_core.kv.fp8 import quantize
 from mstar_core.testing.oracle import attention_oracle, rel_error
@@ -57,6 +59,15 @@ class WrapperSet:
     # Each case run three times (again, bit for bit; on strided views) rather than once, as
     # ``mstar check`` runs it (a test counting a library's calls per case may want one).
     thorough: bool = False
+    # The plugin contract version its spec declares (None: 2.0 where the classes build from a
+    # WrapperSize, else 1.1): how the kit builds and plans them (mstar_core.attention.calls).
+    api_version: str | None = None
+
+    def version(self, kind: str) -> str:
+        """The contract version ``kind``'s wrapper ("prefill", "decode", "mixed", "ragged") speaks."""
+        if self.api_version is not None:
+            return self.api_version
+        return "2.0" if hasattr(getattr(self, kind), "from_size") else "1.1"
 
     def workspace(self) -> torch.Tensor:
         return torch.empty(self.workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -602,20 +613,6 @@ def exercise(backend: WrapperSet, what: str, case: PagedCase | RaggedCase, run: 
     return Ran(err, out, value, where)
 
 
-def _scale_kwargs(backend: WrapperSet, case: PagedCase) -> dict[str, Any]:
-    """The plan's keyword arguments: the backend's, the case's sm_scale and features."""
-    kw = dict(backend.extra_plan_kwargs)
-    if case.sm_scale is not None:  # a paged plan takes it (and the features) as keywords
-        kw["sm_scale"] = case.sm_scale
-    if case.soft_cap is not None:
-        kw["logits_soft_cap"] = case.soft_cap
-    if KV_DTYPES[case.kv_dtype] is not None:
-        kw["kv_data_type"] = KV_DTYPES[case.kv_dtype]
-    if case.sinks:
-        kw["sink_logits"] = True
-    return kw
-
-
 def _run_kwargs(case: PagedCase, sinks: torch.Tensor | None) -> dict[str, Any]:
     """The run's keyword arguments for the case's features (none for a plain case, so a
     backend without the feature keywords still runs the plain suite)."""
@@ -627,23 +624,31 @@ def _run_kwargs(case: PagedCase, sinks: torch.Tensor | None) -> dict[str, Any]:
     return kw
 
 
+KIND_CAPABILITY = {"prefill": "paged_prefill", "decode": "paged_decode", "mixed": "mixed", "ragged": "prefixed_ragged"}
+
+
 def build(backend: WrapperSet, kind: str, case: PagedCase | RaggedCase, data: PagedData | None = None,
           device: str | None = None) -> Any:
     """A fresh wrapper of ``kind`` sized for ``case`` (``data``: its paged data, for the mixed
-    wrapper's sizes)."""
+    wrapper's sizes), built as the managers build it (:func:`mstar_core.attention.calls.build_wrapper`)."""
     dev = torch.device(device or backend.device)
     hq = case.num_kv_heads * case.gqa
-    if kind == "ragged":
-        return backend.ragged(hq, case.num_kv_heads, case.head_dim, dev, workspace_buffer=backend.workspace())
-    assert isinstance(case, PagedCase)
+    size = WrapperSize(hq, case.num_kv_heads, case.head_dim, dev, workspace_bytes=backend.workspace_bytes)
+    if kind != "ragged":
+        assert isinstance(case, PagedCase)
+        size = WrapperSize(hq, case.num_kv_heads, case.head_dim, dev, case.page_size,
+                           workspace_bytes=backend.workspace_bytes)
     if kind == "mixed":
-        assert data is not None
+        assert data is not None and isinstance(case, PagedCase)
         prompts = sum(1 for n in case.q_lens if n > 1)
-        return backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
-                             case.page_size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]),
-                             max(prompts, 1), dev)
-    cls = backend.prefill if kind == "prefill" else backend.decode
-    return cls(backend.workspace(), hq, case.num_kv_heads, case.head_dim, case.page_size, device=dev)
+        size = mixed_size(size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]), max(prompts, 1))
+    return calls.build_wrapper(getattr(backend, kind), KIND_CAPABILITY[kind], size, backend.version(kind))
+
+
+def mixed_size(size: WrapperSize, rows: int, tokens: int, pages: int, prefill_rows: int) -> WrapperSize:
+    return WrapperSize(size.num_qo_heads, size.num_kv_heads, size.head_dim, size.device, size.page_size,
+                       batch_size=rows, max_total_tokens=tokens, max_num_pages=pages, max_prefill_rows=prefill_rows,
+                       workspace_bytes=size.workspace_bytes)
 
 
 def paged_arrays(backend: WrapperSet, kind: str, data: PagedData) -> dict[str, torch.Tensor]:
@@ -658,21 +663,27 @@ def paged_arrays(backend: WrapperSet, kind: str, data: PagedData) -> dict[str, t
     return arrays
 
 
+def make_plan(backend: WrapperSet, kind: str, case: PagedCase, data: PagedData,
+              arrays: dict[str, torch.Tensor] | None = None) -> PagedPlan:
+    """The case's plan, built and checked as the managers build it (:func:`paged_plan`), from
+    ``arrays`` (:func:`paged_arrays`)."""
+    a = arrays if arrays is not None else paged_arrays(backend, kind, data)
+    decode = kind == "decode"
+    return paged_plan(KIND_CAPABILITY[kind], None if decode else a["qo_indptr"], a["paged_kv_indptr"],
+                      a["paged_kv_indices"], a["paged_kv_last_page_len"], case.page_size, data.q.dtype,
+                      causal=True if decode else case.causal, kv_lens=a["kv_lens"], window_left=case.window_left,
+                      sm_scale=case.sm_scale, logits_soft_cap=case.soft_cap, kv_data_type=KV_DTYPES[case.kv_dtype],
+                      sink_logits=case.sinks, query_tokens=case.q_lens[0] if decode and case.q_lens else 1,
+                      who=f"mstar check ({kind} case)")
+
+
 def plan_paged(backend: WrapperSet, kind: str, case: PagedCase, data: PagedData, w: Any,
                arrays: dict[str, torch.Tensor] | None = None, extra: dict[str, Any] | None = None) -> None:
-    """Plan ``w`` for ``case`` as the managers do, with ``arrays`` (:func:`paged_arrays`);
-    ``extra``: more plan keywords."""
-    a = arrays if arrays is not None else paged_arrays(backend, kind, data)
-    kw = {**_scale_kwargs(backend, case), **(extra or {})}
-    if kind == "decode":
-        if case.q_lens and case.q_lens[0] > 1:  # multi-token decode rows on a decode wrapper that declares them
-            kw["query_tokens"] = case.q_lens[0]
-        w.plan(a["paged_kv_indptr"], a["paged_kv_indices"], a["paged_kv_last_page_len"], dtype=data.q.dtype,
-               kv_lens=a["kv_lens"], window_left=case.window_left, **kw)
-        return
-    _plan(case, lambda: w.plan(a["qo_indptr"], a["paged_kv_indptr"], a["paged_kv_indices"],
-                               a["paged_kv_last_page_len"], causal=case.causal, dtype=data.q.dtype,
-                               kv_lens=a["kv_lens"], window_left=case.window_left, **kw))
+    """Plan ``w`` for ``case`` as the managers do (:func:`mstar_core.attention.calls.plan_paged`),
+    with ``arrays`` (:func:`paged_arrays`); ``extra``: more plan keywords (a 1.x wrapper's)."""
+    plan = make_plan(backend, kind, case, data, arrays)
+    kw = {**backend.extra_plan_kwargs, **(extra or {})}
+    _plan(case, lambda: calls.plan_paged(w, plan, backend.version(kind), kw))
 
 
 def run_paged(backend: WrapperSet, kind: str, case: PagedCase, wrapper: Any = None) -> Ran:
@@ -712,10 +723,10 @@ def check_mixed(backend: WrapperSet, case: PagedCase, max_prefill_rows: int | No
     """``max_prefill_rows``: the mixed wrapper's (a fresh one's; default: the case's prompt rows)."""
     if wrapper is None and max_prefill_rows is not None:
         data = make_paged(case, backend.device, backend.dtype, stale_nan=True)
-        hq = case.num_kv_heads * case.gqa
-        wrapper = backend.mixed(backend.workspace(), backend.workspace(), hq, case.num_kv_heads, case.head_dim,
-                                case.page_size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]),
-                                max_prefill_rows, torch.device(backend.device))
+        size = WrapperSize(case.num_kv_heads * case.gqa, case.num_kv_heads, case.head_dim, torch.device(backend.device),
+                           case.page_size, workspace_bytes=backend.workspace_bytes)
+        size = mixed_size(size, len(case.q_lens), sum(case.q_lens), int(data.layer.shape[0]), max_prefill_rows)
+        wrapper = calls.build_wrapper(backend.mixed, "mixed", size, backend.version("mixed"))
     return run_paged(backend, "mixed", case, wrapper).error
 
 
@@ -753,16 +764,20 @@ def make_ragged(case: RaggedCase, device: str, dtype: torch.dtype, sinks: torch.
     return RaggedData(q.to(device, dtype), k.to(device, dtype), v.to(device, dtype), cu_q, cu_k, ref)
 
 
-def plan_ragged(case: RaggedCase, data: RaggedData, w: Any, extra: dict[str, Any] | None = None) -> None:
-    plan_kw: dict[str, Any] = {} if case.window_left < 0 else {"window_left": case.window_left}
-    if case.soft_cap is not None:
-        plan_kw["logits_soft_cap"] = case.soft_cap
-    if case.sm_scale is not None:
-        plan_kw["sm_scale"] = case.sm_scale
-    plan_kw.update(extra or {})
+def make_ragged_plan(case: RaggedCase, data: RaggedData) -> RaggedPlan:
     k_lens = (data.cu_k[1:] - data.cu_k[:-1]).tolist()
-    _plan(case, lambda: w.plan(data.cu_q, data.cu_k, max(case.q_lens), max(k_lens), causal=case.causal,
-                               dtype=data.q.dtype, **plan_kw))
+    return ragged_plan(data.cu_q, data.cu_k, max(case.q_lens), max(k_lens), data.q.dtype, causal=case.causal,
+                       window_left=case.window_left, sm_scale=case.sm_scale, logits_soft_cap=case.soft_cap,
+                       sink_logits=case.sinks, who="mstar check (ragged case)")
+
+
+def plan_ragged(case: RaggedCase, data: RaggedData, w: Any, extra: dict[str, Any] | None = None,
+                api_version: str | None = None) -> None:
+    """Plan ``w`` for ``case`` as the dense manager does; ``api_version`` None: 2.0 where the
+    wrapper builds from a WrapperSize, else 1.1."""
+    version = api_version or ("2.0" if hasattr(type(w), "from_size") else "1.1")
+    plan = make_ragged_plan(case, data)
+    _plan(case, lambda: calls.plan_ragged(w, plan, version, extra))
 
 
 def run_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> Ran:
@@ -774,7 +789,7 @@ def run_ragged(backend: WrapperSet, case: RaggedCase, wrapper: Any = None) -> Ra
     tensors = {"q": data.q, "k": data.k, "v": data.v}
     others = {"cu_q": data.cu_q, "cu_k": data.cu_k, **({"sinks": sinks} if sinks is not None else {})}
     before = snapshot({**tensors, **others})
-    plan_ragged(case, data, w)
+    plan_ragged(case, data, w, api_version=backend.version("ragged"))
     kw = {} if sinks is None else {"sinks": sinks}
     hkv = case.num_kv_heads
     kv_view, kv_base = fused_view(torch.cat([data.k, data.v], dim=1), 0, 0, case.seed + 7)

@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from mstar_core.attention import calls
+from mstar_core.attention.plans import PagedPlan, WrapperSize, paged_plan
 from mstar_core.errors import InputError
 from mstar_core.testing import conformance as C
 from mstar_core.testing.conformance import (
@@ -62,19 +64,14 @@ def paged_steps(kind: str, head_dim: int = 128) -> list[PagedCase]:
 
 
 def _wrapper(backend: WrapperSet, kind: str, head_dim: int, graph: bool) -> Any:
-    dev = torch.device(backend.device)
-    hq = KV_HEADS * GQA
-    if kind == "ragged":
-        return backend.ragged(hq, KV_HEADS, head_dim, dev, workspace_buffer=backend.workspace())
+    size = WrapperSize(KV_HEADS * GQA, KV_HEADS, head_dim, torch.device(backend.device),
+                       0 if kind == "ragged" else PAGE_SIZE, workspace_bytes=backend.workspace_bytes)
     if kind == "mixed":
-        return backend.mixed(backend.workspace(), backend.workspace(), hq, KV_HEADS, head_dim, PAGE_SIZE, BATCH,
-                             TOKENS, PAGES, PREFILL_ROWS, dev)
-    cls = backend.prefill if kind == "prefill" else backend.decode
-    if not graph:
-        return cls(backend.workspace(), hq, KV_HEADS, head_dim, PAGE_SIZE, device=dev)
-    sizes = {"max_total_tokens": TOKENS} if kind == "prefill" else {}
-    return cls(backend.workspace(), hq, KV_HEADS, head_dim, PAGE_SIZE, batch_size=BATCH, max_num_pages=PAGES,
-               device=dev, accelerator_graph=True, **sizes)
+        size = C.mixed_size(size, BATCH, TOKENS, PAGES, PREFILL_ROWS)
+    elif graph:
+        size = dataclasses.replace(size, batch_size=BATCH, max_num_pages=PAGES, accelerator_graph=True,
+                                   max_total_tokens=TOKENS if kind == "prefill" else None)
+    return calls.build_wrapper(getattr(backend, kind), C.KIND_CAPABILITY[kind], size, backend.version(kind))
 
 
 def check_held(held: Sequence[Ran], what: str) -> None:
@@ -191,6 +188,17 @@ def _build_and_plan(backend: WrapperSet, kind: str, case: PagedCase | RaggedCase
 UNKNOWN_KEYWORD = "mstar_check_unknown_keyword"
 
 
+def foreign_plan(backend: WrapperSet, kind: str, case: PagedCase | RaggedCase, data: Any) -> PagedPlan:
+    """A plan of another capability than ``kind``'s (a 2.0 wrapper must refuse it): a paged
+    ``case``'s plan relabelled, or, for the ragged wrapper, a one-row paged plan."""
+    if kind == "ragged":
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        return paged_plan("paged_prefill", one, one, one[:1], one[1:], 1, backend.dtype)
+    assert isinstance(case, PagedCase)
+    plan = C.make_plan(backend, kind, case, data)
+    return dataclasses.replace(plan, kind="paged_prefill" if kind == "mixed" else "mixed")
+
+
 def check_refused(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     """One wrapper planned for a step with a window and a scale and run; then planned for
     another step (other rows, no window, another scale) with a keyword it does not implement,
@@ -209,13 +217,18 @@ def check_refused(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
         assert isinstance(other, PagedCase)
         bad = make_paged(other, backend.device, backend.dtype, stale_nan=True)
         refuse = lambda: C.plan_paged(backend, kind, other, bad, w, extra={UNKNOWN_KEYWORD: True})  # noqa: E731
+    if calls.takes_plan_objects(backend.version(kind)):  # 2.0: a typed plan; one of another capability
+        foreign = foreign_plan(backend, kind, other, bad)
+        refuse = lambda: w.plan(foreign)  # noqa: E731
     where = f"{backend.name} {kind} [{other}]"
     try:
         refuse()
     except Exception:  # refused, as it must be: now the first plan, or a refusal to run
         pass
     else:
-        raise RuleError("unknown-keyword", where, f"plan accepted the keyword {UNKNOWN_KEYWORD}=True")
+        what = (f"a {foreign.kind} plan" if calls.takes_plan_objects(backend.version(kind))
+                else f"the keyword {UNKNOWN_KEYWORD}=True")
+        raise RuleError("unknown-keyword", where, f"plan accepted {what}")
     try:
         again = RUNS[kind](backend, first, wrapper=_Planned(w))
     except RuleError as e:
@@ -251,12 +264,11 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128, multi_toke
     q_static = torch.randn(BATCH if kind == "decode" else TOKENS, KV_HEADS * GQA, head_dim, device=dev, dtype=dt)
     layer = torch.randn(PAGES + 1, 2, PAGE_SIZE, KV_HEADS, head_dim, device=dev, dtype=dt)
 
-    def plan(d: Any) -> None:
-        if kind == "decode":
-            w.plan(d.kv_indptr, backend.indices(d), d.last_page_len, dtype=dt, kv_lens=d.kv_lens)
-        else:  # the mixed split is host arithmetic: host page indices, as the manager passes them
-            idx = d.kv_indices if kind == "mixed" else backend.indices(d)
-            w.plan(d.qo_indptr, d.kv_indptr, idx, d.last_page_len, causal=True, dtype=dt, kv_lens=d.kv_lens)
+    def plan(d: Any) -> None:  # the mixed split is host arithmetic: host page indices, as the manager passes them
+        p = paged_plan(C.KIND_CAPABILITY[kind], None if kind == "decode" else d.qo_indptr, d.kv_indptr,
+                       d.kv_indices if kind == "mixed" else backend.indices(d), d.last_page_len, PAGE_SIZE, dt,
+                       kv_lens=d.kv_lens, who="mstar check (replay)")
+        calls.plan_paged(w, p, backend.version(kind))
 
     plan(datas[0])
     side = torch.cuda.Stream()

@@ -45,8 +45,13 @@ def plugin(fake_module, module: str, *specs: BackendSpec):
 # -- API versions --------------------------------------------------------------------------------
 
 def test_api_rule():
-    assert api.API_VERSION == "1.1"
-    assert api.api_reasons("1.0") == []  # a 1.0 plugin still runs on this core
+    assert api.API_VERSION == "2.0"
+    # every released version still runs on this core: 1.x through the loose-argument adapter
+    assert api.api_reasons("1.0") == [] and api.api_reasons("1.1") == [] and api.api_reasons("2.0") == []
+    (minor,) = api.api_reasons("1.2")
+    assert "compatible: 1.0 to 1.1, 2.0 to 2.0" in minor and "upgrade mstar-core" in minor
+    (future,) = api.api_reasons("3.0")
+    assert "upgrade mstar-core to a release implementing it" in future
     assert api.api_reasons("1.0", "1.3") == []  # an older minor keeps working
     (newer,) = api.api_reasons("1.4", "1.3")
     assert "plugin API 1.4" in newer and "plugin API 1.3" in newer and "upgrade mstar-core" in newer
@@ -71,7 +76,7 @@ def test_a_malformed_api_version_fails_the_whole_hook(fake_module, make_ep, fake
     (f,) = reg.failures
     assert (f.stage, f.backends) == ("register", ("fine",))
     assert str(f) == ("plugin 'sloppy' (sloppy-kernels 0.1, meant to register 'fine') failed at register: InputError: "
-                      "backend 'sloppy': api_version must be a 'MAJOR.MINOR' string such as '1.1' (the plugin contract "
+                      "backend 'sloppy': api_version must be a 'MAJOR.MINOR' string such as '2.0' (the plugin contract "
                       "version the backend was written for), got '1'; none of its backends is registered")
     with pytest.raises(BackendUnavailable, match=r"'fine' \(from argument\) is unknown: its plugin failed: .*; none "
                                                  r"of its backends is registered"):
@@ -114,14 +119,14 @@ def test_an_incompatible_backend_is_listed_never_probed_imported_or_picked(monke
     probed = []
     reg = Registry(discover=False)
     reg.register(REFERENCE, distribution="mstar-core")
-    reg.register(spec("future", api_version="2.0", probe=lambda d: probed.append(d) or [],
+    reg.register(spec("future", api_version="3.0", probe=lambda d: probed.append(d) or [],
                       provides={"paged_decode": "mstar_never_imported_xyz:W"}), distribution="future-kernels")
     (reason,) = reg.device_reasons("future", CPU)
-    assert "written for plugin API 2.0" in reason and f"implements plugin API {api.API_VERSION}" in reason
+    assert "written for plugin API 3.0" in reason and f"implements plugin API {api.API_VERSION}" in reason
     assert probed == [] and "mstar_never_imported_xyz" not in sys.modules
     sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
-    assert sel.name == "reference" and "plugin API 2.0" in sel.rejected["future"][0]
-    with pytest.raises(BackendUnavailable, match="written for plugin API 2.0"):
+    assert sel.name == "reference" and "plugin API 3.0" in sel.rejected["future"][0]
+    with pytest.raises(BackendUnavailable, match="written for plugin API 3.0"):
         select_backend(("paged_decode",), requested="future", device=CPU, dtype=F32, registry=reg)
     assert probed == []
 

@@ -19,7 +19,7 @@ from typing import Any, Self
 
 import torch
 
-from mstar_core.attention.grouped import build_paged_attention, summary
+from mstar_core.attention.paged import build_paged_attention, summary
 from mstar_core.compiling import CompiledForward, compile_options
 from mstar_core.config import load_config
 from mstar_core.distributed import DEFAULT_TIMEOUT_S, TensorParallel
