@@ -1,8 +1,9 @@
 """mstar-core: attention resources and a plugin registry for kernel backends.
 
 Every public name is importable from here (``from mstar_core import KVManager``); the modules
-below are private and may move. The transformers integration and the plugin test kit load on
-first use of their names, so ``import mstar_core`` imports neither transformers nor the suite.
+below are private and may move, but for ``mstar_core.plugin``: what a backend plugin imports. The
+transformers integration and the plugin test kit load on first use of their names, so
+``import mstar_core`` imports neither transformers nor the suite.
 """
 
 import importlib

@@ -24,10 +24,19 @@ from typing import Any, ClassVar
 
 import torch
 
-from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
-from mstar_core.backends.varlen import check_offsets, host_int32
-from mstar_core.errors import InputError, InputTypeError, StateError, Unsupported
-from mstar_core.step import check_window_and_scale, is_int
+from mstar_core.plugin import (
+    InputError,
+    InputTypeError,
+    StateError,
+    Unsupported,
+    check_offsets,
+    check_plan_kwargs,
+    check_scale,
+    check_sinks,
+    check_window_and_scale,
+    host_int32,
+    is_int,
+)
 
 MODULE = "flash_attn_interface"
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)

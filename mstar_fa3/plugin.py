@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.registry import BackendSpec, HeadDims, hookimpl
+from mstar_core.plugin import BackendSpec, HeadDims, hookimpl
 
 # flash_attn_with_kvcache's window_size and sinks arguments on every paged path. Not soft-cap: the
 # known prebuilt (tokenspeed-fa3 3.0.0) is compiled with FLASHATTENTION_DISABLE_SOFTCAP (every kernel

@@ -11,8 +11,7 @@ import importlib
 
 import torch
 
-from mstar_core.registry.device import device_arch, device_kind
-from mstar_core.registry.probing import module_missing
+from mstar_core.plugin import device_arch, device_kind, module_missing
 
 MODULE = "flash_attn_interface"
 ARCHS = ("sm90",)

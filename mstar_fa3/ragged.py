@@ -1,12 +1,12 @@
 """``FA3PrefixedPrefillWrapper``: the dense path's prefixed ragged prefill over
 FlashAttention-3's ``flash_attn_interface.flash_attn_varlen_func`` (the shared logic is
-``mstar_core.backends.varlen``)."""
+``mstar_core.plugin.VarlenPrefixedWrapper``)."""
 
 from __future__ import annotations
 
 import torch
 
-from mstar_core.backends.varlen import SUPPORTED_DTYPES, VarlenPrefixedWrapper
+from mstar_core.plugin import SUPPORTED_DTYPES, VarlenPrefixedWrapper
 
 MAX_HEAD_DIM = 256
 __all__ = ["FA3PrefixedPrefillWrapper", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]

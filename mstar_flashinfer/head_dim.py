@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.errors import InputError
+from mstar_core.plugin import InputError
 
 SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
 

@@ -1,4 +1,4 @@
-"""FlashInfer's first-use compiles, announced (mstar_core.first_use): FlashInfer builds each kernel
+"""FlashInfer's first-use compiles, announced (``mstar_core.plugin.first_use``): FlashInfer builds each kernel
 family -- q/KV dtype, head dim, sliding window or not, soft-cap or not, fa2 or fa3 -- with nvcc the
 first time a plan needs it, unless a compiled copy is in its cache (``~/.cache/flashinfer``), in the
 package's ``data/aot`` folder or in flashinfer-jit-cache. Which modules a call built is read from
@@ -14,8 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from mstar_core import first_use
-from mstar_core.registry.spec import dtype_name
+from mstar_core.plugin import dtype_name, first_use, first_use_seen
 
 log = logging.getLogger("mstar.flashinfer")
 
@@ -71,11 +70,11 @@ def plan_first_use(
     base = ("flashinfer", kind, dtype, kv_dtype or dtype, head_dim, window_left >= 0, bool(soft_cap), backend)
     if qo is None:
         key = base + (False,)
-    elif first_use.seen(base + (False,)) and first_use.seen(base + (True,)):
+    elif first_use_seen(base + (False,)) and first_use_seen(base + (True,)):
         return _SEEN
     else:
         key = base + (long_queries(qo),)
-    if first_use.seen(key):
+    if first_use_seen(key):
         return _SEEN
     kv = kv_dtype or dtype
     parts = [dtype_name(dtype) + ("" if kv == dtype else f" q, {dtype_name(kv)} KV"), f"head_dim {head_dim}"]
@@ -88,7 +87,7 @@ def plan_first_use(
     if backend != "auto":
         parts.append(f"backend {backend}")
     new = built_since(jit_dir())
-    return first_use.first_use(key, f"FlashInfer {kind} kernels ({', '.join(parts)})", WHY, log,
+    return first_use(key, f"FlashInfer {kind} kernels ({', '.join(parts)})", WHY, log,
                                lambda: describe(new()))
 
 

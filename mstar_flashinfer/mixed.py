@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.errors import InputError, StateError
+from mstar_core.plugin import InputError, StateError
 from mstar_flashinfer import compat, validate
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations

@@ -15,8 +15,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.attention.checks import check_plan_kwargs, check_scale
-from mstar_core.errors import InputError, StateError
+from mstar_core.plugin import InputError, StateError, check_plan_kwargs, check_scale
 from mstar_flashinfer import compat, validate
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
@@ -28,7 +27,7 @@ from mstar_flashinfer.staging import Staging
 
 
 def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
-    """FlashInfer's plan keywords from ours (:func:`mstar_core.features.check_plan_kwargs`
+    """FlashInfer's plan keywords from ours (:func:`mstar_core.plugin.check_plan_kwargs`
     refuses unknown or bad ones before anything is planned); K/V scales go to ``run``."""
     if not kwargs:  # the common plan: no scale, cap or FP8 cache given (nothing to check)
         return {"sm_scale": None, "logits_soft_cap": None, "q_data_type": dtype, "kv_data_type": dtype}

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.registry import BackendSpec, HeadDims, hookimpl
+from mstar_core.plugin import BackendSpec, HeadDims, hookimpl
 
 PAGED_FEATURES = ("fp8_e4m3", "fp8_e5m2", "soft_cap", "layer_windows", "sink_logits")
 # What the sink-logit variant does not run with (see features below).

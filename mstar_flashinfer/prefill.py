@@ -6,8 +6,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import InputError
-from mstar_core.features import MAX_DECODE_QUERY_TOKENS
+from mstar_core.plugin import MAX_DECODE_QUERY_TOKENS, InputError
 from mstar_flashinfer import compat
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer

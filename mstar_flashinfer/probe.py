@@ -14,7 +14,7 @@ import logging
 
 import torch
 
-from mstar_core.registry.probing import installed_version, module_missing, version_too_old, version_tuple
+from mstar_core.plugin import installed_version, module_missing, version_too_old, version_tuple
 from mstar_flashinfer.compat import VERIFIED
 
 log = logging.getLogger("mstar.flashinfer")

@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from mstar_core.attention.checks import check_soft_cap, refuse_sinks
-from mstar_core.backends.varlen import check_same_device, check_varlen_plan
-from mstar_core.errors import InputError, StateError
+from mstar_core.plugin import InputError, StateError, check_same_device, check_soft_cap, check_varlen_plan, refuse_sinks
 from mstar_flashinfer import validate
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.errors import Unsupported
+from mstar_core.plugin import Unsupported
 from mstar_flashinfer import compat
 
 # The backends FlashInfer declares the AttentionSink variant for (jit/attention/variants.py).

@@ -10,8 +10,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.attention.checks import check_sinks
-from mstar_core.errors import InputError, StateError, Unsupported
+from mstar_core.plugin import InputError, StateError, Unsupported, check_sinks
 from mstar_flashinfer.sink_variant import SINK_BACKENDS
 
 # What the AttentionSink variant computes: no soft-cap in its declaration, and K/V in the query

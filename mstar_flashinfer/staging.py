@@ -25,7 +25,7 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from mstar_core.errors import InputError
+from mstar_core.plugin import InputError
 
 
 class Fence:

@@ -11,8 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.backends.varlen import check_same_device, check_window_and_scale
-from mstar_core.errors import InputError, InputTypeError
+from mstar_core.plugin import InputError, InputTypeError, check_same_device, check_window_and_scale
 from mstar_flashinfer.head_dim import check_flashinfer_head_dim
 from mstar_flashinfer.staging import host_i32
 

@@ -16,8 +16,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from mstar_core.testing import conformance as C
-from mstar_core.warmup import WarmedKernel, WarmupConfig
+from mstar_core.plugin import PagedCase, PagedData, WarmedKernel, WarmupConfig, make_paged
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
 from mstar_flashinfer.jit_notice import SHORT_QUERY, built_since, describe, jit_dir
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
@@ -43,12 +42,12 @@ class _Run:
     def rand(self, *shape: int) -> torch.Tensor:
         return torch.randn(*shape, dtype=self.cfg.dtype, device=self.device)
 
-    def data(self, q_lens: Sequence[int]) -> C.PagedData:
+    def data(self, q_lens: Sequence[int]) -> PagedData:
         """A tiny paged batch of this config (5 cached tokens before each row's queries)."""
         c = self.cfg
-        case = C.PagedCase(c.page_size, c.head_dim, c.num_qo_heads // c.num_kv_heads, tuple(q_lens), (5,) * len(q_lens),
+        case = PagedCase(c.page_size, c.head_dim, c.num_qo_heads // c.num_kv_heads, tuple(q_lens), (5,) * len(q_lens),
                            num_kv_heads=c.num_kv_heads)
-        return C.make_paged(case, str(self.device), c.dtype)
+        return make_paged(case, str(self.device), c.dtype)
 
     def timed(self, capability: str, variant: str, fn: Any) -> WarmedKernel:
         new = built_since(self.dir)

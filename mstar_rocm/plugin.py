@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.registry import BackendSpec, HeadDims, hookimpl
+from mstar_core.plugin import BackendSpec, HeadDims, hookimpl
 
 AITER = BackendSpec(
     name="rocm",

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from mstar_core.registry.probing import module_missing
+from mstar_core.plugin import module_missing
 
 MODULE = "aiter"
 INSTALL = "amd-aiter"

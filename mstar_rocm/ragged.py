@@ -1,6 +1,6 @@
 """``AiterPrefixedPrefillWrapper``: the dense path's prefixed ragged prefill on ROCm over
 AITER's ``aiter.flash_attn_varlen_func`` (CK flash attention; the shared logic is
-``mstar_core.backends.varlen``).
+``mstar_core.plugin.VarlenPrefixedWrapper``).
 
 Signature used (ROCm/aiter, ``aiter/ops/mha.py``): ``flash_attn_varlen_func(q, k, v,
 cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, dropout_p=0.0, softmax_scale=None,
@@ -12,7 +12,7 @@ Only keyword arguments every version has are passed.
 
 from __future__ import annotations
 
-from mstar_core.backends.varlen import SUPPORTED_DTYPES, VarlenPrefixedWrapper
+from mstar_core.plugin import SUPPORTED_DTYPES, VarlenPrefixedWrapper
 
 MAX_HEAD_DIM = 256
 __all__ = ["AiterPrefixedPrefillWrapper", "MAX_HEAD_DIM", "SUPPORTED_DTYPES"]
