@@ -14,7 +14,9 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from mstar_core.attention.calls import takes_plan_objects
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks, check_soft_cap, refuse_sinks
+from mstar_core.attention.plans import PagedPlan, RaggedPlan, WrapperSize, paged_plan, ragged_plan
 from mstar_core.attention.protocols import (
     MixedWrapper,
     PagedDecodeWrapper,
@@ -84,6 +86,13 @@ __all__ = [
     "PAGED_DECODE",
     "PAGED_PREFILL",
     "PREFIXED_RAGGED",
+    # contract 2.0: what a wrapper is built for, and the plans the core builds and checks once
+    "PagedPlan",
+    "RaggedPlan",
+    "WrapperSize",
+    "paged_plan",
+    "ragged_plan",
+    "takes_plan_objects",
     # the wrapper protocols
     "MixedWrapper",
     "PagedDecodeWrapper",
