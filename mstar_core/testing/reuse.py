@@ -175,7 +175,7 @@ def _build_and_plan(backend: WrapperSet, kind: str, case: PagedCase | RaggedCase
     if kind == "ragged":
         assert isinstance(case, RaggedCase)
         w = C.build(backend, kind, case)
-        C.plan_ragged(case, C.make_ragged(case, backend.device, backend.dtype), w)
+        C.plan_ragged(case, C.make_ragged(case, backend.device, backend.dtype), w, api_version=backend.version(kind))
         return w
     assert isinstance(case, PagedCase)
     data = make_paged(case, backend.device, backend.dtype, stale_nan=True)
@@ -212,7 +212,8 @@ def check_refused(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
     if kind == "ragged":
         assert isinstance(other, RaggedCase)
         bad: Any = C.make_ragged(other, backend.device, backend.dtype)
-        refuse = lambda: C.plan_ragged(other, bad, w, extra={UNKNOWN_KEYWORD: True})  # noqa: E731
+        refuse = lambda: C.plan_ragged(other, bad, w, extra={UNKNOWN_KEYWORD: True},  # noqa: E731
+                                       api_version=backend.version(kind))
     else:
         assert isinstance(other, PagedCase)
         bad = make_paged(other, backend.device, backend.dtype, stale_nan=True)

@@ -53,9 +53,9 @@ class SpyDecode(R.ReferenceDecodeWrapper):
 
     planned: list = []
 
-    def plan(self, *args, **kw):
-        SpyDecode.planned.append(kw.get("query_tokens", 1))
-        return super().plan(*args, **kw)
+    def plan(self, plan):  # a 2.0 wrapper: the plan object carries query_tokens
+        SpyDecode.planned.append(plan.query_tokens)
+        return super().plan(plan)
 
 
 @pytest.mark.parametrize("t", [2, 4])
@@ -81,14 +81,15 @@ class SizedDecode(R.ReferenceDecodeWrapper):
     built: list = []
     planned: list = []
 
-    def __init__(self, *args, query_tokens=1, **kw):
-        if kw.get("accelerator_graph"):
-            SizedDecode.built.append(query_tokens)
-        super().__init__(*args, query_tokens=query_tokens, **kw)
+    @classmethod
+    def from_size(cls, size):  # a 2.0 wrapper: built from its WrapperSize
+        if size.accelerator_graph:
+            SizedDecode.built.append(size.query_tokens)
+        return super().from_size(size)
 
-    def plan(self, *args, **kw):
-        SizedDecode.planned.append(kw.get("query_tokens", 1))
-        return super().plan(*args, **kw)
+    def plan(self, plan):
+        SizedDecode.planned.append(plan.query_tokens)
+        return super().plan(plan)
 
 
 @pytest.mark.parametrize("runner_tokens", [1, 2])

@@ -4,6 +4,7 @@ third-party backend and checks that ``mstar check`` fails it, naming the rule th
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import torch
@@ -128,9 +129,9 @@ class DecodeMultiTokenNoCausal(R.ReferenceDecodeWrapper):
         if query_tokens == 1:
             return super().plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=dtype,
                                 kv_lens=kv_lens, window_left=window_left, **kwargs)
-        rows = paged_kv_indptr.numel() - 1
-        self._plan_rows(torch.full((rows,), query_tokens, dtype=torch.int64), rows * query_tokens, paged_kv_indptr,
-                        paged_kv_indices, paged_kv_last_page_len, False, kv_lens, window_left, kwargs)
+        plan = self._loose(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, dtype, kv_lens,
+                           window_left, query_tokens, kwargs)
+        self._plan(dataclasses.replace(plan, causal=False))
 
 
 # -- the output: a view of a buffer the wrapper keeps ---------------------------------------------

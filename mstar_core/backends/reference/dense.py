@@ -1,18 +1,25 @@
-"""Reference prefixed ragged prefill: queries are each segment's fresh tokens, keys are
+"""Reference prefixed ragged prefill (plugin contract 2.0: ``from_size`` and ``plan(RaggedPlan)``;
+the loose ``plan`` arguments too): queries are each segment's fresh tokens, keys are
 [frozen prefix | fresh], packed by ``cu_k``. ``plan`` cuts the rows into chunks and computes each
 chunk's key index once; ``run`` gathers one chunk's keys at a time (see :mod:`.math`)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
-from mstar_core.attention.checks import check_soft_cap
+from mstar_core.attention.plans import RaggedPlan, WrapperSize, ragged_plan
 from mstar_core.backends.reference.math import Padding, attend_padded, build_padding, gather_ragged_slots
 from mstar_core.backends.reference.paged import run_extras
 from mstar_core.errors import InputError, StateError
 
 
 class ReferencePrefixedPrefillWrapper:
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> ReferencePrefixedPrefillWrapper:
+        return cls(size.num_qo_heads, size.num_kv_heads, size.head_dim, size.device)
+
     def __init__(
         self,
         num_qo_heads: int,
@@ -31,26 +38,35 @@ class ReferencePrefixedPrefillWrapper:
 
     def plan(
         self,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
+        cu_q: torch.Tensor | RaggedPlan,
+        cu_k: torch.Tensor | None = None,
+        max_q: int = 0,
+        max_k: int = 0,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         sm_scale: float | None = None,
         window_left: int = -1,
         logits_soft_cap: float | None = None,
+        **unknown: Any,
     ) -> None:
-        soft_cap = check_soft_cap(logits_soft_cap, f"{type(self).__name__}.plan")
-        cu_q = torch.as_tensor(cu_q).cpu().to(torch.int64)
-        cu_k = torch.as_tensor(cu_k).cpu().to(torch.int64)
-        q_lens, k_lens = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-        self._pad = build_padding(q_lens, k_lens, causal, window_left, self.device, num_qo_heads=self.num_qo_heads,
-                                  num_kv_heads=self.num_kv_heads, head_dim=self.head_dim)
-        self._slots = gather_ragged_slots(self._pad, cu_k)
-        self._sm_scale = sm_scale
-        self._soft_cap = soft_cap
-        self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
+        """``plan(RaggedPlan)`` (contract 2.0), or the loose arguments, checked as the core checks them."""
+        who = f"{type(self).__name__}.plan"
+        if unknown:
+            raise InputError(f"{who} got unexpected keyword arguments {sorted(unknown)}")
+        if hasattr(cu_q, "kind"):  # a paged plan object
+            raise InputError(f"{who}: a {cu_q.kind} plan; this wrapper runs prefixed ragged plans (RaggedPlan)")
+        p = cu_q if isinstance(cu_q, RaggedPlan) else ragged_plan(
+            cu_q, cu_k, max_q, max_k, dtype, causal=causal, window_left=window_left, sm_scale=sm_scale,
+            logits_soft_cap=logits_soft_cap, who=who)
+        q64, k64 = p.cu_q.to(torch.int64), p.cu_k.to(torch.int64)
+        q_lens, k_lens = q64[1:] - q64[:-1], k64[1:] - k64[:-1]
+        self._pad = build_padding(q_lens, k_lens, p.causal, p.window_left, self.device,
+                                  num_qo_heads=self.num_qo_heads, num_kv_heads=self.num_kv_heads,
+                                  head_dim=self.head_dim)
+        self._slots = gather_ragged_slots(self._pad, k64)
+        self._sm_scale = p.sm_scale
+        self._soft_cap = p.logits_soft_cap
+        self._tokens = (p.tokens, int(k64[-1]))
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, sinks: torch.Tensor | None = None
             ) -> torch.Tensor:

@@ -1,5 +1,6 @@
-"""Reference paged wrappers: FlashInfer's constructor, ``plan`` and ``run`` signatures, in plain
-PyTorch on any device. ``plan`` takes the per-row arrays; the first ``run`` after it does every
+"""Reference paged wrappers (plugin contract 2.0: ``from_size`` and ``plan(PagedPlan)``; FlashInfer's
+constructor and loose ``plan`` arguments too), in plain PyTorch on any device. ``plan`` takes the
+checked plan's per-row arrays; the first ``run`` after it does every
 index computation (row chunks, query blocks and each chunk's page slots, see :mod:`.math`),
 kept for the other layers, so a plan's host work grows with its rows, not with their context. ``plan``
 keeps its index tensors until then (as FlashInfer keeps device inputs): do not change them in
@@ -13,6 +14,7 @@ from typing import Any
 import torch
 
 from mstar_core.attention.checks import check_plan_kwargs, check_scale, check_sinks
+from mstar_core.attention.plans import PagedPlan, WrapperSize, paged_plan
 from mstar_core.backends.reference.math import (
     NO_EXTRAS,
     Extras,
@@ -22,6 +24,7 @@ from mstar_core.backends.reference.math import (
     flat_slots,
     gather_paged_slots,
 )
+from mstar_core.capabilities import MIXED, PAGED_DECODE, PAGED_PREFILL
 from mstar_core.errors import InputError, InputTypeError, StateError
 
 
@@ -42,11 +45,6 @@ def run_extras(who: str, kv_dtype: torch.dtype | None, cache_dtype: torch.dtype,
     return Extras(soft_cap, sinks, k_scale, v_scale)
 
 
-def _kv_lens(indptr: torch.Tensor, last_page_len: torch.Tensor, page_size: int) -> torch.Tensor:
-    n_pages = (indptr[1:] - indptr[:-1]).to(torch.int64)
-    return torch.where(n_pages > 0, (n_pages - 1) * page_size + last_page_len.to(torch.int64), 0)
-
-
 class ReferencePrefillWrapper:
     """Batched prefill over a ``[max_pages, 2, page_size, H_kv, D]`` layer view.
 
@@ -56,6 +54,12 @@ class ReferencePrefillWrapper:
     it is never captured in a real CUDA graph (``graph_capturable`` False)."""
 
     graph_capturable = False
+    kind = PAGED_PREFILL
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> ReferencePrefillWrapper:
+        return cls(None, size.num_qo_heads, size.num_kv_heads, size.head_dim, size.page_size, size.batch_size,
+                   size.max_total_tokens, size.max_num_pages, size.device, size.accelerator_graph)
 
     def __init__(
         self,
@@ -91,37 +95,48 @@ class ReferencePrefillWrapper:
 
     def plan(
         self,
-        qo_indptr: torch.Tensor,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        qo_indptr: torch.Tensor | PagedPlan,
+        paged_kv_indptr: torch.Tensor | None = None,
+        paged_kv_indices: torch.Tensor | None = None,
+        paged_kv_last_page_len: torch.Tensor | None = None,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: torch.Tensor | None = None,
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
-        qo_indptr = qo_indptr.cpu().to(torch.int64)
-        self._plan_rows(qo_indptr[1:] - qo_indptr[:-1], int(qo_indptr[-1]), paged_kv_indptr, paged_kv_indices,
-                        paged_kv_last_page_len, causal, kv_lens, window_left, kwargs)
+        """``plan(PagedPlan)`` (contract 2.0), or the loose arguments, checked as the core checks them."""
+        if isinstance(qo_indptr, PagedPlan):
+            self._plan(qo_indptr)
+            return
+        self._plan(self._loose(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal, dtype,
+                               kv_lens, window_left, 1, kwargs))
 
-    def _plan_rows(self, q_lens: torch.Tensor, total: int, paged_kv_indptr: torch.Tensor,
-                   paged_kv_indices: torch.Tensor, paged_kv_last_page_len: torch.Tensor, causal: bool,
-                   kv_lens: torch.Tensor | None, window_left: int, kwargs: dict[str, Any]) -> None:
-        """The plan of rows of ``q_lens`` queries (int64, ``total`` of them)."""
-        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__) if kwargs else (None, None, None)
-        indptr = paged_kv_indptr.cpu().to(torch.int64)
-        if kv_lens is None:
-            lens = _kv_lens(indptr, paged_kv_last_page_len.cpu(), self.page_size)
-        else:
-            lens = kv_lens.cpu().to(torch.int64)
-        # The padding (row chunks, each key's page slot) is built at the first run, not here: it
-        # grows with the keys, and a plan's host work stays O(rows) (the paged manager plans while
-        # the previous step runs). Every layer's run reuses it.
+    def _loose(self, qo_indptr: Any, indptr: Any, indices: Any, last: Any, causal: bool, dtype: torch.dtype,
+               kv_lens: Any, window_left: int, query_tokens: int, kwargs: dict[str, Any]) -> PagedPlan:
+        who = f"{type(self).__name__}.plan"
+        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, type(self).__name__)
+        return paged_plan(self.kind, qo_indptr, indptr, indices, last, self.page_size, dtype, causal=causal,
+                          kv_lens=kv_lens, window_left=window_left, sm_scale=sm_scale, logits_soft_cap=soft_cap,
+                          kv_data_type=kv_dtype, sink_logits=bool(kwargs.get("sink_logits")),
+                          query_tokens=query_tokens, who=who)
+
+    def _plan(self, p: PagedPlan) -> None:
+        """Keep the plan's per-row arrays. The padding (row chunks, each key's page slot) is built at
+        the first run, not here: it grows with the keys, and a plan's host work stays O(rows) (the
+        paged manager plans while the previous step runs). Every layer's run reuses it."""
+        if not isinstance(p, PagedPlan) or p.kind != self.kind:
+            got = p.kind if isinstance(p, PagedPlan) else type(p).__name__
+            raise InputError(f"{type(self).__name__}.plan: a {got} plan; this wrapper runs {self.kind} plans")
+        if p.page_size != self.page_size:
+            raise InputError(f"{type(self).__name__}.plan: the plan's page_size {p.page_size} is not the wrapper's "
+                             f"{self.page_size}")
+        qo = p.qo_indptr.to(torch.int64)
         self._pad, self._slots, self._flat = None, None, None
-        self._planned = (q_lens, lens, causal, window_left, indptr, paged_kv_indices)
-        self._sm_scale, self._soft_cap, self._kv_dtype = sm_scale, soft_cap, kv_dtype
-        self._total = total
+        self._planned = (qo[1:] - qo[:-1], p.kv_lens.to(torch.int64), p.causal, p.window_left,
+                         p.kv_indptr.to(torch.int64), p.kv_indices)
+        self._sm_scale, self._soft_cap, self._kv_dtype = p.sm_scale, p.logits_soft_cap, p.kv_data_type
+        self._total = p.tokens
 
     def _padding(self) -> tuple[Padding, tuple[tuple[torch.Tensor, torch.Tensor], ...]]:
         if self._pad is None or self._slots is None:
@@ -171,6 +186,13 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
     """One query token per row -- or ``query_tokens`` per row (multi-token decode, declared on
     paged_decode), causal -- a prefill whose ``qo_indptr`` is ``0, t, 2t ..``."""
 
+    kind = PAGED_DECODE
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> ReferenceDecodeWrapper:
+        return cls(None, size.num_qo_heads, size.num_kv_heads, size.head_dim, size.page_size, size.batch_size,
+                   size.max_num_pages, size.device, size.accelerator_graph, query_tokens=size.query_tokens)
+
     def __init__(
         self,
         workspace_buffer: torch.Tensor | None,
@@ -190,39 +212,41 @@ class ReferenceDecodeWrapper(ReferencePrefillWrapper):
         static = None if batch_size is None or query_tokens == 1 else batch_size * query_tokens
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          static, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
-        self._ones = torch.ones(0, dtype=torch.int64)
 
     # The decode protocol's plan (no qo_indptr, no causal) over the prefill plan it reuses:
     # a decode wrapper is not a drop-in prefill wrapper, by design.
     def plan(  # type: ignore[override]
         self,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        paged_kv_indptr: torch.Tensor | PagedPlan,
+        paged_kv_indices: torch.Tensor | None = None,
+        paged_kv_last_page_len: torch.Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: torch.Tensor | None = None,
         window_left: int = -1,
         query_tokens: int = 1,
         **kwargs: Any,
     ) -> None:
-        rows = paged_kv_indptr.numel() - 1
-        if not isinstance(query_tokens, int) or isinstance(query_tokens, bool) or query_tokens < 1:
-            raise InputError(f"{type(self).__name__}.plan: query_tokens must be an int >= 1 (query tokens per row), "
-                             f"got {query_tokens!r}")
-        if query_tokens > 1:
-            self._plan_rows(torch.full((rows,), query_tokens, dtype=torch.int64), rows * query_tokens,
-                            paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, kv_lens, window_left,
-                            kwargs)
+        if isinstance(paged_kv_indptr, PagedPlan):
+            self._plan(paged_kv_indptr)
             return
-        if self._ones.numel() < rows:  # one query per row: a slice of a grown tensor of ones
-            self._ones = torch.ones(max(rows, 2 * self._ones.numel()), dtype=torch.int64)
-        self._plan_rows(self._ones[:rows], rows, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
-                        True, kv_lens, window_left, kwargs)
+        self._plan(self._loose(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, dtype, kv_lens,
+                               window_left, query_tokens, kwargs))
 
 
 class ReferenceMixedWrapper(ReferencePrefillWrapper):
     """Decode rows and prompt rows in one step. One padded pass computes both exactly; the
     two-plan split (a decode plan and a prefill plan) is a FlashInfer planning-cost optimisation."""
+
+    kind = MIXED
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> ReferenceMixedWrapper:
+        b, t, n, r = size.batch_size, size.max_total_tokens, size.max_num_pages, size.max_prefill_rows
+        if b is None or t is None or n is None or r is None:
+            raise InputError(f"{cls.__name__}: a mixed wrapper's WrapperSize needs batch_size, max_total_tokens, "
+                             f"max_num_pages and max_prefill_rows (its plans' bounds), got {size}")
+        return cls(None, None, size.num_qo_heads, size.num_kv_heads, size.head_dim, size.page_size, b, t, n, r,
+                   size.device)
 
     def __init__(
         self,

@@ -35,7 +35,7 @@ REFERENCE = BackendSpec(
         "prefixed_ragged": ("soft_cap", "sink_logits", "layer_windows"),
     },
     description="plain PyTorch; the oracle every backend is tested against",
-    api_version="1.1",
+    api_version="2.0",
 )
 
 

@@ -1,5 +1,7 @@
 """The reference backend through the conformance suite, in float32 and float64."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -42,9 +44,8 @@ def test_suite_catches_a_wrong_mask():
     no check)."""
 
     class Broken(R.ReferencePrefillWrapper):
-        def plan(self, *a, **kw):
-            kw["causal"] = False
-            super().plan(*a, **kw)
+        def plan(self, plan):  # a 2.0 wrapper that reads the plan's mask wrong
+            super().plan(dataclasses.replace(plan, causal=False))
 
     bad = C.WrapperSet("broken", prefill=Broken)
     case = C.prefill_cases()[0]
@@ -90,10 +91,8 @@ def test_suite_catches_a_dropped_feature(drop):
     """A backend that ignores a feature it is given fails the feature cases."""
 
     class Dropping(R.ReferenceDecodeWrapper):
-        def plan(self, *a, **kw):
-            if drop == "soft_cap":
-                kw.pop("logits_soft_cap", None)
-            super().plan(*a, **kw)
+        def plan(self, plan):
+            super().plan(dataclasses.replace(plan, logits_soft_cap=None) if drop == "soft_cap" else plan)
 
         def run(self, q, layer, **kw):
             kw.pop(drop, None)

@@ -95,7 +95,7 @@ def test_freed_pages_and_padding_never_reach_any_row(fill):
     """Row 0 lists a page but has kv_len 0 (a freed page: the padding of every other row used to
     read it), one page nobody lists, and the unused tail of every row's last page hold garbage:
     no output changes, bit for bit, and row 0 (sees no key) is zeros."""
-    rows = [(1, 0, 1), (3, 9, 3), (1, 2, 1), (5, 5, 2), (2, 13, 4)]
+    rows = [(1, 0, 0), (3, 9, 3), (1, 2, 1), (5, 5, 2), (2, 13, 4)]
     clean = make_batch(rows, spare=2)
     dirty = clean.clone()
     dirty.layer[clean.own[0]] = fill
@@ -185,10 +185,10 @@ def test_bad_query_poisons_only_itself(fill):
 
 
 def test_query_that_sees_no_key_returns_zeros():
-    """kv_len 0 (over a listed page full of NaN), more queries than keys (causal: the first
+    """kv_len 0 (no page; a page nobody lists holds NaN), more queries than keys (causal: the first
     queries sit before key 0), and a non-causal row with no key: zeros, even when the query
     itself holds NaN; the oracle agrees; the rest matches the oracle."""
-    rows = [(2, 0, 1), (4, 2, 1), (3, 5, 2)]
+    rows = [(2, 0, 0), (4, 2, 1), (3, 5, 2)]
     b = make_batch(rows, seed=5)
     b.layer[b.own[0]] = float("nan")
     b.q[b.qo[0]] = float("nan")
@@ -216,7 +216,9 @@ def _ragged(q_lens, prefix, seed=6):
 
 def run_ragged(q, k, v, cu_q, cu_k, causal=True, window_left=-1):
     w = R.ReferencePrefixedPrefillWrapper(HQ, HKV, D)
-    w.plan(torch.tensor(cu_q), torch.tensor(cu_k), 0, 0, causal=causal, window_left=window_left)
+    longest = (max(b - a for a, b in itertools.pairwise(cu)) for cu in (cu_q, cu_k))
+    w.plan(torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32), *longest, causal=causal,
+           window_left=window_left)
     return w.run(q, k, v)
 
 
