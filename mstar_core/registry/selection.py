@@ -1,6 +1,7 @@
 """Choosing a backend: by name (from the argument, ``MSTAR_ATTENTION_BACKEND``, or config) or
-``"auto"`` (a priority list per capability). A name either gives a working backend or raises
-one error that says why not and which backends can run here."""
+``"auto"`` (each backend's declared priority per capability, then measured kernel times). A name
+either gives a working backend or raises one error that says why not and which backends can run
+here."""
 
 from __future__ import annotations
 
@@ -31,17 +32,7 @@ log = logging.getLogger("mstar.registry")
 ENV_BACKEND = "MSTAR_ATTENTION_BACKEND"
 AUTO = "auto"
 
-# Who auto tries first, per capability. A backend no list names (a third-party plugin) is tried
-# after the listed kernel backends and before the reference, ordered by its declared priority.
-AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "paged_prefill": ("flashinfer", "reference"),
-    "paged_decode": ("flashinfer", "reference"),
-    "mixed": ("flashinfer", "reference"),
-    # the dense rule (dense_or_flashinfer): FA3 where it has a kernel, AITER on ROCm,
-    # FlashInfer's ragged prefill elsewhere on CUDA, the reference otherwise.
-    "prefixed_ragged": ("fa3", "rocm", "flashinfer", "reference"),
-    "bounded": ("reference",),
-}
+# The core's own backend: every capability on every device, so auto ends with it.
 FALLBACK = "reference"
 
 
@@ -149,20 +140,14 @@ def name_for(choice: BackendChoice, capability: str) -> str:
 def auto_order(capabilities: Sequence[str], registry: Registry,
                backends: Mapping[str, BackendSpec] | None = None) -> list[str]:
     """Candidates in the order auto tries them, among ``backends`` (default: the registry's)
-    that provide every one of ``capabilities``: the first capability's list, then any other
-    listed name, then unlisted plugins by declared priority (higher first, ties by name), then
-    the reference."""
+    that provide every one of ``capabilities``: by declared priority for the first capability
+    (``BackendSpec.priority_for``), then for the next, higher first, ties by name; the reference
+    last."""
     backends = registry.backends if backends is None else backends
-    order: list[str] = []
-    for cap in capabilities:
-        for name in AUTO_PRIORITY.get(cap, ()):
-            if name != FALLBACK and name not in order:
-                order.append(name)
-    listed = set(order) | {FALLBACK}
-    extra = [s for s in backends.values() if s.name not in listed]
-    order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
-    order.append(FALLBACK)
-    return [n for n in order if (s := backends.get(n)) is not None and provides_all(s, capabilities)]
+    fit = [s for s in backends.values() if provides_all(s, capabilities)]
+    ranked = sorted((s for s in fit if s.name != FALLBACK),
+                    key=lambda s: ([-s.priority_for(c) for c in capabilities], s.name))
+    return [s.name for s in ranked] + [s.name for s in fit if s.name == FALLBACK]
 
 
 def provides_all(spec: BackendSpec, capabilities: Sequence[str]) -> bool:

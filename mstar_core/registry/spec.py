@@ -129,9 +129,9 @@ class BackendSpec:
     # ``warmup(config, device, capabilities) -> list[WarmedKernel | str]`` (mstar_core.warmup), which
     # prepares every kernel a configuration uses. None: nothing to prepare.
     warmup: WarmupRef = None
-    # Order among backends that no built-in auto list names (higher first, ties by name); see
-    # selection.auto_order and docs/ARCHITECTURE.md.
-    priority: int = 0
+    # Where auto tries it, higher first: one int, or capability -> int (a capability left out: 0);
+    # see priority_for and docs/ARCHITECTURE.md.
+    priority: int | Mapping[str, int] = 0
     # The plugin contract version this backend was written for (registry.api). A spec that
     # leaves it out is held to 1.0, the first versioned contract.
     api_version: str = "1.0"
@@ -167,13 +167,11 @@ class BackendSpec:
         if self.measured is not None and (not isinstance(self.measured, str) or ":" not in self.measured):
             raise InputTypeError(f"backend {self.name!r}: measured must be 'module:attr' of a function returning its "
                                  f"MeasuredTable, got {self.measured!r}")
-        if not is_int(self.priority):
-            raise InputTypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
-                            f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
             raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; "
                              f"known: {list(CAPABILITIES)}")
+        self._check_priority()
         for cap, ref in self.provides.items():
             if not isinstance(ref, str) or ":" not in ref:
                 raise InputError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
@@ -224,6 +222,27 @@ class BackendSpec:
         object.__setattr__(self, "per_capability", dict(self.per_capability))
         object.__setattr__(self, "provides", dict(self.provides))
         object.__setattr__(self, "features", {c: tuple(n) for c, n in self.features.items()})
+
+    def _check_priority(self) -> None:
+        if isinstance(self.priority, Mapping):
+            bad = sorted(set(self.priority) - set(self.provides))
+            if bad:
+                raise InputError(f"backend {self.name!r}: priority names capabilities it does not provide: {bad}")
+            for cap, value in self.priority.items():
+                if not is_int(value):
+                    raise InputTypeError(f"backend {self.name!r}: priority[{cap!r}] must be an int (higher is tried "
+                                         f"first), got {value!r}")
+            object.__setattr__(self, "priority", dict(self.priority))
+        elif not is_int(self.priority):
+            raise InputTypeError(f"backend {self.name!r}: priority must be an int or a mapping capability -> int "
+                                 f"(higher is tried first), got {self.priority!r}")
+
+    def priority_for(self, capability: str) -> int:
+        """Where ``auto`` tries it for ``capability``, higher first: its ``priority`` entry for
+        the capability (0 where a mapping leaves it out), or its one int."""
+        if isinstance(self.priority, Mapping):
+            return int(self.priority.get(capability, 0))
+        return int(self.priority)
 
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
