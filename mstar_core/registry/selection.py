@@ -171,9 +171,6 @@ class Request:
     head_dim: int | None
     features: AttentionFeatures = PLAIN
 
-    def reasons(self, registry: Registry, spec: BackendSpec) -> list[str]:
-        return registry.reasons(spec, self.capabilities, self.device, self.dtype, self.head_dim, self.features)
-
     def __str__(self) -> str:
         parts = [f"device {describe(self.device)}"]
         if self.dtype is not None:
@@ -186,9 +183,17 @@ class Request:
         return ", ".join(parts)
 
 
+def _serve(registry: Registry, request: Request, spec: BackendSpec) -> tuple[dict[str, Any], list[str]]:
+    """``(capability -> wrapper, [])`` where ``spec`` can serve ``request``, else ``({}, why
+    not)`` (:meth:`Registry.reasons`, the one judge)."""
+    reasons = registry.reasons(spec, request.capabilities, request.device, request.dtype, request.head_dim,
+                               request.features)
+    return ({}, reasons) if reasons else (registry.wrappers(spec, request.capabilities)[0], [])
+
+
 def runnable(registry: Registry, request: Request, backends: Mapping[str, BackendSpec]) -> list[str]:
     """Names of the ``backends`` that could serve this request (declared data and probes)."""
-    return [n for n, spec in backends.items() if not request.reasons(registry, spec)]
+    return [n for n, spec in backends.items() if not _serve(registry, request, spec)[1]]
 
 
 def select_backend(
@@ -281,10 +286,7 @@ def _select_named(registry: Registry, name: str, source: str, request: Request,
             f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "
             f"(or use 'auto').",
             requested=name, reasons={name: [why]}, available=ok, known=known)
-    reasons = request.reasons(registry, spec)
-    classes: dict[str, Any] = {}
-    if not reasons:
-        classes, reasons = registry.wrappers(spec, request.capabilities)
+    classes, reasons = _serve(registry, request, spec)
     if reasons:
         ok = [n for n in runnable(registry, request, backends) if n != name]
         raise BackendUnavailable(
@@ -336,10 +338,7 @@ def _candidates(registry: Registry, request: Request, backends: Mapping[str, Bac
     (cap,) = request.capabilities
     for name in order:
         spec = backends[name]
-        reasons = request.reasons(registry, spec)
-        classes: dict[str, Any] = {}
-        if not reasons:
-            classes, reasons = registry.wrappers(spec, (cap,))
+        classes, reasons = _serve(registry, request, spec)
         if reasons:
             rejected[name] = reasons
             continue

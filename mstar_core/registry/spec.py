@@ -47,14 +47,13 @@ class HeadDims:
     multiple_of: int = 1
     maximum: int | None = None
 
-    def reasons(self, head_dim: int) -> list[str]:
+    def refusal(self, head_dim: int) -> str | None:
+        """Why ``head_dim`` is not one of these; None when it is."""
         if self.values is not None:
-            if head_dim not in self.values:
-                return [f"head_dim {head_dim} is not supported (supported: {self})"]
-            return []
-        if head_dim <= 0 or head_dim % self.multiple_of or (self.maximum is not None and head_dim > self.maximum):
-            return [f"head_dim {head_dim} is not supported (supported: {self})"]
-        return []
+            ok = head_dim in self.values
+        else:
+            ok = head_dim > 0 and not head_dim % self.multiple_of and (self.maximum is None or head_dim <= self.maximum)
+        return None if ok else f"head_dim {head_dim} is not supported (supported: {self})"
 
     def __str__(self) -> str:
         if self.values is not None:
@@ -274,12 +273,13 @@ class BackendSpec:
             return (PAGED_PREFILL,) if PAGED_DECODE in declared and PAGED_PREFILL in self.provides else ()
         return tuple(declared)
 
-    def declared_reasons(
+    def declared_refusals(
         self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None, head_dim: int | None = None,
         features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Reasons from declared data alone: capabilities, dtype, head_dim (each capability's own
-        where ``per_capability`` declares one: the reason names it), the KV layout of the paged
+        """Why its declared data alone refuses this request (``Registry.reasons`` adds the device,
+        probe and imports): capabilities, dtype, head_dim (each capability's own where
+        ``per_capability`` declares one: the reason names it), the KV layout of the paged
         capabilities, features."""
         reasons: list[str] = []
         missing = [c for c in capabilities if c not in self.provides]
@@ -293,18 +293,18 @@ class BackendSpec:
             if dtype is not None and dtype not in dtypes:
                 reasons.append(f"dtype {dtype_name(dtype)} is not supported{own} (supported: "
                                f"{', '.join(map(dtype_name, dtypes))})")
-            if head_dim is not None:
-                dims = self.head_dims if cap is None else self.head_dims_for(cap)
-                reasons.extend(r.replace(" is not supported", f" is not supported{own}", 1)
-                               for r in dims.reasons(head_dim))
+            dims = self.head_dims if cap is None else self.head_dims_for(cap)
+            refused = None if head_dim is None else dims.refusal(head_dim)
+            if refused is not None:
+                reasons.append(refused.replace(" is not supported", f" is not supported{own}", 1))
         if self.kv_layout != PAGED_NHD and any(c in PAGED for c in provided):
             reasons.append(f"reads KV layout {self.kv_layout!r}; mstar's paged cache stores {PAGED_NHD!r} "
                            f"({KV_LAYOUTS[PAGED_NHD]})")
         if features is not None:
-            reasons.extend(self.feature_reasons(capabilities, features))
+            reasons.extend(self._feature_refusals(capabilities, features))
         return list(dict.fromkeys(reasons))
 
-    def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
+    def _feature_refusals(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
         """One reason per requested feature some requested capability lacks, naming both (a
         feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
         lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}

@@ -48,11 +48,20 @@ def test_dtypes_and_head_dims_per_capability_are_judged_per_capability():
              head_dims=HeadDims(values=(64, 128)),
              per_capability={"paged_decode": CapabilitySpec(dtypes=(torch.float16,), head_dims=HeadDims(values=(64,)))})
     assert s.dtypes_for("paged_decode") == (torch.float16,) and s.dtypes_for("paged_prefill") == (F32,)
-    assert s.declared_reasons(("paged_prefill",), F32, 128) == []
-    assert s.declared_reasons(("paged_decode",), F32, 128) == [
+    assert s.declared_refusals(("paged_prefill",), F32, 128) == []
+    assert s.declared_refusals(("paged_decode",), F32, 128) == [
         "dtype float32 is not supported in paged_decode (supported: float16)",
         "head_dim 128 is not supported in paged_decode (supported: 64)"]
-    assert s.declared_reasons(("paged_decode",), torch.float16, 64) == []
+    assert s.declared_refusals(("paged_decode",), torch.float16, 64) == []
+
+
+def test_head_dims_say_why_they_refuse_one():
+    assert HeadDims(values=(64, 128)).refusal(64) is None
+    assert HeadDims(values=(64, 128)).refusal(96) == "head_dim 96 is not supported (supported: 64, 128)"
+    assert HeadDims(multiple_of=8, maximum=256).refusal(256) is None
+    for refused in (0, 100, 264):
+        assert HeadDims(multiple_of=8, maximum=256).refusal(refused) == (
+            f"head_dim {refused} is not supported (supported: multiples of 8 up to 256)")
 
 
 def test_the_api_1_1_fields_need_api_1_1_and_are_checked():
