@@ -18,7 +18,7 @@ import torch
 from mstar_core.capabilities import PAGED, PAGED_DECODE, PAGED_PREFILL
 from mstar_core.config import DEFAULT_KEY, ConfigSource, check_backend_table, did_you_mean, load_config
 from mstar_core.config import short as _short
-from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
+from mstar_core.errors import BackendUnavailable, InputError, InputTypeError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.registry.device import as_device, describe, device_arch
 from mstar_core.registry.discovery import ENV_ALLOWLIST, FIRST_PARTY, install_hint
@@ -63,6 +63,21 @@ class Selection:
     def backend_for(self, capability: str) -> BackendSpec:
         """The backend serving ``capability``."""
         return self.picks.get(capability, self.backend)
+
+    def spec_for(self, capability: str) -> BackendSpec | None:
+        """The spec of the backend serving ``capability`` (the reference has one too); None
+        where this selection did not select ``capability``."""
+        return self.backend_for(capability) if capability in self.classes else None
+
+    def api_version(self, capability: str) -> str:
+        """The plugin API version (``"1.0"``, ``"1.1"``, ...) the backend serving ``capability``
+        declares: the contract its wrapper speaks. Raises ``UnknownName`` for a capability this
+        selection did not select."""
+        spec = self.spec_for(capability)
+        if spec is None:
+            raise UnknownName(f"this selection did not select {capability!r}; it selected "
+                              f"{', '.join(self.classes)}")
+        return spec.api_version
 
     @property
     def names(self) -> dict[str, str]:

@@ -17,7 +17,7 @@ from mstar_core import (
     select_backend,
 )
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.errors import ConfigError
+from mstar_core.errors import ConfigError, UnknownName
 
 PREFILL = "mstar_core.backends.reference:ReferencePrefillWrapper"
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
@@ -262,3 +262,26 @@ def test_a_decode_only_selection_with_multi_token_rows_keeps_a_decode_pick_that_
     with pytest.raises(BackendUnavailable, match=r"3 query tokens per decode row .*\(paged_decode: dec: "):
         select_backend(("paged_decode",), requested={"paged_decode": "dec"}, device=CPU, dtype=F32,
                        registry=registry(spec("dec")), features=MULTI)
+
+
+# -- which contract each pick speaks -------------------------------------------------------------
+
+def test_selection_gives_each_capabilitys_spec_and_plugin_api_version():
+    reg = registry(spec("olddec", api_version="1.0", priority=5))
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "olddec", "mixed": "reference"}
+    assert sel.spec_for("paged_decode") is sel.backend_for("paged_decode")
+    assert sel.spec_for("paged_decode").name == "olddec" and sel.api_version("paged_decode") == "1.0"
+    reference = sel.spec_for("paged_prefill")
+    assert reference is not None and reference.name == "reference"  # the reference has a spec of its own
+    assert sel.api_version("paged_prefill") == sel.api_version("mixed") == REFERENCE.api_version == "1.1"
+    assert sel.spec_for("bounded") is None
+    with pytest.raises(UnknownName, match="did not select 'bounded'; it selected paged_prefill, paged_decode, mixed"):
+        sel.api_version("bounded")
+
+
+def test_a_named_selection_gives_its_one_spec_for_every_capability():
+    reg = registry(spec("olddec", api_version="1.0"))
+    sel = select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg)
+    assert sel.spec_for("paged_decode") is sel.backend and sel.api_version("paged_decode") == "1.0"
+    assert sel.spec_for("paged_prefill") is None
