@@ -5,6 +5,7 @@ Capabilities are data, refusals are reasons (lists of strings, empty = can run).
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _renamed(old: str, new: str) -> None:
+    # HeadDims and BackendSpec are mstar_core.plugin names: their methods keep working until 3.0.
+    warnings.warn(f"{old} is renamed {new}; the old name goes at plugin API 3.0", DeprecationWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class HeadDims:
     """Which head dims a backend runs: exactly ``values`` if given, else every multiple of
@@ -54,6 +60,12 @@ class HeadDims:
         else:
             ok = head_dim > 0 and not head_dim % self.multiple_of and (self.maximum is None or head_dim <= self.maximum)
         return None if ok else f"head_dim {head_dim} is not supported (supported: {self})"
+
+    def reasons(self, head_dim: int) -> list[str]:
+        """Deprecated: :meth:`refusal` as a list."""
+        _renamed("HeadDims.reasons", "HeadDims.refusal")
+        refused = self.refusal(head_dim)
+        return [] if refused is None else [refused]
 
     def __str__(self) -> str:
         if self.values is not None:
@@ -327,6 +339,17 @@ class BackendSpec:
         reasons += [f"does not support features {' with '.join(combo)} together in {', '.join(caps)}"
                     for combo, caps in together.items()]
         return reasons
+
+    def declared_reasons(self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None,
+                         head_dim: int | None = None, features: AttentionFeatures | None = None) -> list[str]:
+        """Deprecated: :meth:`declared_refusals`."""
+        _renamed("BackendSpec.declared_reasons", "BackendSpec.declared_refusals")
+        return self.declared_refusals(capabilities, dtype, head_dim, features)
+
+    def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
+        """Deprecated: part of :meth:`declared_refusals`."""
+        _renamed("BackendSpec.feature_reasons", "BackendSpec.declared_refusals")
+        return self._feature_refusals(capabilities, features)
 
     @property
     def label(self) -> str:

@@ -285,3 +285,13 @@ def test_a_named_selection_gives_its_one_spec_for_every_capability():
     sel = select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg)
     assert sel.spec_for("paged_decode") is sel.backend and sel.api_version("paged_decode") == "1.0"
     assert sel.spec_for("paged_prefill") is None
+
+
+def test_the_old_method_names_still_answer_and_warn():
+    s = spec("old", head_dims=HeadDims(values=(64,)))
+    with pytest.warns(DeprecationWarning, match="HeadDims.reasons is renamed HeadDims.refusal"):
+        assert s.head_dims.reasons(96) == [s.head_dims.refusal(96)]
+    with pytest.warns(DeprecationWarning, match="BackendSpec.declared_reasons is renamed"):
+        assert s.declared_reasons(("paged_decode",), F32, 96) == s.declared_refusals(("paged_decode",), F32, 96)
+    with pytest.warns(DeprecationWarning, match="BackendSpec.feature_reasons is renamed"):
+        assert s.feature_reasons(("paged_decode",), MULTI) == s.declared_refusals(("paged_decode",), features=MULTI)
