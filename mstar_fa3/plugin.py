@@ -45,6 +45,9 @@ FA3 = BackendSpec(
     install_hint="pip install tokenspeed-fa3 (or build flash-attention's hopper/ from source)",
     # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
     measured="mstar_fa3.measured:table",
+    # auto: first on the dense path where it runs (sm90); the paged group keeps the default (0),
+    # behind FlashInfer, unless the measured tables put it first.
+    priority={"prefixed_ragged": 300},
     api_version="1.1",
 )
 

@@ -53,6 +53,9 @@ FLASHINFER = BackendSpec(
     install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.4'",
     # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
     measured="mstar_flashinfer.measured:table",
+    # auto: first for the paged group where no measured table decides; on the dense path after
+    # FA3 and AITER, which run only where they have a kernel.
+    priority=100,
     api_version="1.1",
 )
 

@@ -16,6 +16,7 @@ AITER = BackendSpec(
     # aiter.flash_attn_varlen_func pads head dims to a multiple of 8 itself; CK tiles stop at 256.
     head_dims=HeadDims(maximum=256),
     capturable=(),  # the dense path runs eagerly: its shapes change every step
+    priority=200,  # auto: the dense path on ROCm (FA3, 300, and FlashInfer, 100, run on CUDA)
     probe="mstar_rocm.probe:probe",
     description="AITER (ROCm) varlen flash attention",
     install_hint="pip install amd-aiter",

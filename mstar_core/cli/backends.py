@@ -178,7 +178,7 @@ def collect(registry: Registry, device: torch.device, dtype: torch.dtype, head_d
     every auto pick is judged for, and ``config`` (read from ``config_file``) what the config
     section's picks are selected under."""
     backends = []
-    listed = [(spec, registry.device_reasons(spec, device)) for spec in registry.backends.values()]
+    listed = [(spec, registry.reasons(spec, device=device)) for spec in registry.backends.values()]
     # A name several distributions register: every claimant, none available until pinned.
     conflicts = registry.conflicts  # built on each read
     listed += [(spec, [registry.conflict_reason(name)]) for name, claims in conflicts.items() for spec in claims]

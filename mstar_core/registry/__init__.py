@@ -12,7 +12,6 @@ from mstar_core.registry.discovery import GROUP, LoadedPlugin, PluginFailure
 from mstar_core.registry.hookspecs import hookimpl, hookspec
 from mstar_core.registry.registry import Registry, get_registry, reset_registry
 from mstar_core.registry.selection import (
-    AUTO_PRIORITY,
     ENV_BACKEND,
     BackendUnavailable,
     Selection,
@@ -24,7 +23,6 @@ from mstar_core.registry.selection import (
 from mstar_core.registry.spec import CAPABILITIES, DEVICE_KINDS, BackendSpec, CapabilitySpec, HeadDims
 
 __all__ = [
-    "AUTO_PRIORITY",
     "CAPABILITIES",
     "DEVICE_KINDS",
     "ENV_BACKEND",

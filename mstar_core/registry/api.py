@@ -40,20 +40,20 @@ def parse_api_version(value: object, who: str = "api_version") -> tuple[int, int
     return int(match.group(1)), int(match.group(2))
 
 
-def api_reasons(declared: str, core: str | None = None) -> list[str]:
+def incompatibility(declared: str, core: str | None = None) -> str | None:
     """Why a backend written for contract ``declared`` cannot run on a core implementing
     ``core`` (default: :data:`API_VERSION`, with every earlier MAJOR in :data:`IMPLEMENTED`; a
-    ``core`` given runs its own MAJOR alone); empty when it can."""
+    ``core`` given runs its own MAJOR alone); None when it can."""
     implemented = dict(IMPLEMENTED) if core is None else {}
     core = core or API_VERSION
     (major, minor), (core_major, core_minor) = parse_api_version(declared), parse_api_version(core, "core version")
     implemented[core_major] = core_minor
     if major in implemented and minor <= implemented[major]:
-        return []
+        return None
     if major in implemented or major > core_major:
         fix = "upgrade mstar-core" if major in implemented else "upgrade mstar-core to a release implementing it"
     else:
         fix = "upgrade the plugin to a release written for it"
     runs = ", ".join(f"{m}.0 to {m}.{n}" for m, n in sorted(implemented.items()))
-    return [(f"written for plugin API {declared}, but this mstar-core implements plugin API {core} "
-             f"(compatible: {runs}); {fix}")]
+    return (f"written for plugin API {declared}, but this mstar-core implements plugin API {core} "
+            f"(compatible: {runs}); {fix}")

@@ -30,15 +30,16 @@ def _index(device: torch.device) -> int:
     return int(device_key(device).split(":")[1])
 
 
-def device_available_reasons(device: torch.device) -> list[str]:
+def device_unavailable(device: torch.device) -> str | None:
+    """Why a GPU ``device`` cannot be used here (none usable, or no such index); None when it can."""
     if device.type != "cuda":
-        return []
+        return None
     if not torch.cuda.is_available():
-        return [f"no GPU is usable here (torch {torch.__version__}: torch.cuda.is_available() is False)"]
+        return f"no GPU is usable here (torch {torch.__version__}: torch.cuda.is_available() is False)"
     count = torch.cuda.device_count()
     if _index(device) >= count:
-        return [f"device {device_key(device)} does not exist ({count} GPU(s) visible)"]
-    return []
+        return f"device {device_key(device)} does not exist ({count} GPU(s) visible)"
+    return None
 
 
 def compute_capability(device: torch.device) -> tuple[int, int] | None:

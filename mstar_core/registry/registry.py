@@ -17,14 +17,14 @@ from mstar_core.config import check_pins, did_you_mean
 from mstar_core.errors import InputError, InputTypeError, PluginError, UnknownName
 from mstar_core.features import AttentionFeatures
 from mstar_core.registry import discovery, hookspecs
-from mstar_core.registry.api import api_reasons
+from mstar_core.registry.api import incompatibility
 from mstar_core.registry.device import (
     as_device,
     compute_capability,
     device_arch,
-    device_available_reasons,
     device_key,
     device_kind,
+    device_unavailable,
 )
 from mstar_core.registry.discovery import LoadedPlugin, PluginFailure
 from mstar_core.registry.measured import MeasuredTable
@@ -279,31 +279,6 @@ class Registry:
             self._resolved.clear()
             self._derived.clear()
 
-    def device_reasons(self, backend: str | BackendSpec, device: torch.device | str | None = None,
-                       capabilities: Sequence[str] = ()) -> list[str]:
-        """Reasons from the device alone: the plugin API version (an incompatible backend is
-        neither probed nor imported), kind, availability, architecture, the probe, then whether
-        the ``provides`` references of ``capabilities`` (none given: every one) import."""
-        spec = self._spec(backend)
-        api = api_reasons(spec.api_version)
-        if api:
-            return api
-        device = as_device(device)
-        kind = device_kind(device)
-        reasons: list[str] = []
-        if kind not in spec.devices:
-            reasons.append(f"runs on {'/'.join(spec.devices)}, not on {kind}")
-        else:
-            reasons.extend(device_available_reasons(device))
-            if not reasons:
-                reasons.extend(_arch_reasons(spec, device))
-        for r in self.probe(spec, device):
-            if r not in reasons:
-                reasons.append(r)
-        if not reasons:
-            reasons.extend(self.wrappers(spec, tuple(capabilities) or tuple(spec.provides))[1])
-        return reasons
-
     def measured(self, backend: str | BackendSpec) -> MeasuredTable | None:
         """The backend's measured kernel times (``BackendSpec.measured``), loaded once; None
         where it declares none or its table cannot be read (logged: auto then ignores it)."""
@@ -371,27 +346,50 @@ class Registry:
         head_dim: int | None = None,
         features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Every reason the backend cannot serve this request; empty when it can."""
+        """Why the backend cannot serve ``capabilities`` on ``device`` (None: the CPU) at
+        ``dtype``, ``head_dim`` and ``features`` (None: not judged); empty when it can. With no
+        capabilities and nothing else: whether it runs on the device at all. In order: its plugin
+        API version (an incompatible backend is judged on nothing else: neither probed nor
+        imported), the device kind, availability and architecture, its probe, then -- only where
+        those pass -- whether the wrappers of the requested capabilities it provides (none: every
+        one) import; then what its declared data refuses (:meth:`BackendSpec.declared_refusals`)."""
         spec = self._spec(backend)
-        api = api_reasons(spec.api_version)
-        if api:  # nothing else of an incompatible backend is looked at
-            return api
-        provided = [c for c in capabilities if c in spec.provides]
-        return (self.device_reasons(spec, device, provided)
-                + spec.declared_reasons(capabilities, dtype, head_dim, features))
+        incompatible = incompatibility(spec.api_version)
+        if incompatible is not None:
+            return [incompatible]
+        device = as_device(device)
+        reasons = _device_refusals(spec, device)
+        reasons += [r for r in self.probe(spec, device) if r not in reasons]
+        if not reasons:
+            provided = tuple(c for c in capabilities if c in spec.provides)
+            reasons = self.wrappers(spec, provided or tuple(spec.provides))[1]
+        return reasons + spec.declared_refusals(capabilities, dtype, head_dim, features)
 
 
-def _arch_reasons(spec: BackendSpec, device: torch.device) -> list[str]:
+def _device_refusals(spec: BackendSpec, device: torch.device) -> list[str]:
+    """Why ``spec`` cannot run on ``device`` from its kind, availability and architecture."""
+    kind = device_kind(device)
+    if kind not in spec.devices:
+        return [f"runs on {'/'.join(spec.devices)}, not on {kind}"]
+    missing = device_unavailable(device)
+    if missing is not None:
+        return [missing]
+    no_kernel = _no_kernel(spec, device)
+    return [] if no_kernel is None else [no_kernel]
+
+
+def _no_kernel(spec: BackendSpec, device: torch.device) -> str | None:
+    """Why ``spec`` has no kernel for the GPU ``device`` is (``archs``, ``min_compute_capability``)."""
     if device.type == "cpu":
-        return []
+        return None
     arch = device_arch(device)
     if spec.archs is not None and arch not in spec.archs:
-        return [f"no kernel for {arch or 'this GPU'} (kernels for: {', '.join(spec.archs)})"]
+        return f"no kernel for {arch or 'this GPU'} (kernels for: {', '.join(spec.archs)})"
     cc = compute_capability(device)
     if spec.min_compute_capability is not None and cc is not None and cc < spec.min_compute_capability:
         need = "sm{}{}".format(*spec.min_compute_capability)
-        return [f"no kernel for {arch} ({need} or newer is required)"]
-    return []
+        return f"no kernel for {arch} ({need} or newer is required)"
+    return None
 
 
 def _run_probe(spec: BackendSpec, device: torch.device) -> tuple[str, ...]:

@@ -1,6 +1,7 @@
 """Choosing a backend: by name (from the argument, ``MSTAR_ATTENTION_BACKEND``, or config) or
-``"auto"`` (a priority list per capability). A name either gives a working backend or raises
-one error that says why not and which backends can run here."""
+``"auto"`` (each backend's declared priority per capability, then measured kernel times). A name
+either gives a working backend or raises one error that says why not and which backends can run
+here."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ import torch
 from mstar_core.capabilities import PAGED, PAGED_DECODE, PAGED_PREFILL
 from mstar_core.config import DEFAULT_KEY, ConfigSource, check_backend_table, did_you_mean, load_config
 from mstar_core.config import short as _short
-from mstar_core.errors import BackendUnavailable, InputError, InputTypeError
+from mstar_core.errors import BackendUnavailable, InputError, InputTypeError, UnknownName
 from mstar_core.features import PLAIN, AttentionFeatures
 from mstar_core.registry.device import as_device, describe, device_arch
 from mstar_core.registry.discovery import ENV_ALLOWLIST, FIRST_PARTY, install_hint
@@ -31,17 +32,7 @@ log = logging.getLogger("mstar.registry")
 ENV_BACKEND = "MSTAR_ATTENTION_BACKEND"
 AUTO = "auto"
 
-# Who auto tries first, per capability. A backend no list names (a third-party plugin) is tried
-# after the listed kernel backends and before the reference, ordered by its declared priority.
-AUTO_PRIORITY: dict[str, tuple[str, ...]] = {
-    "paged_prefill": ("flashinfer", "reference"),
-    "paged_decode": ("flashinfer", "reference"),
-    "mixed": ("flashinfer", "reference"),
-    # the dense rule (dense_or_flashinfer): FA3 where it has a kernel, AITER on ROCm,
-    # FlashInfer's ragged prefill elsewhere on CUDA, the reference otherwise.
-    "prefixed_ragged": ("fa3", "rocm", "flashinfer", "reference"),
-    "bounded": ("reference",),
-}
+# The core's own backend: every capability on every device, so auto ends with it.
 FALLBACK = "reference"
 
 
@@ -72,6 +63,21 @@ class Selection:
     def backend_for(self, capability: str) -> BackendSpec:
         """The backend serving ``capability``."""
         return self.picks.get(capability, self.backend)
+
+    def spec_for(self, capability: str) -> BackendSpec | None:
+        """The spec of the backend serving ``capability`` (the reference has one too); None
+        where this selection did not select ``capability``."""
+        return self.backend_for(capability) if capability in self.classes else None
+
+    def api_version(self, capability: str) -> str:
+        """The plugin API version (``"1.0"``, ``"1.1"``, ...) the backend serving ``capability``
+        declares: the contract its wrapper speaks. Raises ``UnknownName`` for a capability this
+        selection did not select."""
+        spec = self.spec_for(capability)
+        if spec is None:
+            raise UnknownName(f"this selection did not select {capability!r}; it selected "
+                              f"{', '.join(self.classes)}")
+        return spec.api_version
 
     @property
     def names(self) -> dict[str, str]:
@@ -149,20 +155,14 @@ def name_for(choice: BackendChoice, capability: str) -> str:
 def auto_order(capabilities: Sequence[str], registry: Registry,
                backends: Mapping[str, BackendSpec] | None = None) -> list[str]:
     """Candidates in the order auto tries them, among ``backends`` (default: the registry's)
-    that provide every one of ``capabilities``: the first capability's list, then any other
-    listed name, then unlisted plugins by declared priority (higher first, ties by name), then
-    the reference."""
+    that provide every one of ``capabilities``: by declared priority for the first capability
+    (``BackendSpec.priority_for``), then for the next, higher first, ties by name; the reference
+    last."""
     backends = registry.backends if backends is None else backends
-    order: list[str] = []
-    for cap in capabilities:
-        for name in AUTO_PRIORITY.get(cap, ()):
-            if name != FALLBACK and name not in order:
-                order.append(name)
-    listed = set(order) | {FALLBACK}
-    extra = [s for s in backends.values() if s.name not in listed]
-    order += [s.name for s in sorted(extra, key=lambda s: (-s.priority, s.name))]
-    order.append(FALLBACK)
-    return [n for n in order if (s := backends.get(n)) is not None and provides_all(s, capabilities)]
+    fit = [s for s in backends.values() if provides_all(s, capabilities)]
+    ranked = sorted((s for s in fit if s.name != FALLBACK),
+                    key=lambda s: ([-s.priority_for(c) for c in capabilities], s.name))
+    return [s.name for s in ranked] + [s.name for s in fit if s.name == FALLBACK]
 
 
 def provides_all(spec: BackendSpec, capabilities: Sequence[str]) -> bool:
@@ -186,9 +186,6 @@ class Request:
     head_dim: int | None
     features: AttentionFeatures = PLAIN
 
-    def reasons(self, registry: Registry, spec: BackendSpec) -> list[str]:
-        return registry.reasons(spec, self.capabilities, self.device, self.dtype, self.head_dim, self.features)
-
     def __str__(self) -> str:
         parts = [f"device {describe(self.device)}"]
         if self.dtype is not None:
@@ -201,9 +198,17 @@ class Request:
         return ", ".join(parts)
 
 
+def _serve(registry: Registry, request: Request, spec: BackendSpec) -> tuple[dict[str, Any], list[str]]:
+    """``(capability -> wrapper, [])`` where ``spec`` can serve ``request``, else ``({}, why
+    not)`` (:meth:`Registry.reasons`, the one judge)."""
+    reasons = registry.reasons(spec, request.capabilities, request.device, request.dtype, request.head_dim,
+                               request.features)
+    return ({}, reasons) if reasons else (registry.wrappers(spec, request.capabilities)[0], [])
+
+
 def runnable(registry: Registry, request: Request, backends: Mapping[str, BackendSpec]) -> list[str]:
     """Names of the ``backends`` that could serve this request (declared data and probes)."""
-    return [n for n, spec in backends.items() if not request.reasons(registry, spec)]
+    return [n for n, spec in backends.items() if not _serve(registry, request, spec)[1]]
 
 
 def select_backend(
@@ -296,10 +301,7 @@ def _select_named(registry: Registry, name: str, source: str, request: Request,
             f"Known backends: {', '.join(known) or 'none'}; these can run here ({where}): {', '.join(ok) or 'none'} "
             f"(or use 'auto').",
             requested=name, reasons={name: [why]}, available=ok, known=known)
-    reasons = request.reasons(registry, spec)
-    classes: dict[str, Any] = {}
-    if not reasons:
-        classes, reasons = registry.wrappers(spec, request.capabilities)
+    classes, reasons = _serve(registry, request, spec)
     if reasons:
         ok = [n for n in runnable(registry, request, backends) if n != name]
         raise BackendUnavailable(
@@ -351,10 +353,7 @@ def _candidates(registry: Registry, request: Request, backends: Mapping[str, Bac
     (cap,) = request.capabilities
     for name in order:
         spec = backends[name]
-        reasons = request.reasons(registry, spec)
-        classes: dict[str, Any] = {}
-        if not reasons:
-            classes, reasons = registry.wrappers(spec, (cap,))
+        classes, reasons = _serve(registry, request, spec)
         if reasons:
             rejected[name] = reasons
             continue

@@ -5,6 +5,7 @@ Capabilities are data, refusals are reasons (lists of strings, empty = can run).
 from __future__ import annotations
 
 import importlib
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -38,6 +39,11 @@ def dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).removeprefix("torch.")
 
 
+def _renamed(old: str, new: str) -> None:
+    # HeadDims and BackendSpec are mstar_core.plugin names: their methods keep working until 3.0.
+    warnings.warn(f"{old} is renamed {new}; the old name goes at plugin API 3.0", DeprecationWarning, stacklevel=3)
+
+
 @dataclass(frozen=True)
 class HeadDims:
     """Which head dims a backend runs: exactly ``values`` if given, else every multiple of
@@ -47,14 +53,19 @@ class HeadDims:
     multiple_of: int = 1
     maximum: int | None = None
 
-    def reasons(self, head_dim: int) -> list[str]:
+    def refusal(self, head_dim: int) -> str | None:
+        """Why ``head_dim`` is not one of these; None when it is."""
         if self.values is not None:
-            if head_dim not in self.values:
-                return [f"head_dim {head_dim} is not supported (supported: {self})"]
-            return []
-        if head_dim <= 0 or head_dim % self.multiple_of or (self.maximum is not None and head_dim > self.maximum):
-            return [f"head_dim {head_dim} is not supported (supported: {self})"]
-        return []
+            ok = head_dim in self.values
+        else:
+            ok = head_dim > 0 and not head_dim % self.multiple_of and (self.maximum is None or head_dim <= self.maximum)
+        return None if ok else f"head_dim {head_dim} is not supported (supported: {self})"
+
+    def reasons(self, head_dim: int) -> list[str]:
+        """Deprecated: :meth:`refusal` as a list."""
+        _renamed("HeadDims.reasons", "HeadDims.refusal")
+        refused = self.refusal(head_dim)
+        return [] if refused is None else [refused]
 
     def __str__(self) -> str:
         if self.values is not None:
@@ -129,9 +140,9 @@ class BackendSpec:
     # ``warmup(config, device, capabilities) -> list[WarmedKernel | str]`` (mstar_core.warmup), which
     # prepares every kernel a configuration uses. None: nothing to prepare.
     warmup: WarmupRef = None
-    # Order among backends that no built-in auto list names (higher first, ties by name); see
-    # selection.auto_order and docs/ARCHITECTURE.md.
-    priority: int = 0
+    # Where auto tries it, higher first: one int, or capability -> int (a capability left out: 0);
+    # see priority_for and docs/ARCHITECTURE.md.
+    priority: int | Mapping[str, int] = 0
     # The plugin contract version this backend was written for (registry.api). A spec that
     # leaves it out is held to 1.0, the first versioned contract.
     api_version: str = "1.0"
@@ -167,13 +178,11 @@ class BackendSpec:
         if self.measured is not None and (not isinstance(self.measured, str) or ":" not in self.measured):
             raise InputTypeError(f"backend {self.name!r}: measured must be 'module:attr' of a function returning its "
                                  f"MeasuredTable, got {self.measured!r}")
-        if not is_int(self.priority):
-            raise InputTypeError(f"backend {self.name!r}: priority must be an int (higher is tried first), "
-                            f"got {self.priority!r}")
         unknown = sorted(set(self.provides) - set(CAPABILITIES))
         if unknown:
             raise InputError(f"backend {self.name!r} provides unknown capabilities {unknown}; "
                              f"known: {list(CAPABILITIES)}")
+        self._check_priority()
         for cap, ref in self.provides.items():
             if not isinstance(ref, str) or ":" not in ref:
                 raise InputError(f"backend {self.name!r}: provides[{cap!r}] must be 'module:attr', got {ref!r}")
@@ -225,6 +234,27 @@ class BackendSpec:
         object.__setattr__(self, "provides", dict(self.provides))
         object.__setattr__(self, "features", {c: tuple(n) for c, n in self.features.items()})
 
+    def _check_priority(self) -> None:
+        if isinstance(self.priority, Mapping):
+            bad = sorted(set(self.priority) - set(self.provides))
+            if bad:
+                raise InputError(f"backend {self.name!r}: priority names capabilities it does not provide: {bad}")
+            for cap, value in self.priority.items():
+                if not is_int(value):
+                    raise InputTypeError(f"backend {self.name!r}: priority[{cap!r}] must be an int (higher is tried "
+                                         f"first), got {value!r}")
+            object.__setattr__(self, "priority", dict(self.priority))
+        elif not is_int(self.priority):
+            raise InputTypeError(f"backend {self.name!r}: priority must be an int or a mapping capability -> int "
+                                 f"(higher is tried first), got {self.priority!r}")
+
+    def priority_for(self, capability: str) -> int:
+        """Where ``auto`` tries it for ``capability``, higher first: its ``priority`` entry for
+        the capability (0 where a mapping leaves it out), or its one int."""
+        if isinstance(self.priority, Mapping):
+            return int(self.priority.get(capability, 0))
+        return int(self.priority)
+
     def load(self, capability: str) -> Any:
         """Import and return the wrapper for ``capability`` (the kernel library loads here)."""
         if capability not in self.provides:
@@ -255,12 +285,13 @@ class BackendSpec:
             return (PAGED_PREFILL,) if PAGED_DECODE in declared and PAGED_PREFILL in self.provides else ()
         return tuple(declared)
 
-    def declared_reasons(
+    def declared_refusals(
         self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None, head_dim: int | None = None,
         features: AttentionFeatures | None = None,
     ) -> list[str]:
-        """Reasons from declared data alone: capabilities, dtype, head_dim (each capability's own
-        where ``per_capability`` declares one: the reason names it), the KV layout of the paged
+        """Why its declared data alone refuses this request (``Registry.reasons`` adds the device,
+        probe and imports): capabilities, dtype, head_dim (each capability's own where
+        ``per_capability`` declares one: the reason names it), the KV layout of the paged
         capabilities, features."""
         reasons: list[str] = []
         missing = [c for c in capabilities if c not in self.provides]
@@ -274,18 +305,18 @@ class BackendSpec:
             if dtype is not None and dtype not in dtypes:
                 reasons.append(f"dtype {dtype_name(dtype)} is not supported{own} (supported: "
                                f"{', '.join(map(dtype_name, dtypes))})")
-            if head_dim is not None:
-                dims = self.head_dims if cap is None else self.head_dims_for(cap)
-                reasons.extend(r.replace(" is not supported", f" is not supported{own}", 1)
-                               for r in dims.reasons(head_dim))
+            dims = self.head_dims if cap is None else self.head_dims_for(cap)
+            refused = None if head_dim is None else dims.refusal(head_dim)
+            if refused is not None:
+                reasons.append(refused.replace(" is not supported", f" is not supported{own}", 1))
         if self.kv_layout != PAGED_NHD and any(c in PAGED for c in provided):
             reasons.append(f"reads KV layout {self.kv_layout!r}; mstar's paged cache stores {PAGED_NHD!r} "
                            f"({KV_LAYOUTS[PAGED_NHD]})")
         if features is not None:
-            reasons.extend(self.feature_reasons(capabilities, features))
+            reasons.extend(self._feature_refusals(capabilities, features))
         return list(dict.fromkeys(reasons))
 
-    def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
+    def _feature_refusals(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
         """One reason per requested feature some requested capability lacks, naming both (a
         feature is asked only of the capabilities it reaches: ``AttentionFeatures.lacking``)."""
         lacking = {c: features.lacking(c, self.supports(c)) for c in capabilities if c in self.provides}
@@ -308,6 +339,17 @@ class BackendSpec:
         reasons += [f"does not support features {' with '.join(combo)} together in {', '.join(caps)}"
                     for combo, caps in together.items()]
         return reasons
+
+    def declared_reasons(self, capabilities: Sequence[str] = (), dtype: torch.dtype | None = None,
+                         head_dim: int | None = None, features: AttentionFeatures | None = None) -> list[str]:
+        """Deprecated: :meth:`declared_refusals`."""
+        _renamed("BackendSpec.declared_reasons", "BackendSpec.declared_refusals")
+        return self.declared_refusals(capabilities, dtype, head_dim, features)
+
+    def feature_reasons(self, capabilities: Sequence[str], features: AttentionFeatures) -> list[str]:
+        """Deprecated: part of :meth:`declared_refusals`."""
+        _renamed("BackendSpec.feature_reasons", "BackendSpec.declared_refusals")
+        return self._feature_refusals(capabilities, features)
 
     @property
     def label(self) -> str:

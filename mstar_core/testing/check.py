@@ -131,7 +131,7 @@ def default_head_dims(spec: BackendSpec, capability: str | None = None) -> tuple
     """64 and 128 where declared (by ``capability``; None: the backend), else the first declared
     among common head dims, else the first value it lists."""
     dims = spec.head_dims if capability is None else spec.head_dims_for(capability)
-    ok = [d for d in HEAD_DIM_CANDIDATES if not dims.reasons(d)]
+    ok = [d for d in HEAD_DIM_CANDIDATES if dims.refusal(d) is None]
     both = tuple(d for d in (64, 128) if d in ok)
     return both or tuple(ok[:1]) or tuple((dims.values or ())[:1])
 
@@ -157,8 +157,8 @@ def check_given(spec: BackendSpec, dtypes: Sequence[torch.dtype] | None, head_di
     if head_dims is not None:
         head_dims = tuple(head_dims)
         for d in head_dims:
-            if all(h.reasons(d) for h in dims):
-                raise InputError(f"backend {spec.name!r}: cannot check {dims[0].reasons(d)[0]}")
+            if all(h.refusal(d) is not None for h in dims):
+                raise InputError(f"backend {spec.name!r}: cannot check {dims[0].refusal(d)}")
     if not dtypes or (head_dims is not None and not head_dims) or not any(default_head_dims(spec, c)
                                                                           for c in spec.provides):
         raise InputError(f"backend {spec.name!r}: no dtype or head dim to check "
@@ -185,7 +185,7 @@ def _for_capability(spec: BackendSpec, cap: str, dtypes: Sequence[torch.dtype], 
         dtypes = [d for d in dtypes if d in own or d not in elsewhere]
     if head_dims is None:
         return tuple(dtypes), default_head_dims(spec, cap)
-    return tuple(dtypes), tuple(d for d in head_dims if not spec.head_dims_for(cap).reasons(d))
+    return tuple(dtypes), tuple(d for d in head_dims if spec.head_dims_for(cap).refusal(d) is None)
 
 
 def _at(cases: Sequence[Any], head_dims: Sequence[int]) -> list[Any]:
@@ -358,7 +358,7 @@ def select_for_check(name: str, device: torch.device | str | None = None, regist
         raise InputError(f"backend {name!r} provides only {', '.join(spec.provides)}, which mstar check does not "
                          f"cover: {'; '.join(f'{c}: {NOT_COVERED[c]}' for c in spec.provides if c in NOT_COVERED)}")
     if device is None:
-        cuda = torch.cuda.is_available() and spec is not None and not registry.device_reasons(spec, "cuda")
+        cuda = torch.cuda.is_available() and spec is not None and not registry.reasons(spec, device="cuda")
         device = "cuda" if cuda else "cpu"
     device = as_device(device)
     caps = tuple(c for c in (spec.provides if spec is not None else STEP_KINDS) if c in STEP_KINDS)

@@ -47,17 +47,18 @@ def plugin(fake_module, module: str, *specs: BackendSpec):
 def test_api_rule():
     assert api.API_VERSION == "2.0"
     # every released version still runs on this core: 1.x through the loose-argument adapter
-    assert api.api_reasons("1.0") == [] and api.api_reasons("1.1") == [] and api.api_reasons("2.0") == []
-    (minor,) = api.api_reasons("1.2")
+    assert api.incompatibility("1.0") is None and api.incompatibility("1.1") is None
+    assert api.incompatibility("2.0") is None
+    minor = api.incompatibility("1.2") or ""
     assert "compatible: 1.0 to 1.1, 2.0 to 2.0" in minor and "upgrade mstar-core" in minor
-    (future,) = api.api_reasons("3.0")
+    future = api.incompatibility("3.0") or ""
     assert "upgrade mstar-core to a release implementing it" in future
-    assert api.api_reasons("1.0", "1.3") == []  # an older minor keeps working
-    (newer,) = api.api_reasons("1.4", "1.3")
+    assert api.incompatibility("1.0", "1.3") is None  # an older minor keeps working
+    newer = api.incompatibility("1.4", "1.3") or ""
     assert "plugin API 1.4" in newer and "plugin API 1.3" in newer and "upgrade mstar-core" in newer
-    (major,) = api.api_reasons("2.0", "1.3")
+    major = api.incompatibility("2.0", "1.3") or ""
     assert "2.0" in major and "1.3" in major
-    (old,) = api.api_reasons("0.9", "1.3")
+    old = api.incompatibility("0.9", "1.3") or ""
     assert "upgrade the plugin" in old
     with pytest.raises(ValueError, match="'MAJOR.MINOR'"):
         BackendSpec(name="x", provides={"paged_decode": DECODE}, api_version="1")
@@ -121,7 +122,7 @@ def test_an_incompatible_backend_is_listed_never_probed_imported_or_picked(monke
     reg.register(REFERENCE, distribution="mstar-core")
     reg.register(spec("future", api_version="3.0", probe=lambda d: probed.append(d) or [],
                       provides={"paged_decode": "mstar_never_imported_xyz:W"}), distribution="future-kernels")
-    (reason,) = reg.device_reasons("future", CPU)
+    (reason,) = reg.reasons("future", device=CPU)
     assert "written for plugin API 3.0" in reason and f"implements plugin API {api.API_VERSION}" in reason
     assert probed == [] and "mstar_never_imported_xyz" not in sys.modules
     sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
@@ -253,7 +254,7 @@ def test_a_missing_provides_class_is_not_available(fake_module, make_ep, fake_en
            spec("typo", provides={"paged_decode": "mstar_core.backends.reference:NoSuchWrapper"}))
     fake_entry_points(make_ep("typo", "typo_plugin", "typo-kernels", "0.1"))
     reg = Registry()
-    (reason,) = reg.device_reasons("typo", CPU)
+    (reason,) = reg.reasons("typo", device=CPU)
     assert ("its paged_decode wrapper mstar_core.backends.reference:NoSuchWrapper cannot be loaded (AttributeError"
             in reason)
     monkeypatch.setattr("mstar_core.registry.registry._default", reg)
@@ -266,7 +267,7 @@ def test_a_missing_provides_class_is_not_available(fake_module, make_ep, fake_en
     for _ in range(2):  # every time, though the answer is cached
         with pytest.raises(PluginError, match=r"strict mode: plugin 'typo' \(typo-kernels 0.1, meant to register "
                                               r"'typo'\) failed at provides"):
-            strict.device_reasons("typo", CPU)
+            strict.reasons("typo", device=CPU)
     assert [f.stage for f in reg.failures] == ["provides"]  # listed with the other failures
 
 

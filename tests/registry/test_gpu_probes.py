@@ -29,9 +29,9 @@ def test_real_probes_on_this_gpu():
     assert reg.failures == [], reg.failures
     arch = device_arch(dev)
     if reg.get("flashinfer") is not None and importlib.util.find_spec("flashinfer"):
-        assert reg.device_reasons("flashinfer", dev) == []
+        assert reg.reasons("flashinfer", device=dev) == []
     if reg.get("fa3") is not None and importlib.util.find_spec("flash_attn_interface") and arch == "sm90":
-        assert reg.device_reasons("fa3", dev) == []  # the tiny call ran and passed
+        assert reg.reasons("fa3", device=dev) == []  # the tiny call ran and passed
         assert dense_selection(dev, torch.bfloat16, 128, registry=reg).name == "fa3"
     if reg.get("fa3") is not None and importlib.util.find_spec("flash_attn_interface") is None:
-        assert any("flash_attn_interface is not installed" in r for r in reg.device_reasons("fa3", dev))
+        assert any("flash_attn_interface is not installed" in r for r in reg.reasons("fa3", device=dev))

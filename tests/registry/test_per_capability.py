@@ -17,7 +17,7 @@ from mstar_core import (
     select_backend,
 )
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.errors import ConfigError
+from mstar_core.errors import ConfigError, UnknownName
 
 PREFILL = "mstar_core.backends.reference:ReferencePrefillWrapper"
 DECODE = "mstar_core.backends.reference:ReferenceDecodeWrapper"
@@ -48,11 +48,20 @@ def test_dtypes_and_head_dims_per_capability_are_judged_per_capability():
              head_dims=HeadDims(values=(64, 128)),
              per_capability={"paged_decode": CapabilitySpec(dtypes=(torch.float16,), head_dims=HeadDims(values=(64,)))})
     assert s.dtypes_for("paged_decode") == (torch.float16,) and s.dtypes_for("paged_prefill") == (F32,)
-    assert s.declared_reasons(("paged_prefill",), F32, 128) == []
-    assert s.declared_reasons(("paged_decode",), F32, 128) == [
+    assert s.declared_refusals(("paged_prefill",), F32, 128) == []
+    assert s.declared_refusals(("paged_decode",), F32, 128) == [
         "dtype float32 is not supported in paged_decode (supported: float16)",
         "head_dim 128 is not supported in paged_decode (supported: 64)"]
-    assert s.declared_reasons(("paged_decode",), torch.float16, 64) == []
+    assert s.declared_refusals(("paged_decode",), torch.float16, 64) == []
+
+
+def test_head_dims_say_why_they_refuse_one():
+    assert HeadDims(values=(64, 128)).refusal(64) is None
+    assert HeadDims(values=(64, 128)).refusal(96) == "head_dim 96 is not supported (supported: 64, 128)"
+    assert HeadDims(multiple_of=8, maximum=256).refusal(256) is None
+    for refused in (0, 100, 264):
+        assert HeadDims(multiple_of=8, maximum=256).refusal(refused) == (
+            f"head_dim {refused} is not supported (supported: multiples of 8 up to 256)")
 
 
 def test_the_api_1_1_fields_need_api_1_1_and_are_checked():
@@ -253,3 +262,36 @@ def test_a_decode_only_selection_with_multi_token_rows_keeps_a_decode_pick_that_
     with pytest.raises(BackendUnavailable, match=r"3 query tokens per decode row .*\(paged_decode: dec: "):
         select_backend(("paged_decode",), requested={"paged_decode": "dec"}, device=CPU, dtype=F32,
                        registry=registry(spec("dec")), features=MULTI)
+
+
+# -- which contract each pick speaks -------------------------------------------------------------
+
+def test_selection_gives_each_capabilitys_spec_and_plugin_api_version():
+    reg = registry(spec("olddec", api_version="1.0", priority=5))
+    sel = select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert sel.names == {"paged_prefill": "reference", "paged_decode": "olddec", "mixed": "reference"}
+    assert sel.spec_for("paged_decode") is sel.backend_for("paged_decode")
+    assert sel.spec_for("paged_decode").name == "olddec" and sel.api_version("paged_decode") == "1.0"
+    reference = sel.spec_for("paged_prefill")
+    assert reference is not None and reference.name == "reference"  # the reference has a spec of its own
+    assert sel.api_version("paged_prefill") == sel.api_version("mixed") == REFERENCE.api_version == "1.1"
+    assert sel.spec_for("bounded") is None
+    with pytest.raises(UnknownName, match="did not select 'bounded'; it selected paged_prefill, paged_decode, mixed"):
+        sel.api_version("bounded")
+
+
+def test_a_named_selection_gives_its_one_spec_for_every_capability():
+    reg = registry(spec("olddec", api_version="1.0"))
+    sel = select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg)
+    assert sel.spec_for("paged_decode") is sel.backend and sel.api_version("paged_decode") == "1.0"
+    assert sel.spec_for("paged_prefill") is None
+
+
+def test_the_old_method_names_still_answer_and_warn():
+    s = spec("old", head_dims=HeadDims(values=(64,)))
+    with pytest.warns(DeprecationWarning, match="HeadDims.reasons is renamed HeadDims.refusal"):
+        assert s.head_dims.reasons(96) == [s.head_dims.refusal(96)]
+    with pytest.warns(DeprecationWarning, match="BackendSpec.declared_reasons is renamed"):
+        assert s.declared_reasons(("paged_decode",), F32, 96) == s.declared_refusals(("paged_decode",), F32, 96)
+    with pytest.warns(DeprecationWarning, match="BackendSpec.feature_reasons is renamed"):
+        assert s.feature_reasons(("paged_decode",), MULTI) == s.declared_refusals(("paged_decode",), features=MULTI)

@@ -22,6 +22,7 @@ from mstar_core import (
 )
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.backends.reference.plugin import REFERENCE
+from mstar_core.errors import InputError, InputTypeError
 from mstar_core.registry import auto_order
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
@@ -184,6 +185,45 @@ def test_auto_order_puts_third_party_plugins_before_the_reference(reg):
     assert auto_order(("paged_decode",), reg) == ["flashinfer", "zzz", "toy", "fa3", "reference"]
     assert auto_order(("bounded",), reg) == ["toy", "reference"]
     assert auto_order(PAGED, reg) == ["flashinfer", "fa3", "reference"]  # zzz/toy lack prefill and mixed
+    assert auto_order(("prefixed_ragged",), reg) == ["fa3", "rocm", "flashinfer", "reference"]
+
+
+def test_auto_order_follows_each_capabilitys_declared_priority(reg):
+    ragged, decode = REFERENCE.provides["prefixed_ragged"], REFERENCE.provides["paged_decode"]
+    reg.register(BackendSpec(name="dense1st", provides={"prefixed_ragged": ragged, "paged_decode": decode},
+                             priority={"prefixed_ragged": 1000}))
+    assert auto_order(("prefixed_ragged",), reg) == ["dense1st", "fa3", "rocm", "flashinfer", "reference"]
+    assert auto_order(("paged_decode",), reg) == ["flashinfer", "dense1st", "fa3", "reference"]  # left out: 0
+    # several capabilities: the first one's priority, then the next's (dense1st and fa3 are level on decode)
+    assert auto_order(("paged_decode", "prefixed_ragged"), reg) == ["flashinfer", "dense1st", "fa3", "reference"]
+    assert auto_order(("prefixed_ragged", "paged_decode"), reg) == ["dense1st", "fa3", "flashinfer", "reference"]
+
+
+def test_the_reference_is_last_whatever_it_declares():
+    reg = Registry(discover=False)
+    reg.register(replace(REFERENCE, priority=10**6))
+    reg.register(BackendSpec(name="low", provides={"bounded": REFERENCE.provides["bounded"]}, priority=-5))
+    assert auto_order(("bounded",), reg) == ["low", "reference"]
+
+
+@pytest.mark.parametrize("priority, error, match", [
+    ({"bounded": 1}, InputError, r"priority names capabilities it does not provide: \['bounded'\]"),
+    ({"paged_decode": 1.5}, InputTypeError, r"priority\['paged_decode'\] must be an int"),
+    ({"paged_decode": True}, InputTypeError, r"priority\['paged_decode'\] must be an int"),
+    ("high", InputTypeError, "priority must be an int or a mapping capability -> int"),
+])
+def test_backend_spec_checks_its_priority(priority, error, match):
+    with pytest.raises(error, match=match):
+        BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=priority)
+
+
+def test_a_priority_mapping_is_copied_and_read_per_capability():
+    table = {"paged_decode": 7}
+    spec = BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"],
+                                           "mixed": REFERENCE.provides["mixed"]}, priority=table)
+    table["paged_decode"] = 0
+    assert (spec.priority_for("paged_decode"), spec.priority_for("mixed")) == (7, 0)
+    assert BackendSpec(name="q", provides={}, priority=3).priority_for("mixed") == 3
 
 
 def test_auto_skips_a_backend_whose_wrapper_fails_to_import(reg):
