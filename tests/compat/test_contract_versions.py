@@ -1,4 +1,4 @@
-"""A plugin written for an older plugin API MINOR runs unchanged on this core (docs/PLUGINS.md,
+"""A plugin written for an earlier plugin API version runs unchanged on this core (docs/PLUGINS.md,
 section 2). Each frozen fixture (tests/compat/fixtures) is built to a wheel outside the repository,
 installed into a folder of its own and run in fresh processes: `mstar check`, the tiny-model demos
 under every way a backend is selected, the paged manager under each feature, and a copy with one
@@ -6,11 +6,13 @@ wrong line that `mstar check` must fail."""
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,16 +47,18 @@ BY_VERSION = pytest.mark.parametrize("fx", FIXTURES, ids=lambda f: f.api_version
 
 
 @pytest.fixture(scope="module")
-def sites(tmp_path_factory, build_wheel) -> dict[str, Path]:
-    """api_version -> an isolated install folder holding that fixture alone, built from a copy
-    (a build writes build/ and *.egg-info beside its sources)."""
+def sites(tmp_path_factory, build_wheel) -> Callable[[Fixture], Path]:
+    """``sites(fx)``: an isolated install folder holding that fixture alone, built on first use
+    (so an xdist worker builds only the fixtures its tests use) from a copy of it (a build writes
+    build/ and *.egg-info beside its sources)."""
     tmp = tmp_path_factory.mktemp("compat")
-    out = {}
-    for fx in FIXTURES:
+
+    @functools.cache
+    def site(fx: Fixture) -> Path:
         src = shutil.copytree(HERE / "fixtures" / fx.folder, tmp / "src" / fx.folder)
-        wheel = build_wheel(src, tmp / "wheels")
-        out[fx.api_version] = _install(wheel, tmp / f"site-{fx.folder}")
-    return out
+        return _install(build_wheel(src, tmp / "wheels"), tmp / f"site-{fx.folder}")
+
+    return site
 
 
 def _install(wheel: Path, target: Path) -> Path:
@@ -78,8 +82,8 @@ def _check(site: Path, name: str, *extra: str) -> subprocess.CompletedProcess:
 
 @BY_VERSION
 def test_mstar_check_passes(sites, fx):
-    # The full check: about 15 s a fixture on 2 shared cores, so not --quick.
-    r = _check(sites[fx.api_version], fx.name)
+    # The full check: 11 to 16 s a fixture on 2 shared cores, well under a minute, so not --quick.
+    r = _check(sites(fx), fx.name)
     assert r.returncode == 0, r.stdout + r.stderr
     out = r.stdout
     assert f"({fx.name}-mstar {fx.api_version}.0, plugin API {fx.api_version})" in out, out[:300]
@@ -117,7 +121,7 @@ def test_demos_select_and_run_it(sites, fx, path, tmp_path):
     if config is not None:
         (tmp_path / "mstar.toml").write_text(config)
         extra += " --config mstar.toml"
-    r = _run(sites[fx.api_version], ["-c", DEMOS, extra, f"--workload denoise {extra}"], tmp_path, **env)
+    r = _run(sites(fx), ["-c", DEMOS, extra, f"--workload denoise {extra}"], tmp_path, **env)
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     assert f"backend: {paged}" in lines, r.stdout
@@ -127,14 +131,14 @@ def test_demos_select_and_run_it(sites, fx, path, tmp_path):
 
 @BY_VERSION
 def test_paged_manager_serves_every_feature(sites, fx):
-    r = _run(sites[fx.api_version], [str(HERE / "paged_features_run.py"), fx.name], sites[fx.api_version].parent)
+    r = _run(sites(fx), [str(HERE / "paged_features_run.py"), fx.name], sites(fx).parent)
     assert r.returncode == 0, r.stdout + r.stderr
     assert r.stdout.count(": OK") == 4, r.stdout
 
 
 @BY_VERSION
 def test_mstar_check_catches_a_planted_bug(sites, fx, tmp_path):
-    site = shutil.copytree(sites[fx.api_version], tmp_path / "site")
+    site = shutil.copytree(sites(fx), tmp_path / "site")
     wrappers = site / f"{fx.name}_mstar" / "wrappers.py"
     text, (line, wrong) = wrappers.read_text(), fx.planted
     assert text.count(line) == 1, f"the planted line is not once in {wrappers.name}: {line!r}"
