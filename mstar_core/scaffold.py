@@ -136,11 +136,12 @@ def probe(device: torch.device) -> list[str]:
     return []
 '''
 
-RAGGED = '''\
-"""The ``prefixed_ragged`` wrapper (mstar_core.plugin.PrefixedPrefillWrapper):
+RAGGED = '''\\
+"""The ``prefixed_ragged`` wrapper (plugin contract 2.0, mstar_core.plugin.PrefixedPrefillWrapper):
 segment i's queries ``q[cu_q[i]:cu_q[i+1]]`` attend its keys ``k[cu_k[i]:cu_k[i+1]]`` (a frozen
-prefix, then the fresh tokens), causal masks aligned bottom-right. Plain PyTorch, one segment at
-a time: replace ``run``'s body with the kernel."""
+prefix, then the fresh tokens), causal masks aligned bottom-right. mstar builds the wrapper from a
+``WrapperSize`` and plans it with a ``RaggedPlan`` it has checked already. Plain PyTorch, one
+segment at a time: replace ``run``'s body with the kernel."""
 
 from __future__ import annotations
 
@@ -148,28 +149,26 @@ import itertools
 import math
 
 import torch
-from mstar_core.plugin import InputError, StateError
+from mstar_core.plugin import InputError, RaggedPlan, StateError, WrapperSize
 
 
 class PrefixedPrefillWrapper:
-    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device | str = "cpu",
-                 workspace_buffer: torch.Tensor | None = None, backend: str = "auto") -> None:
-        if num_qo_heads % num_kv_heads:
-            raise InputError(f"num_qo_heads ({{num_qo_heads}}) must be a multiple of num_kv_heads ({{num_kv_heads}})")
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> PrefixedPrefillWrapper:
+        return cls(size.num_qo_heads, size.num_kv_heads, size.head_dim, size.device)
+
+    def __init__(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.device = torch.device(device)
+        self.device = device
         self._plan: tuple | None = None
 
-    def plan(self, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool = True,
-             dtype: torch.dtype = torch.bfloat16, sm_scale: float | None = None, window_left: int = -1) -> None:
+    def plan(self, plan: RaggedPlan) -> None:
         # A plan replaces the previous one whole: the managers plan one wrapper step after step.
-        starts_q, starts_k = torch.as_tensor(cu_q).tolist(), torch.as_tensor(cu_k).tolist()
-        if len(starts_q) != len(starts_k):
-            raise InputError(f"cu_q has {{len(starts_q)}} offsets and cu_k {{len(starts_k)}}: "
-                             "one per segment, plus one")
-        bounds = list(zip(starts_q, starts_k, strict=True))
-        scale = 1.0 / math.sqrt(self.head_dim) if sm_scale is None else float(sm_scale)
-        self._plan = (bounds, causal, scale, window_left)
+        if not isinstance(plan, RaggedPlan):
+            raise InputError(f"PrefixedPrefillWrapper.plan takes a RaggedPlan, got {{type(plan).__name__}}")
+        bounds = list(zip(plan.cu_q.tolist(), plan.cu_k.tolist(), strict=True))
+        scale = 1.0 / math.sqrt(self.head_dim) if plan.sm_scale is None else plan.sm_scale
+        self._plan = (bounds, plan.causal, scale, plan.window_left)
 
     def run(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         if self._plan is None:

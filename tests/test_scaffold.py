@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from mstar_core import InputError, StateError
+from mstar_core.plugin import WrapperSize, paged_plan, ragged_plan
 from mstar_core.scaffold import write_skeleton
 
 from .helpers import REPO
@@ -91,17 +92,16 @@ def _ragged(skeleton: Path) -> ModuleType:
 
 def test_every_error_path_of_the_skeleton_wrapper_raises_mstar_errors(skeleton):
     W = _ragged(skeleton).PrefixedPrefillWrapper
-    with pytest.raises(InputError, match=r"num_qo_heads \(3\) must be a multiple of num_kv_heads \(2\)"):
-        W(3, 2, 8)
-    w = W(4, 2, 8)
+    w = W.from_size(WrapperSize(4, 2, 8, torch.device("cpu")))
     q, k, v = torch.randn(2, 4, 8), torch.randn(3, 2, 8), torch.randn(3, 2, 8)
     with pytest.raises(StateError, match="run before plan"):
         w.run(q, k, v)
-    with pytest.raises(InputError, match="cu_q has 2 offsets and cu_k 3: one per segment, plus one"):
-        w.plan(torch.tensor([0, 2]), torch.tensor([0, 1, 3]), 2, 3, causal=True, dtype=torch.float32)
+    with pytest.raises(InputError, match="PrefixedPrefillWrapper.plan takes a RaggedPlan, got PagedPlan"):
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        w.plan(paged_plan("paged_prefill", one, one, one[:1], one[1:], 1, torch.float32))
     # a good plan after the refused one runs: the last query sees every key, the first query all
     # but the last (causal, aligned bottom-right)
-    w.plan(torch.tensor([0, 2]), torch.tensor([0, 3]), 2, 3, causal=True, dtype=torch.float32)
+    w.plan(ragged_plan(torch.tensor([0, 2]), torch.tensor([0, 3]), 2, 3, torch.float32))
     out = w.run(q, k, v)
     kk, vv = k.repeat_interleave(2, dim=1), v.repeat_interleave(2, dim=1)
     for i, seen in ((0, 2), (1, 3)):

@@ -49,7 +49,7 @@ def build_wrapper(cls: type, capability: str, size: WrapperSize, api_version: st
         if factor != 1:
             ws = WrapperSize(size.num_qo_heads, size.num_kv_heads, size.head_dim, size.device,
                              workspace_bytes=factor * size.workspace_bytes).workspace()
-    elif size.query_tokens > 1:
+    elif size.query_tokens > 1 and parse_api_version(api_version) >= (1, 1):
         extra["query_tokens"] = size.query_tokens
     return cls(ws, *common, batch_size=size.batch_size, max_num_pages=size.max_num_pages, device=size.device,
                accelerator_graph=True, backend=backend, **extra)
@@ -67,8 +67,8 @@ def paged_keywords(plan: PagedPlan, api_version: str) -> dict[str, Any]:
         kw["kv_data_type"] = plan.kv_data_type
     if plan.sink_logits and parse_api_version(api_version) >= (1, 1):
         kw["sink_logits"] = True
-    if plan.kind == PAGED_DECODE and plan.query_tokens > 1:
-        kw["query_tokens"] = plan.query_tokens  # only asked of a 1.1 decode wrapper that declares the rows
+    if plan.kind == PAGED_DECODE and plan.query_tokens > 1 and parse_api_version(api_version) >= (1, 1):
+        kw["query_tokens"] = plan.query_tokens  # 1.0 ran multi-token rows on its prefill wrapper alone
     return kw
 
 

@@ -17,6 +17,7 @@ from mstar_core.backends import reference as R
 from mstar_core.cli import main
 from mstar_core.config import load_config
 from mstar_core.errors import InputError
+from mstar_core.plugin import API_VERSION
 from mstar_core.scaffold import files_for, write_skeleton
 
 
@@ -149,7 +150,7 @@ def test_new_backend_writes_nothing_when_it_fails_half_way(tmp_path, monkeypatch
 
 def test_the_skeleton_declares_the_current_api_and_its_spec_loads():
     files = files_for("tpk")
-    assert 'api_version="1.1"' in files["tpk_mstar/plugin.py"]
+    assert f'api_version="{API_VERSION}"' in files["tpk_mstar/plugin.py"] and API_VERSION == "2.0"
     assert 'tpk = "tpk_mstar.plugin"' in files["pyproject.toml"]
     assert 'conformance_test("tpk")' in files["tests/test_conformance.py"]
 
