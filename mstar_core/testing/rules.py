@@ -23,7 +23,8 @@ RULES: dict[str, str] = {
     "replan": "every plan replaces the previous one whole, and run uses the latest",
     "refused-plan": "a plan refused with an error leaves the previous plan usable, or refuses every run until the "
                     "next plan",
-    "unknown-keyword": "a keyword the wrapper does not implement raises; it never computes without it",
+    "unknown-keyword": "a plan of another capability, or (contract 1.x) a keyword the wrapper does not implement, "
+                       "raises; it never computes without it",
     "independent-wrappers": "wrappers of one backend keep their own plans: several planned with different windows "
                             "and scales (one per layer) and run in turn each compute their own",
     "replay": "a CUDA-graph replay after a new plan computes that plan",

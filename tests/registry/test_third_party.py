@@ -87,7 +87,7 @@ def test_mstar_backends_lists_the_plugin_and_the_broken_one(site):
     data = json.loads(r.stdout)
     plain = next(b for b in data["backends"] if b["name"] == "plainattn")
     assert (plain["distribution"], plain["version"], plain["available"]) == ("plainattn-mstar", "0.1.0", True)
-    assert plain["provides"] == ["paged_decode", "prefixed_ragged"] and plain["api_version"] == "1.0"
+    assert plain["provides"] == ["paged_decode", "prefixed_ragged"] and plain["api_version"] == "2.0"
     (broken,) = [f for f in data["failed_plugins"] if f["entry_point"] == "broken"]
     assert (broken["distribution"], broken["version"], broken["stage"]) == ("mstar-broken", "3.1.4", "load")
     assert "mstar_kernel_that_is_not_there" in broken["error"]
@@ -156,7 +156,7 @@ def test_new_backend_skeleton_installs_and_passes_mstar_check(tmp_path, build_wh
     assert r.returncode == 0, r.stderr
     listed = json.loads(_run(site, _cli("--json")).stdout)
     (tpk,) = [b for b in listed["backends"] if b["name"] == "tpk"]
-    assert (tpk["distribution"], tpk["available"], tpk["api_version"]) == ("tpk-mstar", True, "1.1")
+    assert (tpk["distribution"], tpk["available"], tpk["api_version"]) == ("tpk-mstar", True, "2.0")
     check = _run(site, ["-m", "mstar_core.cli", "check", "tpk"])
     assert check.returncode == 0, check.stdout + check.stderr
     counts = re.search(r"(\d+) of (\d+) cases passed", check.stdout)
