@@ -223,7 +223,7 @@ class DenseAttentionManager(AttentionManager):
                 dtype=info.dtype, head_dim=info.head_dim, config=spec.get("config"), features=kv.features,
             )
             wrapper_class, backend_name = sel.classes[DENSE_CAPABILITY], sel.name
-            api_version = sel.backend_for(DENSE_CAPABILITY).api_version
+            api_version = sel.api_version(DENSE_CAPABILITY)
         return cls(kv, info.device, info.dtype, kv.config, wrapper_class,
                    flashinfer_backend=spec.get("flashinfer_backend", "auto"),
                    max_cached_tokens=spec.get("max_cached_tokens"), backend_name=backend_name,

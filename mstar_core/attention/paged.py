@@ -189,7 +189,7 @@ class PagedAttentionManager(AttentionManager):
         self.wrapper_classes = dict(wrappers)
         # The contract version each kind's wrapper speaks (mstar_core.attention.calls): its spec's;
         # without a selection, 2.0 where the class builds from a WrapperSize, else 1.1.
-        self.api_versions = {c: selection.backend_for(c).api_version if selection is not None
+        self.api_versions = {c: selection.api_version(c) if selection is not None
                              else "2.0" if hasattr(cls, "from_size") else "1.1"
                              for c, cls in self.wrapper_classes.items()}
         self.backend_name = backend_name
