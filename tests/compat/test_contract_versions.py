@@ -31,7 +31,7 @@ class Fixture:
     name: str  # its backend's name; its package is NAME_mstar
     multi_token_wrappers: tuple[str, ...]  # where `mstar check` runs multi-token decode rows
     planted: tuple[str, str]  # (a line of wrappers.py, the wrong line planted in its place)
-    planted_cases: str  # what the planted line breaks: the marker in every failing case's name
+    planted_cases: str  # what the planted line breaks: a regex every failing case's "GROUP NAME" matches
 
 
 FIXTURES = (
@@ -42,6 +42,9 @@ FIXTURES = (
     # 1.1: declared on both wrappers, each runs them; the sink logits planted as ignored
     Fixture("1.1", "api_1_1", "compat11attn", ("paged_decode", "paged_prefill"),
             ("if sinks is not None:  # exp", "if False:  # exp"), "-sinks"),
+    # 2.0: plan objects; the plan's window planted as ignored (the re-plan and per-layer groups plan windows)
+    Fixture("2.0", "api_2_0", "compat20attn", ("paged_decode", "paged_prefill"),
+            ("if window_left >= 0:", "if False:"), r"-win\d|^(replan|layers) "),
 )
 BY_VERSION = pytest.mark.parametrize("fx", FIXTURES, ids=lambda f: f.api_version)
 
@@ -146,5 +149,5 @@ def test_mstar_check_catches_a_planted_bug(sites, fx, tmp_path):
     r = _check(site, fx.name, "--quick")  # a few cases of each feature suffice to catch it
     assert r.returncode == 1, r.stdout + r.stderr
     assert re.search(r"\d+ failed, by rule: oracle \(\d+\)$", r.stdout.rstrip()), r.stdout[-2000:]
-    failing = re.findall(r"^FAIL \S+ \S+ \S+ (\S+) \[oracle\]", r.stdout, re.M)
-    assert failing and all(fx.planted_cases in case for case in failing), failing
+    failing = re.findall(r"^FAIL \S+ \S+ (\S+ \S+) \[oracle\]", r.stdout, re.M)
+    assert failing and all(re.search(fx.planted_cases, case) for case in failing), failing
