@@ -232,8 +232,9 @@ def paged_plan(
         raise InputTypeError(f"{who}: sink_logits must be a bool, got {sink_logits!r}")
     if not isinstance(causal, bool):
         raise InputTypeError(f"{who}: causal must be a bool, got {causal!r}")
-    if not is_int(query_tokens) or query_tokens < 1:
-        raise InputError(f"{who}: query_tokens must be an int >= 1 (query tokens per row), got {query_tokens!r}")
+    if not is_int(query_tokens) or query_tokens < 1 or (query_tokens > 1 and kind != PAGED_DECODE):
+        raise InputError(f"{who}: query_tokens must be an int >= 1 (query tokens per row; above 1 in a "
+                         f"{PAGED_DECODE} plan alone), got {query_tokens!r} in a {kind} plan")
     indptr_t = _host_index("kv_indptr", kv_indptr, who)
     last_t = _host_index("kv_last_page_len", kv_last_page_len, who)
     indptr = indptr_t.numpy()
