@@ -105,3 +105,13 @@ def test_the_plan_is_checked_once_with_messages_naming_the_entry():
                        torch.tensor([0], dtype=I32), torch.tensor([2], dtype=I32), 16, torch.float32)
     assert not short.keys_cover_queries
     assert p.variant(8, True).window_left == 8 and p.variant(-1, False) is p
+
+
+@pytest.mark.parametrize("name", ["build_paged_attention", "summary", "PagedManager"])
+def test_names_moved_from_grouped_keep_their_old_path_with_a_warning(name):
+    from mstar_core.attention import grouped, paged
+
+    with pytest.warns(DeprecationWarning, match=f"grouped.{name} moved to mstar_core.attention.paged.{name}"):
+        assert getattr(grouped, name) is getattr(paged, name)
+    with pytest.raises(AttributeError):
+        grouped.no_such_name  # noqa: B018
