@@ -53,7 +53,7 @@ FLASHINFER = BackendSpec(
     install_hint="pip install 'flashinfer-python>=0.5.3,<=0.7.4'",
     # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
     measured="mstar_flashinfer.measured:table",
-    api_version="1.1",
+    api_version="2.0",
 )
 
 
