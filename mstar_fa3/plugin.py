@@ -45,7 +45,7 @@ FA3 = BackendSpec(
     install_hint="pip install tokenspeed-fa3 (or build flash-attention's hopper/ from source)",
     # Median kernel times on the H200 (bench/paged_backends.py): auto's order between paged backends.
     measured="mstar_fa3.measured:table",
-    api_version="1.1",
+    api_version="2.0",
 )
 
 
