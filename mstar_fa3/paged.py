@@ -19,42 +19,57 @@ return zeros, and the split count is fixed (the schedule shrinks it per row).
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
 from mstar_core.plugin import (
+    MIXED,
+    PAGED_DECODE,
+    PAGED_PREFILL,
     InputError,
     InputTypeError,
+    PagedPlan,
+    RaggedPlan,
     StateError,
     Unsupported,
-    check_offsets,
-    check_plan_kwargs,
+    WrapperSize,
+    check_same_device,
     check_scale,
     check_sinks,
-    check_window_and_scale,
-    host_int32,
     is_int,
+    paged_plan,
 )
+from mstar_fa3.plugin import FA3
 
 MODULE = "flash_attn_interface"
-SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-MAX_HEAD_DIM = 256
+# What FA3 computes, as its one declaration (the BackendSpec) says: checked for a wrapper built
+# or planned through the loose form; the registry enforces it for from_size's callers.
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(FA3.dtypes)
+MAX_HEAD_DIM = FA3.head_dims.maximum or 256
 # hopper's flash_api checks "sinks must have dtype bfloat16"
 SINKS_DTYPE = torch.bfloat16
 # Graph mode fixes the split count at capture (the host heuristic would see the static page table's
 # full width); the precomputed schedule gives each row at most this many.
 GRAPH_NUM_SPLITS = 16
+# The keywords a loose paged plan takes beyond its layout (FlashInfer's names).
+PLAN_KEYWORDS = ("sm_scale", "logits_soft_cap", "kv_data_type", "sink_logits")
 
 
-def _offsets(name: str, value: Any, who: str, rows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """Row offsets ``[0, ..., total]`` as a host int32 tensor (``rows + 1`` entries where given)
-    and the row lengths."""
-    t = host_int32(name, value, who, 1, " with at least one entry (row starts, then the total)")
-    if rows is not None and t.numel() != rows + 1:
-        raise InputError(f"{who}: {name} has {t.numel()} entries, expected {rows + 1} (rows + 1)")
-    return t, check_offsets(name, t, who, "row")
+def given_plan(first: Any, rest: bool, kind: str, who: str) -> PagedPlan | None:
+    """The plan object ``plan`` was given (contract 2.0), or None for the loose form; one of
+    another capability, or with other arguments beside it, is refused."""
+    if not isinstance(first, (PagedPlan, RaggedPlan)):
+        return None
+    got = first.kind if isinstance(first, PagedPlan) else "prefixed_ragged"
+    if got != kind:
+        raise InputError(f"{who}: got a {got} plan; this wrapper runs {kind} plans")
+    if rest:
+        raise InputTypeError(f"{who}: a plan object comes alone; got other arguments with it")
+    assert isinstance(first, PagedPlan)
+    return first
 
 
 class FA3PagedWrapper:
@@ -62,6 +77,7 @@ class FA3PagedWrapper:
     ``run``. Subclasses say how rows and queries are laid out."""
 
     kind: ClassVar[str] = "paged"
+    capability: ClassVar[str] = PAGED_PREFILL  # the plan kind it runs
     graph_capturable: ClassVar[bool] = True
 
     def __init__(
@@ -79,24 +95,43 @@ class FA3PagedWrapper:
         enable_nvtx: bool = False,
         backend: str = "auto",
     ) -> None:
+        self._init(self._loose_size(num_qo_heads, num_kv_heads, head_dim, page_size, batch_size, max_total_tokens,
+                                    max_num_pages, device, accelerator_graph))
+
+    @classmethod
+    def _loose_size(cls, num_qo_heads: int, num_kv_heads: int, head_dim: int, page_size: int, batch_size: int | None,
+                    max_total_tokens: int | None, max_num_pages: int | None, device: torch.device | str,
+                    accelerator_graph: bool, query_tokens: int = 1) -> WrapperSize:
+        """The loose constructor's size: the core's WrapperSize checks the geometry; the head dim
+        is checked against the one declaration."""
+        if FA3.head_dims.reasons(head_dim) if is_int(head_dim) else True:
+            raise InputError(f"{cls.__name__}: FA3 needs head_dim a multiple of {FA3.head_dims.multiple_of} in "
+                             f"{FA3.head_dims.multiple_of}..{MAX_HEAD_DIM}, got {head_dim!r}")
+        return WrapperSize(num_qo_heads, num_kv_heads, head_dim, torch.device(device), page_size,
+                           batch_size=batch_size, max_total_tokens=max_total_tokens, max_num_pages=max_num_pages,
+                           accelerator_graph=bool(accelerator_graph), query_tokens=query_tokens)
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> Self:
+        """Contract 2.0: a wrapper for ``size`` (FA3 takes no workspace: it allocates per call)."""
+        w = cls.__new__(cls)
+        w._init(size)
+        return w
+
+    def _init(self, size: WrapperSize) -> None:
         name = type(self).__name__
-        for what, v in (("num_qo_heads", num_qo_heads), ("num_kv_heads", num_kv_heads), ("page_size", page_size)):
-            if not is_int(v) or v < 1:
-                raise InputError(f"{name}: {what} must be a positive int, got {v!r}")
-        if num_qo_heads % num_kv_heads:
-            raise InputError(f"{name}: num_qo_heads ({num_qo_heads}) must be a multiple of num_kv_heads "
-                             f"({num_kv_heads})")
-        if not is_int(head_dim) or head_dim < 8 or head_dim % 8 or head_dim > MAX_HEAD_DIM:
-            raise InputError(f"{name}: FA3 needs head_dim a multiple of 8 in 8..{MAX_HEAD_DIM}, got {head_dim!r}")
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.page_size = page_size
-        self.device = torch.device(device)
-        self.accelerator_graph = bool(accelerator_graph)
-        self.batch_size, self.max_total_tokens, self.max_num_pages = batch_size, max_total_tokens, max_num_pages
+        if size.page_size < 1:
+            raise InputError(f"{name}: page_size must be a positive int, got {size.page_size!r}")
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = size.num_qo_heads, size.num_kv_heads, size.head_dim
+        self.page_size = size.page_size
+        self.device = size.device
+        self.accelerator_graph = size.accelerator_graph
+        self.batch_size, self.max_total_tokens, self.max_num_pages = (size.batch_size, size.max_total_tokens,
+                                                                      size.max_num_pages)
         if self.accelerator_graph:
-            for what, size in (("batch_size", batch_size), ("max_num_pages", max_num_pages)):
-                if not is_int(size) or size is None or size < 1:
-                    raise InputError(f"{name} with accelerator_graph=True needs {what} (a positive int), got {size!r}")
+            for what, n in (("batch_size", self.batch_size), ("max_num_pages", self.max_num_pages)):
+                if not is_int(n) or n is None or n < 1:
+                    raise InputError(f"{name} with accelerator_graph=True needs {what} (a positive int), got {n!r}")
         # Imported here, not at module import: the plugin must load where FA3 is not installed.
         fa3 = importlib.import_module(MODULE)
         self._kernel = fa3.flash_attn_with_kvcache
@@ -105,10 +140,6 @@ class FA3PagedWrapper:
         self._planned: dict[str, Any] | None = None
 
     # -- layout, per subclass ----------------------------------------------------------------------
-    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
-        """``(cu_seqlens_q as host int32 or an empty tensor, tokens, max_seqlen_q)``."""
-        raise NotImplementedError
-
     def _static_q_rows(self) -> int:
         """The q rows a captured run sees."""
         raise NotImplementedError
@@ -117,55 +148,37 @@ class FA3PagedWrapper:
         return q
 
     # -- plan --------------------------------------------------------------------------------------
-    def _plan(self, qo_indptr: Any, indptr: Any, indices: Any, last: Any, causal: bool, dtype: torch.dtype,
-              kv_lens: Any, window_left: int, kwargs: dict[str, Any]) -> None:
-        who = f"{type(self).__name__}.plan"
-        # Every check first: a refused plan keeps the previous one.
-        sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, who) if kwargs else (None, None, None)
+    def _loose(self, who: str, qo_indptr: Any, indptr: Any, indices: Any, last: Any, causal: bool,
+               dtype: torch.dtype, kv_lens: Any, window_left: int, kwargs: dict[str, Any],
+               query_tokens: int = 1) -> PagedPlan:
+        """The plan of a loose ``plan(...)`` call, built and checked by the core."""
+        unknown = sorted(set(kwargs) - set(PLAN_KEYWORDS))
+        if unknown:
+            raise InputTypeError(f"{who} got unexpected keyword arguments {unknown}; it accepts {list(PLAN_KEYWORDS)}")
         if dtype not in SUPPORTED_DTYPES:
             raise InputTypeError(f"{who}: FA3 computes in {', '.join(map(str, SUPPORTED_DTYPES))}, got {dtype}")
-        if kv_dtype is not None and kv_dtype != dtype:
+        return paged_plan(self.capability, qo_indptr, indptr, indices, last, self.page_size, dtype, causal=causal,
+                          kv_lens=kv_lens, window_left=window_left, query_tokens=query_tokens, who=who, **kwargs)
+
+    def _plan(self, plan: PagedPlan, who: str) -> None:
+        """Plan the kernel for ``plan`` (built and checked by the core): only what FA3 itself cannot
+        run is refused here, all before anything changes (a refused plan keeps the previous one)."""
+        dtype = plan.dtype
+        if plan.kv_data_type is not None and plan.kv_data_type != dtype:
             raise Unsupported(f"{who}: FA3 reads an FP8 cache only with FP8 queries (q, k and v share one dtype); "
-                              f"this plan has {dtype} queries over a {kv_dtype} cache")
-        check_window_and_scale(who, window_left, sm_scale)
-        indptr_t, pages = _offsets("kv_indptr", indptr, who)
-        rows = pages.numel()
-        last_t = host_int32("last_page_len", last, who)
-        if last_t.numel() != rows:
-            raise InputError(f"{who}: last_page_len has {last_t.numel()} entries, expected {rows} (one per row)")
-        has = pages > 0
-        bad = torch.where(has, (last_t < 1) | (last_t > self.page_size), last_t != 0)
-        if bool(bad.any()):
-            i = int(bad.nonzero()[0, 0])
-            raise InputError(f"{who}: last_page_len[{i}] = {int(last_t[i])} for a row with {int(pages[i])} pages; "
-                             f"allowed: {f'1..{self.page_size}' if bool(has[i]) else '0 (no pages)'}")
-        lens = (pages - has.to(torch.int32)) * self.page_size + last_t
-        if kv_lens is not None:
-            given = host_int32("kv_lens", kv_lens, who)
-            if given.numel() != rows or not torch.equal(given, lens):
-                raise InputError(f"{who}: kv_lens {given[:8].tolist()} disagrees with the rows' pages "
-                                 f"({lens[:8].tolist()})")
-        if not isinstance(indices, torch.Tensor):
-            indices = torch.as_tensor(indices, dtype=torch.int32)
-        if indices.dim() != 1 or indices.dtype != torch.int32:
-            raise InputTypeError(f"{who}: kv_indices must be a 1-D int32 tensor, got {indices.dtype} "
-                                 f"{tuple(indices.shape)}")
+                              f"this plan has {dtype} queries over a {plan.kv_data_type} cache")
+        decode = plan.kind == PAGED_DECODE
+        if not decode and not plan.keys_cover_queries:
+            q_lens, lens = plan.q_lens, plan.kv_lens.numpy()
+            i = int(((q_lens > lens) if plan.causal else ((q_lens > 0) & (lens == 0))).nonzero()[0][0])
+            raise InputError(f"{who}: row {i} has {int(q_lens[i])} queries but {int(lens[i])} keys; a row's "
+                             "queries are among its keys")
+        indptr_t, indices = plan.kv_indptr, plan.kv_indices
+        if not indices.is_cpu:
+            check_same_device(who, self.device, kv_indices=indices)
+        rows, tokens = plan.rows, plan.tokens
         total_pages = int(indptr_t[-1])
-        if total_pages > indices.numel():
-            raise InputError(f"{who}: kv_indptr[-1] = {total_pages} exceeds len(kv_indices) = {indices.numel()}")
-        top = -1  # the largest page read, where the indices are on the host (-1: unknown, no device sync)
-        if not indices.is_cuda and total_pages:
-            if bool((indices[:total_pages] < 0).any()):
-                raise InputError(f"{who}: kv_indices holds a negative page index; page indices must be >= 0")
-            top = int(indices[:total_pages].max())
-        cu_q, tokens, max_q = self._rows(who, qo_indptr, rows)
-        if cu_q.numel():
-            q_lens = cu_q[1:] - cu_q[:-1]
-            if bool((q_lens > lens).any()):  # a row's queries are its last keys
-                i = int((q_lens > lens).nonzero()[0, 0])
-                raise InputError(f"{who}: row {i} has {int(q_lens[i])} queries but {int(lens[i])} keys; a row's "
-                                 "queries are among its keys")
-        width = int(pages.max()) if rows else 0
+        width = -(-plan.max_kv // self.page_size)  # the most pages a row holds
         st = self._static
         if self.accelerator_graph:
             assert self.batch_size is not None and self.max_num_pages is not None
@@ -185,15 +198,14 @@ class FA3PagedWrapper:
         assert b is not None
         # One host array, one copy: [seqlens | pages per row | first page per row | cu_seqlens_q];
         # padding rows have no keys and no pages.
-        has_cu = bool(cu_q.numel())
-        packed = torch.zeros(3 * b + (b + 1 if has_cu else 0), dtype=torch.int32,
-                             pin_memory=dev.type == "cuda")
-        packed[:rows] = lens
-        packed[b: b + rows] = pages
+        has_cu = not decode
+        packed = torch.zeros(3 * b + (b + 1 if has_cu else 0), dtype=torch.int32, pin_memory=dev.type == "cuda")
+        packed[:rows] = plan.kv_lens
+        torch.sub(indptr_t[1:], indptr_t[:-1], out=packed[b: b + rows])
         packed[2 * b: 2 * b + rows] = indptr_t[:-1]
         if has_cu:
-            packed[3 * b:] = int(cu_q[-1])
-            packed[3 * b: 3 * b + rows + 1] = cu_q
+            packed[3 * b:] = tokens
+            packed[3 * b: 3 * b + rows + 1] = plan.qo_indptr
         if st is not None:
             rows_d = st["rows"][: packed.numel()]
             rows_d.copy_(packed, non_blocking=True)
@@ -210,10 +222,11 @@ class FA3PagedWrapper:
             row_of = torch.repeat_interleave(torch.arange(b, device=dev), counts_d, output_size=total_pages)
             col = torch.arange(total_pages, device=dev, dtype=torch.int32) - starts_d.index_select(0, row_of)
             table.index_put_((row_of, col.long()), idx)
-        causal = bool(causal)
+        causal = plan.causal
+        window_left, soft_cap = plan.window_left, plan.logits_soft_cap
         window = (window_left, 0 if causal else -1) if window_left >= 0 else (-1, -1)
         num_splits = GRAPH_NUM_SPLITS if st is not None else 0
-        max_q_static = self._static_q_rows() if st is not None and cu_d is not None else max_q
+        max_q_static = self._static_q_rows() if st is not None and cu_d is not None else plan.max_q
         meta = None
         if self._schedule is not None:
             meta = self._schedule(
@@ -229,8 +242,9 @@ class FA3PagedWrapper:
                 meta = kept
         self._planned = {
             "rows": rows, "tokens": tokens, "dtype": dtype, "table": table, "seqlens": seqlens_d, "cu": cu_d,
-            "max_q": max_q_static, "causal": causal, "window": window, "scale": sm_scale,
-            "softcap": soft_cap or 0.0, "splits": num_splits, "meta": meta, "top": top,
+            "max_q": max_q_static, "causal": causal, "window": window, "scale": plan.sm_scale,
+            "softcap": soft_cap or 0.0, "splits": num_splits, "meta": meta, "top": plan.max_page,
+            "query_tokens": plan.query_tokens,
         }
 
     def _static_buffers(self) -> dict[str, torch.Tensor]:
@@ -295,25 +309,28 @@ class FA3PrefillWrapper(FA3PagedWrapper):
     """Paged prefill: rows of any number of queries (``qo_indptr``), packed."""
 
     kind = "prefill"
+    capability = PAGED_PREFILL
 
     def plan(
         self,
-        qo_indptr: torch.Tensor,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        qo_indptr: PagedPlan | torch.Tensor,
+        paged_kv_indptr: torch.Tensor | None = None,
+        paged_kv_indices: torch.Tensor | None = None,
+        paged_kv_last_page_len: torch.Tensor | None = None,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: torch.Tensor | None = None,
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
-        self._plan(qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal, dtype, kv_lens,
-                   window_left, kwargs)
-
-    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
-        cu, q_lens = _offsets("qo_indptr", qo_indptr, who, rows)
-        return cu, int(cu[-1]), int(q_lens.max()) if rows else 0
+        """Contract 2.0: ``plan(PagedPlan)`` of this wrapper's capability, built and checked by the
+        core; the loose form builds that plan with the core's ``paged_plan``."""
+        who = f"{type(self).__name__}.plan"
+        plan = given_plan(qo_indptr, paged_kv_indptr is not None or bool(kwargs), self.capability, who)
+        if plan is None:
+            plan = self._loose(who, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal,
+                               dtype, kv_lens, window_left, kwargs)
+        self._plan(plan, who)
 
     def _static_q_rows(self) -> int:
         if self.max_total_tokens is None:
@@ -330,6 +347,7 @@ class FA3DecodeWrapper(FA3PagedWrapper):
     as ``q [rows * t, Hq, D]``, given to the kernel as ``[rows, t, Hq, D]``."""
 
     kind = "decode"
+    capability = PAGED_DECODE
 
     def __init__(
         self,
@@ -348,39 +366,39 @@ class FA3DecodeWrapper(FA3PagedWrapper):
     ) -> None:
         if not is_int(query_tokens) or query_tokens < 1:
             raise InputError(f"{type(self).__name__}: query_tokens must be an int >= 1, got {query_tokens!r}")
-        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size, None,
-                         max_num_pages, device, accelerator_graph, enable_nvtx, backend)
-        self.query_tokens = query_tokens  # graph mode: the bucket's rows have this many each
-        self._t = query_tokens
+        self._init(self._loose_size(num_qo_heads, num_kv_heads, head_dim, page_size, batch_size, None, max_num_pages,
+                                    device, accelerator_graph, query_tokens))
+
+    def _init(self, size: WrapperSize) -> None:
+        super()._init(size)
+        self.max_total_tokens = None  # one row's queries are query_tokens
+        self.query_tokens = size.query_tokens  # graph mode: the bucket's rows have this many each
+        self._t = self.query_tokens
 
     def plan(  # the decode protocol's plan: no qo_indptr, no causal
         self,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        paged_kv_indptr: PagedPlan | torch.Tensor,
+        paged_kv_indices: torch.Tensor | None = None,
+        paged_kv_last_page_len: torch.Tensor | None = None,
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: torch.Tensor | None = None,
         window_left: int = -1,
         query_tokens: int = 1,
         **kwargs: Any,
     ) -> None:
+        """Contract 2.0: ``plan(PagedPlan)``, a paged_decode plan built and checked by the core
+        (``query_tokens`` per row); the loose form builds that plan with the core's ``paged_plan``."""
         who = f"{type(self).__name__}.plan"
-        if not is_int(query_tokens) or query_tokens < 1:
-            raise InputError(f"{who}: query_tokens must be an int >= 1 (query tokens per row), got {query_tokens!r}")
-        if self.accelerator_graph and query_tokens != self.query_tokens:
+        plan = given_plan(paged_kv_indptr, paged_kv_indices is not None or bool(kwargs), PAGED_DECODE, who)
+        if plan is None:
+            plan = self._loose(who, None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, dtype,
+                               kv_lens, window_left, kwargs, query_tokens)
+        t = plan.query_tokens
+        if self.accelerator_graph and t != self.query_tokens:
             raise InputError(f"{who}: this graph-mode wrapper was built for {self.query_tokens} query tokens per row, "
-                             f"planned with {query_tokens}")
-        t_before = self._t
-        self._t = query_tokens
-        try:
-            self._plan(None, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, True, dtype, kv_lens,
-                       window_left, kwargs)
-        except BaseException:
-            self._t = t_before
-            raise
-
-    def _rows(self, who: str, qo_indptr: torch.Tensor | None, rows: int) -> tuple[torch.Tensor, int, int]:
-        return torch.zeros(0, dtype=torch.int32), rows * self._t, self._t
+                             f"planned with {t}")
+        self._plan(plan, who)
+        self._t = t  # only once planned: a refused plan keeps the previous one's
 
     def _static_q_rows(self) -> int:
         assert self.batch_size is not None
@@ -402,7 +420,9 @@ class FA3MixedWrapper(FA3PrefillWrapper):
     row's queries), so no split into two plans is needed. Runs eagerly."""
 
     kind = "mixed"
+    capability = MIXED
     graph_capturable = False
+    max_prefill_rows: int | None = None
 
     def __init__(
         self,
@@ -422,3 +442,7 @@ class FA3MixedWrapper(FA3PrefillWrapper):
         super().__init__(prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          max_total_tokens, max_num_pages, device)
         self.max_prefill_rows = max_prefill_rows
+
+    def _init(self, size: WrapperSize) -> None:
+        super()._init(dataclasses.replace(size, accelerator_graph=False))  # eager: its shapes change every step
+        self.max_prefill_rows = size.max_prefill_rows

@@ -48,7 +48,7 @@ FA3 = BackendSpec(
     # auto: first on the dense path where it runs (sm90); the paged group keeps the default (0),
     # behind FlashInfer, unless the measured tables put it first.
     priority={"prefixed_ragged": 300},
-    api_version="1.1",
+    api_version="2.0",
 )
 
 

@@ -1,10 +1,9 @@
-"""Which head dims FlashInfer's paged attention computes exactly.
+"""What FlashInfer computes, as its one declaration (``mstar_flashinfer.plugin.FLASHINFER``) says:
+the head dims and dtypes. The registry enforces them at selection; a wrapper built through its
+loose constructor (not ``from_size``) checks them here, against that same declaration.
 
-FlashInfer 0.5.3 compiles one kernel per head dim, and only some of them exist: the sm90 (fa3)
-kernels static_assert ``HEAD_DIM in (64, 128, 256)`` and the fa2 dispatch covers the same dims
-(plus 512, which the sm90 path and the tensor-core decode cannot run). Any other head dim fails
-at JIT-compile time on the GPU, or is not a FlashInfer kernel at all: refuse it when the backend
-is built instead.
+Only CUDA runs FlashInfer, so on any other device (CPU tests driving the wrappers through a
+stand-in module, with toy head dims and float32) nothing is checked.
 """
 
 from __future__ import annotations
@@ -12,8 +11,16 @@ from __future__ import annotations
 import torch
 
 from mstar_core.plugin import InputError
+from mstar_flashinfer.plugin import FLASHINFER
 
-SUPPORTED_HEAD_DIMS: tuple[int, ...] = (64, 128, 256)
+# The declared head dims (FlashInfer 0.5.3's kernels exist for these alone).
+SUPPORTED_HEAD_DIMS: tuple[int, ...] = FLASHINFER.head_dims.values or ()
+# The declared dtypes (its attention kernels take 16-bit queries and K/V).
+SUPPORTED_DTYPES: tuple[torch.dtype, ...] = tuple(FLASHINFER.dtypes)
+
+
+def _on_cuda(device: torch.device | str | None) -> bool:
+    return device is None or torch.device(device).type == "cuda"
 
 
 def check_flashinfer_head_dim(head_dim: int, device: torch.device | str | None = None) -> None:
@@ -22,10 +29,15 @@ def check_flashinfer_head_dim(head_dim: int, device: torch.device | str | None =
     Only CUDA runs FlashInfer, so a non-CUDA ``device`` (CPU tests driving the wrappers through a
     stand-in module, with toy head dims) is not checked; ``None`` means CUDA.
     """
-    if device is not None and torch.device(device).type != "cuda":
-        return
-    if head_dim not in SUPPORTED_HEAD_DIMS:
+    if _on_cuda(device) and FLASHINFER.head_dims.reasons(head_dim):
         raise InputError(
             f"FlashInfer cannot compute head_dim={head_dim}: its paged attention kernels exist for "
             f"head_dim in {SUPPORTED_HEAD_DIMS}"
         )
+
+
+def check_flashinfer_dtype(dtype: torch.dtype, device: torch.device | str | None = None) -> None:
+    """Raise unless FlashInfer computes in ``dtype`` (on CUDA; ``None`` means CUDA)."""
+    if _on_cuda(device) and dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise InputError(f"FlashInfer cannot compute in {dtype}: its attention kernels take {names}")

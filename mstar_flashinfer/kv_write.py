@@ -19,11 +19,6 @@ class KVWriteLocations(NamedTuple):
     offsets: torch.Tensor
 
 
-def kv_lens_from_pages(kv_indptr: np.ndarray, last_page_len: np.ndarray, page_size: int) -> np.ndarray:
-    n_pages = np.diff(kv_indptr.astype(np.int64))
-    return np.where(n_pages > 0, (n_pages - 1) * page_size + last_page_len, 0)
-
-
 def write_locations(
     qo_indptr: np.ndarray, kv_indptr: np.ndarray, kv_indices: np.ndarray, kv_lens: np.ndarray, page_size: int
 ) -> tuple[np.ndarray, np.ndarray]:

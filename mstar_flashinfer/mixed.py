@@ -2,19 +2,23 @@
 
 from __future__ import annotations
 
-from typing import Any
+import dataclasses
+from typing import Any, Self
 
 import numpy as np
 import torch
 
-from mstar_core.plugin import InputError, StateError
-from mstar_flashinfer import compat, validate
+from mstar_core.plugin import MIXED, InputError, PagedPlan, StateError, WrapperSize
+from mstar_flashinfer import compat
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
-from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from mstar_flashinfer.head_dim import check_flashinfer_head_dim
+from mstar_flashinfer.kv_write import KVWriteLocations, to_device, write_locations
+from mstar_flashinfer.loose import loose_paged, plan_object
 from mstar_flashinfer.mixed_layout import split_mixed
 from mstar_flashinfer.nvtx import Nvtx
-from mstar_flashinfer.paged_base import PlanState, check_run_cache, plan_extras
+from mstar_flashinfer.paged_base import PlanArray, PlanState, Rows, check_run_cache, plan_extras
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
+from mstar_flashinfer.refusals import refuse_keyless, refuse_page_range, require
 from mstar_flashinfer.sinks import plan_sinks, sink_run
 from mstar_flashinfer.staging import Staging
 
@@ -56,25 +60,40 @@ class FlashInferMixedWrapper:
         device: torch.device,
         backend: str = "auto",
     ) -> None:
-        self.device = torch.device(device)
+        size = WrapperSize(num_qo_heads, num_kv_heads, head_dim, device, page_size, batch_size=batch_size,
+                           max_total_tokens=max_total_tokens, max_num_pages=max_num_pages,
+                           max_prefill_rows=max_prefill_rows, options={"backend": backend})
+        check_flashinfer_head_dim(head_dim, size.device)  # the loose constructor: against the one declaration
+        self._init(size, decode_workspace, prefill_workspace)
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> Self:
+        """Contract 2.0: a mixed wrapper for ``size`` (both halves' workspaces made here)."""
+        w = cls.__new__(cls)
+        w._init(size, size.workspace(), size.workspace())
+        return w
+
+    def _init(self, size: WrapperSize, decode_workspace: torch.Tensor, prefill_workspace: torch.Tensor) -> None:
+        self.device = size.device
         why = "for FlashInferMixedWrapper"
-        self.batch_size = validate.require("batch_size", batch_size, why)
-        self.max_total_tokens = validate.require("max_total_tokens", max_total_tokens, why)
-        self.max_num_pages = validate.require("max_num_pages", max_num_pages, why)
-        self.max_prefill_rows = validate.require("max_prefill_rows", max_prefill_rows, why)
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.page_size = page_size
+        self.batch_size = require("batch_size", size.batch_size, why)
+        self.max_total_tokens = require("max_total_tokens", size.max_total_tokens, why)
+        self.max_num_pages = require("max_num_pages", size.max_num_pages, why)
+        self.max_prefill_rows = require("max_prefill_rows", size.max_prefill_rows, why)
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = size.num_qo_heads, size.num_kv_heads, size.head_dim
+        self.page_size = size.page_size
         # The decode plan holds every row (a non-decode row one sink page); the prefill plan pads
         # to max_prefill_rows with one sink page each: size both so that only the caller's own
         # pages count against max_num_pages.
-        self._dec = FlashInferDecodeWrapper(
-            decode_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=self.batch_size,
-            max_num_pages=self.max_num_pages + self.batch_size, device=self.device, accelerator_graph=True,
-            backend=backend)
-        self._pre = FlashInferPrefillWrapper(
-            prefill_workspace, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=self.max_prefill_rows,
-            max_total_tokens=self.max_total_tokens, max_num_pages=self.max_num_pages + self.max_prefill_rows,
-            device=self.device, accelerator_graph=True, backend=backend, short_rows=False)
+        dec = dataclasses.replace(size, batch_size=self.batch_size, max_total_tokens=None,
+                                  max_num_pages=self.max_num_pages + self.batch_size, accelerator_graph=True)
+        pre = dataclasses.replace(size, batch_size=self.max_prefill_rows,
+                                  max_num_pages=self.max_num_pages + self.max_prefill_rows, accelerator_graph=True)
+        self._dec = FlashInferDecodeWrapper.__new__(FlashInferDecodeWrapper)
+        self._dec._init(dec, decode_workspace, False)
+        self._pre = FlashInferPrefillWrapper.__new__(FlashInferPrefillWrapper)
+        self._pre.short_rows = False  # prompt rows: never the multi-token decode path
+        self._pre._init(pre, prefill_workspace, False)
         b, t = self.batch_size, self.max_total_tokens
         i64, dev = torch.int64, self.device
         # Static per-token bookkeeping read by run (and so by a captured graph). The tails past a
@@ -91,66 +110,78 @@ class FlashInferMixedWrapper:
 
     def plan(
         self,
-        qo_indptr: torch.Tensor,
-        paged_kv_indptr: torch.Tensor,
-        paged_kv_indices: torch.Tensor,
-        paged_kv_last_page_len: torch.Tensor,
+        qo_indptr: PagedPlan | PlanArray,
+        paged_kv_indptr: PlanArray | None = None,
+        paged_kv_indices: PlanArray | None = None,
+        paged_kv_last_page_len: PlanArray | None = None,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
-        kv_lens: torch.Tensor | None = None,
+        kv_lens: PlanArray | None = None,
         window_left: int = -1,
         **kwargs: Any,
     ) -> None:
         """Plan both halves: the decode plan over every row, the prefill plan over the prompt
         rows; ``causal`` applies to the prompt rows (a one-token row sees all its keys either way).
-        Inputs may be on CPU, which is preferred."""
+        Contract 2.0: ``plan(PagedPlan)``, a mixed plan the core built and checked, its page
+        indices on the host (the split is host arithmetic); the loose form builds that plan with
+        the core's ``paged_plan``."""
+        name = type(self).__name__
+        who = f"{name}.plan"
+        plan = plan_object(qo_indptr, paged_kv_indptr is not None or bool(kwargs), MIXED, who)
+        if plan is None:
+            plan = loose_paged(MIXED, who, self.device, self.page_size, qo_indptr, paged_kv_indptr, paged_kv_indices,
+                               paged_kv_last_page_len, causal, dtype, kv_lens, window_left, kwargs)
+        assert isinstance(plan, PagedPlan)
         with self._nvtx("plan"):
-            name = type(self).__name__
-            who = f"{name}.plan"
-            # Every refusal comes before either half is planned, so a refused plan keeps the previous one.
-            validate.check_dtype(dtype, self.device)
-            # unknown keywords, a bad sm_scale and what sink logits do not run with: refused now, not half-way
-            plan_sinks(kwargs, plan_extras(kwargs, dtype, name), dtype, self.head_dim, self._pre.backend, name)
-            validate.check_window_and_scale(who, window_left, None)
-            qo = validate.host_index("qo_indptr", qo_indptr, who)
-            indptr = validate.host_index("kv_indptr", paged_kv_indptr, who)
-            indices = validate.host_index("kv_indices", paged_kv_indices, who)
-            last = validate.host_index("last_page_len", paged_kv_last_page_len, who)
-            given = None if kv_lens is None else validate.host_index("kv_lens", kv_lens, who)
-            max_page = validate.check_paged_plan(who, indptr, indices, last, self.page_size, qo=qo, kv_lens=given)
-            lens = kv_lens_from_pages(indptr, last, self.page_size).astype("int32") if given is None else given
-            rows, n = qo.shape[0] - 1, int(qo[-1])
-            if rows > self.batch_size:
-                raise InputError(f"{name}.plan: {rows} rows exceed batch_size={self.batch_size}")
-            if not 0 < n <= self.max_total_tokens:
-                raise InputError(f"{name}.plan: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
-            if indices.shape[0] > self.max_num_pages:
-                raise InputError(f"{name}.plan: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
-            validate.check_page_range(who, indices, max_page, self.max_num_pages)
-            lay = split_mixed(qo, indptr, indices, last, lens, self.SINK_PAGE, self.batch_size)
-            if lay.prompt_rows > self.max_prefill_rows:
-                raise InputError(
-                    f"{name}.plan: {lay.prompt_rows} prompt rows (rows of more than one token) exceed "
-                    f"max_prefill_rows={self.max_prefill_rows}; plan such a step with the prefill wrapper"
-                )
-            try:
-                self._dec.plan(lay.dec_indptr, lay.dec_indices, lay.dec_last, dtype=dtype, kv_lens=lay.dec_lens,
-                               window_left=window_left, **kwargs)
-                self._pre.plan(lay.pre_qo, lay.pre_indptr, lay.pre_indices, lay.pre_last, causal=causal,
-                               dtype=dtype, kv_lens=lay.pre_lens, window_left=window_left, **kwargs)
-            except BaseException:
-                self._state = None  # one half may hold the new plan, the other the old: run neither
-                raise
-            st = self._staging
-            st.begin()
-            st.copy(self._row_token, st.put("row_token", lay.row_token, torch.int64))
-            st.copy(self._perm[:n], st.put("perm", lay.perm, torch.int64))
-            st.copy(self._gather[:n], st.put("gather", lay.gather, torch.int64))
-            st.end()
-            # padding rows and the decode half's prompt rows read the sink page
-            self._state = PlanState(qo, indptr, indices, lens, n, max_page=max(max_page, self.SINK_PAGE))
-            self.prompt_rows = lay.prompt_rows
-            self._prompt_tokens = int(lay.pre_qo[-1])
+            self._plan(plan, name, who)
+
+    def _plan(self, plan: PagedPlan, name: str, who: str) -> None:
+        # Every refusal comes before either half is planned, so a refused plan keeps the previous one.
+        if not plan.keys_cover_queries:
+            refuse_keyless(who, plan.qo_indptr, plan.kv_lens.numpy(), plan.causal, "row")
+        # what sink logits do not run with: refused now, not half-way
+        plan_sinks(plan.sink_logits, plan_extras(plan), plan.dtype, self.head_dim, self._pre.backend, name)
+        host = plan.kv_indices if plan.kv_indices.is_cpu else plan.kv_indices_host
+        if host is None:
+            raise InputError(f"{who}: the mixed split is host arithmetic over the page indices; give kv_indices on "
+                             f"the host (or kv_indices_host beside them), not only on {plan.kv_indices.device}")
+        qo, indptr, last, lens = (plan.qo_indptr.numpy(), plan.kv_indptr.numpy(), plan.kv_last_page_len.numpy(),
+                                  plan.kv_lens.numpy())
+        indices = host.numpy()[: int(indptr[-1])]
+        rows, n = plan.rows, plan.tokens
+        if rows > self.batch_size:
+            raise InputError(f"{who}: {rows} rows exceed batch_size={self.batch_size}")
+        if not 0 < n <= self.max_total_tokens:
+            raise InputError(f"{who}: {n} tokens; expected 1 to max_total_tokens={self.max_total_tokens}")
+        if indices.shape[0] > self.max_num_pages:
+            raise InputError(f"{who}: {indices.shape[0]} pages exceed max_num_pages={self.max_num_pages}")
+        if plan.max_page >= self.max_num_pages:
+            refuse_page_range(who, indices, self.max_num_pages)
+        lay = split_mixed(qo, indptr, indices, last, lens, self.SINK_PAGE, self.batch_size)
+        if lay.prompt_rows > self.max_prefill_rows:
+            raise InputError(
+                f"{who}: {lay.prompt_rows} prompt rows (rows of more than one token) exceed "
+                f"max_prefill_rows={self.max_prefill_rows}; plan such a step with the prefill wrapper"
+            )
+        top = max(plan.max_page, self.SINK_PAGE)
+        try:
+            self._dec._plan_rows(plan, Rows(self._dec.one_per_row(rows), lay.dec_indptr, lay.dec_indices,
+                                            lay.dec_last, lay.dec_lens, top))
+            self._pre._plan_rows(plan, Rows(lay.pre_qo, lay.pre_indptr, lay.pre_indices, lay.pre_last,
+                                            lay.pre_lens, plan.max_page))
+        except BaseException:
+            self._state = None  # one half may hold the new plan, the other the old: run neither
+            raise
+        st = self._staging
+        st.begin()
+        st.copy(self._row_token, st.put("row_token", lay.row_token, torch.int64))
+        st.copy(self._perm[:n], st.put("perm", lay.perm, torch.int64))
+        st.copy(self._gather[:n], st.put("gather", lay.gather, torch.int64))
+        st.end()
+        # padding rows and the decode half's prompt rows read the sink page
+        self._state = PlanState(qo, indptr, indices, lens, n, max_page=top)
+        self.prompt_rows = lay.prompt_rows
+        self._prompt_tokens = int(lay.pre_qo[-1])
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,
             v_scale: float | None = None, sinks: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,7 +225,7 @@ class FlashInferMixedWrapper:
         if st is None:
             raise StateError(f"{type(self).__name__}.kv_write_locations before plan")
         if st.locations is None:
-            assert isinstance(st.kv_indices, np.ndarray)  # plan keeps host indices (validate.host_index)
+            assert isinstance(st.kv_indices, np.ndarray)  # plan keeps host indices
             pages, offs = write_locations(st.qo_indptr, st.kv_indptr, st.kv_indices, st.kv_lens, self.page_size)
             st.locations = to_device(pages, offs, self.device)
         return st.locations

@@ -1,5 +1,9 @@
-"""What the paged prefill and decode wrappers share: build-time checks, static buffers for graph
-mode, staging, the plan-state kept for KV write locations, and ``run``.
+"""What the paged prefill and decode wrappers share: building (from a ``WrapperSize``, or the
+loose constructor), static buffers for graph mode, staging, the plan-state kept for KV write
+locations, and ``run``.
+
+A plan arrives as the core's ``PagedPlan``, checked once there (the loose ``plan(...)`` builds
+one with ``paged_plan``); what is refused here is what FlashInfer itself cannot compute or hold.
 
 Graph mode (``accelerator_graph=True``): the index buffers FlashInfer reads are allocated here,
 once, and handed to FlashInfer's wrapper with ``use_cuda_graph=True``; ``plan`` only updates them
@@ -10,29 +14,35 @@ wrote. The same wrapper object must be used at capture and at every replay.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, NamedTuple, Self
 
 import numpy as np
 import torch
 
-from mstar_core.plugin import InputError, StateError, check_plan_kwargs, check_scale
-from mstar_flashinfer import compat, validate
+from mstar_core.plugin import (
+    InputError,
+    PagedPlan,
+    StateError,
+    WrapperSize,
+    check_same_device,
+    check_scale,
+)
+from mstar_flashinfer import compat
+from mstar_flashinfer.head_dim import check_flashinfer_head_dim
 from mstar_flashinfer.jit_notice import plan_first_use
-from mstar_flashinfer.kv_write import KVWriteLocations, kv_lens_from_pages, to_device, write_locations
+from mstar_flashinfer.kv_write import KVWriteLocations, to_device, write_locations
 from mstar_flashinfer.library import flashinfer
 from mstar_flashinfer.nvtx import Nvtx
+from mstar_flashinfer.refusals import refuse_page_range, require
 from mstar_flashinfer.sink_variant import build, resolve_backend
 from mstar_flashinfer.sinks import SinkPlan, sink_run
 from mstar_flashinfer.staging import Staging
 
 
-def plan_extras(kwargs: dict[str, Any], dtype: torch.dtype, who: str) -> dict[str, Any]:
-    """FlashInfer's plan keywords from ours (:func:`mstar_core.plugin.check_plan_kwargs`
-    refuses unknown or bad ones before anything is planned); K/V scales go to ``run``."""
-    if not kwargs:  # the common plan: no scale, cap or FP8 cache given (nothing to check)
-        return {"sm_scale": None, "logits_soft_cap": None, "q_data_type": dtype, "kv_data_type": dtype}
-    sm_scale, soft_cap, kv_dtype = check_plan_kwargs(kwargs, who)
-    return {"sm_scale": sm_scale, "logits_soft_cap": soft_cap, "q_data_type": dtype, "kv_data_type": kv_dtype or dtype}
+def plan_extras(plan: PagedPlan) -> dict[str, Any]:
+    """FlashInfer's plan keywords from a plan's; K/V scales go to ``run``."""
+    return {"sm_scale": plan.sm_scale, "logits_soft_cap": plan.logits_soft_cap, "q_data_type": plan.dtype,
+            "kv_data_type": plan.kv_data_type or plan.dtype}
 
 
 def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: torch.Tensor | None,
@@ -50,13 +60,34 @@ def run_extras(who: str, k_scale: float | None, v_scale: float | None, sinks: to
     return sink_plan.run_args(sinks, k_scale), {"v_scale": v_scale}
 
 
-# A plan's arrays as the caller gave them (before graph padding): qo_indptr, kv_indptr,
-# kv_indices (host, or a device tensor), last_page_len, kv_lens (None: derived from the pages).
+# Page indices: a host array, or a tensor on the device (the paged manager gathers them there).
 Indices = np.ndarray | torch.Tensor
-# What ``plan`` takes for each index array: a tensor (host; kv_indices may be on the device) or a
-# numpy array (the mixed wrapper hands its halves numpy views).
-PlanArray = torch.Tensor | np.ndarray
-HostPlan = tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray | None]
+# What a loose ``plan`` takes for each index array: a tensor (kv_indices may be on the device),
+# a numpy array or a list of ints.
+PlanArray = torch.Tensor | np.ndarray | list[int]
+
+
+class Rows(NamedTuple):
+    """One plan's arrays as FlashInfer's plan takes them (before graph padding): host int32 views
+    of the plan's tensors (no copy), ``indices`` a device tensor where the plan holds one."""
+
+    qo: np.ndarray
+    indptr: np.ndarray
+    indices: Indices
+    last: np.ndarray
+    lens: np.ndarray
+    max_page: int  # the largest page index read; -1 where unknown (device indices)
+
+
+def rows_of(plan: PagedPlan) -> Rows:
+    """The plan's rows; page indices past ``kv_indptr[-1]`` (read by no row) are left out, so
+    padding rows appended after them read the sink page."""
+    indptr, idx = plan.kv_indptr.numpy(), plan.kv_indices
+    used = int(indptr[-1])
+    if idx.shape[0] != used:
+        idx = idx[:used]
+    return Rows(plan.qo_indptr.numpy(), indptr, idx.numpy() if idx.is_cpu else idx, plan.kv_last_page_len.numpy(),
+                plan.kv_lens.numpy(), plan.max_page)
 
 
 @dataclass
@@ -74,25 +105,20 @@ class PlanState:
     max_page: int = -1
 
 
-def pad_rows(
-    rows_to: int, qo: np.ndarray, indptr: np.ndarray, indices: Indices, last: np.ndarray,
-    kv_lens: np.ndarray | None, sink_page: int,
-) -> tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray | None]:
+def pad_rows(rows_to: int, r: Rows, sink_page: int) -> tuple[np.ndarray, np.ndarray, Indices, np.ndarray, np.ndarray]:
     """Pad a plan to ``rows_to`` rows: each extra row has no query and one key (the first slot of
     ``sink_page``), so it is cheap, valid for every kernel, and its output is never read. Device
     indices are left as they are: :meth:`PagedWrapperBase._stage_indices` pads them in place."""
-    pad = rows_to - (indptr.shape[0] - 1)
+    pad = rows_to - (r.indptr.shape[0] - 1)
     if pad <= 0:
-        return qo, indptr, indices, last, kv_lens
+        return r.qo, r.indptr, r.indices, r.last, r.lens
     one = np.ones(pad, dtype=np.int32)
-    qo = np.concatenate([qo, np.full(pad, qo[-1], dtype=np.int32)])
-    indptr = np.concatenate([indptr, indptr[-1] + np.cumsum(one, dtype=np.int32)])
+    qo = np.concatenate([r.qo, np.full(pad, r.qo[-1], dtype=np.int32)])
+    indptr = np.concatenate([r.indptr, r.indptr[-1] + np.cumsum(one, dtype=np.int32)])
+    indices = r.indices
     if isinstance(indices, np.ndarray):
         indices = np.concatenate([indices, np.full(pad, sink_page, dtype=np.int32)])
-    last = np.concatenate([last, one])
-    if kv_lens is not None:
-        kv_lens = np.concatenate([kv_lens, one])
-    return qo, indptr, indices, last, kv_lens
+    return qo, indptr, indices, np.concatenate([r.last, one]), np.concatenate([r.lens, one])
 
 
 class PagedWrapperBase:
@@ -118,20 +144,41 @@ class PagedWrapperBase:
         enable_nvtx: bool,
         backend: str,
     ) -> None:
-        self.device = torch.device(device)
-        validate.check_geometry(num_qo_heads, num_kv_heads, head_dim, self.device)
-        validate.check_page_size(page_size)
-        self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.page_size = page_size
-        self.backend = backend
-        self.accelerator_graph = bool(accelerator_graph)
+        # The loose constructor: the core's WrapperSize checks the geometry; the head dim is
+        # checked against the one declaration (the registry checks it for from_size's callers).
+        size = WrapperSize(num_qo_heads, num_kv_heads, head_dim, torch.device(device), page_size, batch_size=batch_size,
+                           max_total_tokens=max_total_tokens, max_num_pages=max_num_pages,
+                           accelerator_graph=bool(accelerator_graph), options={"backend": backend})
+        check_flashinfer_head_dim(head_dim, size.device)
+        self._init(size, workspace_buffer, enable_nvtx)
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> Self:
+        """Contract 2.0: a wrapper for ``size``, its workspace made here and FlashInfer's
+        ``backend`` read from ``size.options`` (the registry has checked head dim and dtypes)."""
+        w = cls.__new__(cls)
+        w._init(size, cls._workspace(size), False)
+        return w
+
+    @classmethod
+    def _workspace(cls, size: WrapperSize) -> torch.Tensor:
+        return size.workspace()
+
+    def _init(self, size: WrapperSize, workspace_buffer: torch.Tensor, enable_nvtx: bool) -> None:
+        if size.page_size < 1:
+            raise InputError(f"{type(self).__name__}: page_size must be an int >= 1 (FlashInfer takes any page size), "
+                             f"got {size.page_size!r}")
+        self.device = size.device
+        self.num_qo_heads, self.num_kv_heads, self.head_dim = size.num_qo_heads, size.num_kv_heads, size.head_dim
+        self.page_size = size.page_size
+        self.backend = str(size.options.get("backend", "auto"))
+        self.accelerator_graph = size.accelerator_graph
         self.workspace_buffer = workspace_buffer
-        self.batch_size = batch_size
-        self.max_total_tokens = max_total_tokens
-        self.max_num_pages = max_num_pages
+        self.batch_size = size.batch_size
+        self.max_total_tokens = size.max_total_tokens
+        self.max_num_pages = size.max_num_pages
         self._staging = Staging(self.device)
         self._nvtx = Nvtx(f"mstar.flashinfer.{self.kind}", enable_nvtx, self.device)
-        self._dtype_checked: torch.dtype | None = None
         self._state: PlanState | None = None
         self._static_q: int | None = None  # graph mode: the q rows a captured run sees
         self._static_only = False  # True where the kernel reads every static row (graph decode)
@@ -144,8 +191,8 @@ class PagedWrapperBase:
     # -- build ---------------------------------------------------------------------------------
     def _graph_buffers(self, with_qo: bool) -> dict[str, torch.Tensor]:
         why = f"for {type(self).__name__} with accelerator_graph=True"
-        b = validate.require("batch_size", self.batch_size, why)
-        p = validate.require("max_num_pages", self.max_num_pages, why)
+        b = require("batch_size", self.batch_size, why)
+        p = require("max_num_pages", self.max_num_pages, why)
         i32, dev = torch.int32, self.device
         bufs = {
             "kv_indptr": torch.zeros(b + 1, dtype=i32, device=dev),
@@ -174,36 +221,16 @@ class PagedWrapperBase:
         return inner
 
     # -- plan helpers --------------------------------------------------------------------------
-    def _check_dtype(self, dtype: torch.dtype) -> None:
-        if dtype is not self._dtype_checked:
-            validate.check_dtype(dtype, self.device)
-            self._dtype_checked = dtype
+    def _device_indices(self, plan: PagedPlan, who: str) -> None:
+        """Page indices on a device must be on this wrapper's (the core does not know it)."""
+        idx = plan.kv_indices
+        if not idx.is_cpu:
+            check_same_device(who, self.device, kv_indices=idx)
 
-    def _check_plan(self, indptr: Any, indices: Any, last: Any, kv_lens: Any, window_left: Any,
-                    qo: Any = None) -> tuple[Any, ...]:
-        """The plan's index arrays as host int32 arrays (``kv_indices`` stays a device tensor
-        where it is one: its values are not read), refused (before anything is staged, so a
-        refused plan keeps the previous one) where a kernel would read out of bounds. Returns
-        ``(qo or None, indptr, indices, last, kv_lens or None, max_page)``; ``max_page`` is -1
-        for device indices (unknown without a sync)."""
-        who = f"{type(self).__name__}.plan"
-        validate.check_window_and_scale(who, window_left, None)
-        qo_a = None if qo is None else validate.host_index("qo_indptr", qo, who)
-        indptr_a = validate.host_index("kv_indptr", indptr, who)
-        indices_a: Indices
-        if isinstance(indices, torch.Tensor) and indices.device.type != "cpu":
-            indices_a = validate.device_indices(indices, self.device, who)
-        else:
-            indices_a = validate.host_index("kv_indices", indices, who)
-        last_a = validate.host_index("last_page_len", last, who)
-        lens_a = None if kv_lens is None else validate.host_index("kv_lens", kv_lens, who)
-        top = validate.check_paged_plan(who, indptr_a, indices_a, last_a, self.page_size, qo=qo_a, kv_lens=lens_a)
-        return qo_a, indptr_a, indices_a, last_a, lens_a, top
-
-    def _check_graph_fit(self, rows: int, tokens: int, indices: Indices, max_page: int) -> None:
+    def _check_graph_fit(self, rows: int, tokens: int, r: Rows) -> None:
         """Refuse a plan the static buffers cannot hold, naming the limit (FlashInfer's own
         errors do not say which buffer or by how much), then a page index past them."""
-        pages = indices.shape[0]
+        pages = r.indices.shape[0]
         name = type(self).__name__
         assert self.batch_size is not None and self.max_num_pages is not None
         if rows > self.batch_size:
@@ -218,16 +245,14 @@ class PagedWrapperBase:
             raise InputError(
                 f"{name}.plan: {tokens} tokens exceed max_total_tokens={self.max_total_tokens} of the static buffers"
             )
-        if isinstance(indices, np.ndarray):
-            validate.check_page_range(f"{name}.plan", indices, max_page, self.max_num_pages)
+        if r.max_page >= self.max_num_pages and isinstance(r.indices, np.ndarray):
+            refuse_page_range(f"{name}.plan", r.indices, self.max_num_pages)
 
     @staticmethod
-    def _stage_rows(st: Staging, arrays: tuple[np.ndarray, ...], lens: np.ndarray | None) -> list[Any]:
-        """The plan's per-row host arrays (and ``kv_lens`` where given, else None last) staged in
-        one page-locked buffer of this slot; views in the same order."""
-        if lens is None:
-            return [*st.put_many("rows", arrays), None]
-        return st.put_many("rows", (*arrays, lens))
+    def _stage_rows(st: Staging, arrays: tuple[np.ndarray, ...]) -> list[torch.Tensor]:
+        """The plan's per-row host arrays staged in one page-locked buffer of this slot; views in
+        the same order."""
+        return st.put_many("rows", arrays)
 
     def _stage_indices(self, indices: Indices, bufs: dict[str, torch.Tensor] | None, pad: int = 0) -> torch.Tensor:
         """The page indices as FlashInfer's plan should receive them. In graph mode they are
@@ -253,18 +278,13 @@ class PagedWrapperBase:
         self._staging.copy(view, staged)
         return view
 
-    def _plan_slot(self, keep: HostPlan, max_page: int) -> _PlanSlot:
+    def _plan_slot(self, keep: Rows, tokens: int, max_page: int) -> _PlanSlot:
         """One plan's staging slot, around staging the host arrays and FlashInfer's own ``plan``.
-        On success the plan's host arrays ``keep`` become this wrapper's state. A plan refused by
-        our checks before this leaves the previous plan whole (FlashInfer still holds it); one that
+        On success the plan's rows ``keep`` become this wrapper's state. A plan refused by our
+        checks before this leaves the previous plan whole (FlashInfer still holds it); one that
         fails in here may have changed FlashInfer's state, so ours is dropped and ``run`` says
         "before plan". Either way the copies already issued from the slot are fenced."""
-        return _PlanSlot(self, keep, max_page)
-
-    def _keep(self, qo: np.ndarray, indptr: np.ndarray, indices: Indices, last: np.ndarray,
-              kv_lens: np.ndarray | None, max_page: int = -1) -> None:
-        lens = kv_lens if kv_lens is not None else kv_lens_from_pages(indptr, last, self.page_size)
-        self._state = PlanState(qo, indptr, indices, lens, int(qo[-1]) - int(qo[0]), max_page=max_page)
+        return _PlanSlot(self, keep, tokens, max_page)
 
     # -- outputs -------------------------------------------------------------------------------
     def kv_write_locations(self) -> KVWriteLocations:
@@ -318,10 +338,10 @@ class _PlanSlot:
     """:meth:`PagedWrapperBase._plan_slot` (a class: a generator-based context manager costs
     several times more, on every plan)."""
 
-    __slots__ = ("keep", "max_page", "wrapper")
+    __slots__ = ("keep", "max_page", "tokens", "wrapper")
 
-    def __init__(self, wrapper: PagedWrapperBase, keep: HostPlan, max_page: int) -> None:
-        self.wrapper, self.keep, self.max_page = wrapper, keep, max_page
+    def __init__(self, wrapper: PagedWrapperBase, keep: Rows, tokens: int, max_page: int) -> None:
+        self.wrapper, self.keep, self.tokens, self.max_page = wrapper, keep, tokens, max_page
 
     def __enter__(self) -> Staging:
         st = self.wrapper._staging
@@ -332,12 +352,10 @@ class _PlanSlot:
         w = self.wrapper
         try:
             if exc_type is None:
-                w._keep(*self.keep, max_page=self.max_page)
+                k = self.keep
+                w._state = PlanState(k.qo, k.indptr, k.indices, k.lens, self.tokens, max_page=self.max_page)
             else:
                 w._state = None
-        except BaseException:
-            w._state = None
-            raise
         finally:
             w._staging.end()
 
@@ -347,7 +365,7 @@ def check_run_cache(name: str, device: torch.device, q: torch.Tensor, kv_cache_l
     """``run``'s cheap checks of the cache: its layout, q on its device, and enough pages for the
     largest index the plan reads (kept from plan: an int compare, no device sync)."""
     who = f"{name}.run"
-    validate.check_same_device(who, device, kv_cache_layer=kv_cache_layer, q=q)
+    check_same_device(who, device, kv_cache_layer=kv_cache_layer, q=q)
     if kv_cache_layer.dim() != 5 or kv_cache_layer.shape[2] != page_size:
         raise InputError(
             f"{who}: kv_cache_layer has shape {tuple(kv_cache_layer.shape)}, expected "

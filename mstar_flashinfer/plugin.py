@@ -56,7 +56,7 @@ FLASHINFER = BackendSpec(
     # auto: first for the paged group where no measured table decides; on the dense path after
     # FA3 and AITER, which run only where they have a kernel.
     priority=100,
-    api_version="1.1",
+    api_version="2.0",
 )
 
 

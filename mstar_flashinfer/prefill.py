@@ -6,11 +6,13 @@ from typing import Any
 
 import torch
 
-from mstar_core.plugin import MAX_DECODE_QUERY_TOKENS, InputError
+from mstar_core.plugin import MAX_DECODE_QUERY_TOKENS, PAGED_PREFILL, InputError, PagedPlan, WrapperSize
 from mstar_flashinfer import compat
 from mstar_flashinfer.jit_notice import plan_first_use
 from mstar_flashinfer.library import flashinfer
-from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, pad_rows, plan_extras
+from mstar_flashinfer.loose import loose_paged, plan_object
+from mstar_flashinfer.paged_base import PagedWrapperBase, PlanArray, Rows, pad_rows, plan_extras, rows_of
+from mstar_flashinfer.refusals import refuse_keyless, require
 from mstar_flashinfer.sinks import plan_sinks
 
 
@@ -30,8 +32,11 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
     kind = "prefill"
     # Graph mode sizes the split-KV scratch for the static maximum: fa2 needed 149 MB for 64 rows
     # x 4 tokens on the H200, past the usual 128 MiB. Callers that build graph-mode wrappers (the
-    # paged manager) give it this many times their workspace.
+    # paged manager) give it this many times their workspace; from_size does it itself.
     graph_workspace_factor = 2
+    # Graph mode: are the rows multi-token decode rows (see _short_rows_backend)? None: judged
+    # from the static shape; the mixed wrapper says False for its prompt rows.
+    short_rows: bool | None = None
 
     def __init__(
         self,
@@ -50,24 +55,30 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         *,
         short_rows: bool | None = None,
     ) -> None:
+        self.short_rows = short_rows
         super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size,
                          max_total_tokens, max_num_pages, device, accelerator_graph, enable_nvtx, backend)
-        # Graph mode: are the rows multi-token decode rows (see _short_rows_backend)? None: judged
-        # from the static shape; the mixed wrapper says False for its prompt rows.
-        self.short_rows = short_rows
+
+    @classmethod
+    def _workspace(cls, size: WrapperSize) -> torch.Tensor:
+        if not size.accelerator_graph:
+            return size.workspace()
+        return torch.empty(cls.graph_workspace_factor * size.workspace_bytes, dtype=torch.uint8, device=size.device)
+
+    def _init(self, size: WrapperSize, workspace_buffer: torch.Tensor, enable_nvtx: bool) -> None:
+        super()._init(size, workspace_buffer, enable_nvtx)
         self._bufs: dict[str, torch.Tensor] | None = None
         if self.accelerator_graph:
-            from mstar_flashinfer import validate
-
             self._bufs = self._graph_buffers(with_qo=True)
-            self._static_q = validate.require("max_total_tokens", max_total_tokens,
-                                              "for FlashInferPrefillWrapper with accelerator_graph=True")
+            self._static_q = require("max_total_tokens", self.max_total_tokens,
+                                     "for FlashInferPrefillWrapper with accelerator_graph=True")
         # FlashInfer's wrapper per backend: the one asked for, and fa2 for an FP8 cache under
         # 16-bit queries (see _inner_for); the sink variant's in ``_sink_inners``. ``_inner`` is
         # the one the latest plan used.
         self._inners: dict[str, Any] = {}
-        self._inner = self._make_inner(self._short_rows_backend(backend))
-        self._per_plan_backend = not self.accelerator_graph and compat.picks_backend_per_plan(self._inner, backend)
+        self._inner = self._make_inner(self._short_rows_backend(self.backend))
+        self._per_plan_backend = (not self.accelerator_graph
+                                  and compat.picks_backend_per_plan(self._inner, self.backend))
 
     def _make_inner(self, backend: str) -> Any:
         inner = self._inners.get(backend)
@@ -122,10 +133,10 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
 
     def plan(
         self,
-        qo_indptr: PlanArray,
-        paged_kv_indptr: PlanArray,
-        paged_kv_indices: PlanArray,
-        paged_kv_last_page_len: PlanArray,
+        qo_indptr: PagedPlan | PlanArray,
+        paged_kv_indptr: PlanArray | None = None,
+        paged_kv_indices: PlanArray | None = None,
+        paged_kv_last_page_len: PlanArray | None = None,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         kv_lens: PlanArray | None = None,
@@ -133,6 +144,9 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         **kwargs: Any,
     ) -> None:
         """Plan attention and compute KV write indices (lazily: ``kv_write_locations()``).
+
+        Contract 2.0: ``plan(PagedPlan)``, a paged_prefill plan the core built and checked.
+        The loose form (the other arguments) builds that plan with the core's ``paged_plan``.
 
         ``window_left`` is the number of preceding positions each query sees; -1 is unbounded.
         In CUDA graph mode, updates the static buffers via ``.copy_()`` so the same GPU addresses
@@ -145,40 +159,52 @@ class FlashInferPrefillWrapper(PagedWrapperBase):
         (the KV manager gathers it there): it is used as it is, its length checked but its values
         not (reading them would synchronise), so a wrong page index there is not caught here.
         """
+        who = f"{type(self).__name__}.plan"
+        plan = plan_object(qo_indptr, paged_kv_indptr is not None or bool(kwargs), PAGED_PREFILL, who)
+        if plan is None:
+            plan = loose_paged(PAGED_PREFILL, who, self.device, self.page_size, qo_indptr, paged_kv_indptr,
+                               paged_kv_indices, paged_kv_last_page_len, causal, dtype, kv_lens, window_left, kwargs)
+        assert isinstance(plan, PagedPlan)
+        if not plan.keys_cover_queries:
+            refuse_keyless(who, plan.qo_indptr, plan.kv_lens.numpy(), plan.causal, "row")
+        self._device_indices(plan, who)
+        self._plan_rows(plan, rows_of(plan))
+
+    def _plan_rows(self, plan: PagedPlan, r: Rows) -> None:
+        """FlashInfer's plan of ``plan``'s settings over rows ``r`` (the plan's own, or the prompt
+        rows of a mixed step); refusals first, so a refused plan keeps the previous one."""
         with self._nvtx("plan"):
-            self._check_dtype(dtype)
-            extras = plan_extras(kwargs, dtype, type(self).__name__)
-            sink_plan = plan_sinks(kwargs, extras, dtype, self.head_dim, self.backend, type(self).__name__)
-            qo, indptr, indices, last, lens, max_page = self._check_plan(
-                paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, kv_lens, window_left, qo=qo_indptr)
-            keep = (qo, indptr, indices, last, lens)
-            pad = 0
+            extras = plan_extras(plan)
+            dtype, window_left = plan.dtype, plan.window_left
+            sink_plan = plan_sinks(plan.sink_logits, extras, dtype, self.head_dim, self.backend, type(self).__name__)
+            rows, tokens = r.qo.shape[0] - 1, int(r.qo[-1])
+            qo, indptr, indices, last, lens = r.qo, r.indptr, r.indices, r.last, r.lens
+            max_page, pad = r.max_page, 0
             if self._bufs is not None:
                 assert self.batch_size is not None  # graph mode: required at build (_graph_buffers)
-                self._check_graph_fit(qo.shape[0] - 1, int(qo[-1]), indices, max_page)
-                pad = self.batch_size - (qo.shape[0] - 1)
-                if qo.shape[0] - 1 < self.batch_size:
+                self._check_graph_fit(rows, tokens, r)
+                pad = self.batch_size - rows
+                if pad:
                     max_page = max(max_page, self.SINK_PAGE)  # each padding row reads the sink page
-                qo, indptr, indices, last, lens = pad_rows(
-                    self.batch_size, qo, indptr, indices, last, lens, self.SINK_PAGE)
+                    qo, indptr, indices, last, lens = pad_rows(self.batch_size, r, self.SINK_PAGE)
             if sink_plan is None:
                 inner, family = self._inner_for(dtype, extras["kv_data_type"]), "paged prefill"
             else:
                 inner = self._sink_inner(self._short_rows_backend(self.backend), dtype, window_left, self._bufs,
                                          self._static_q or 0)
                 family = "paged prefill (sink logits)"
-            with self._plan_slot(keep, max_page) as st:
-                qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last), lens)
+            with self._plan_slot(r, tokens, max_page) as st:
+                qo_s, indptr_s, last_s, lens_s = self._stage_rows(st, (qo, indptr, last, lens))
                 indices_s = self._stage_indices(indices, self._bufs, pad)
                 st.wait_previous()  # FlashInfer's own pinned plan buffer: see staging.py
                 per_plan = self._per_plan_backend and inner is self._inners.get(self.backend)
                 with plan_first_use(family, dtype, extras["kv_data_type"], self.head_dim, window_left,
-                                    extras["logits_soft_cap"], self.backend, keep[0] if per_plan else None):
+                                    extras["logits_soft_cap"], self.backend, r.qo if per_plan else None):
                     self._inner, self._sink_plan = inner, sink_plan
                     inner.plan(
                         qo_s, indptr_s, indices_s, last_s, self.num_qo_heads, self.num_kv_heads, self.head_dim,
-                        self.page_size, causal=causal, window_left=window_left, non_blocking=True, seq_lens=lens_s,
-                        **extras,
+                        self.page_size, causal=plan.causal, window_left=window_left, non_blocking=True,
+                        seq_lens=lens_s, **extras,
                     )
 
     def run(self, q: torch.Tensor, kv_cache_layer: torch.Tensor, *, k_scale: float | None = None,

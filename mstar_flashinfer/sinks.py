@@ -31,11 +31,11 @@ class SinkPlan:
         return sinks.to(torch.float32).contiguous(), self.sm_scale * (1.0 if k_scale is None else float(k_scale))
 
 
-def plan_sinks(kwargs: dict[str, Any], extras: dict[str, Any], dtype: torch.dtype, head_dim: int, backend: str,
+def plan_sinks(sink_logits: bool, extras: dict[str, Any], dtype: torch.dtype, head_dim: int, backend: str,
                who: str) -> SinkPlan | None:
-    """The sink plan ``kwargs`` ask for (``sink_logits=True``), or None; refuses, before anything
-    is planned, a combination the sink variant does not compute. ``extras``: from ``plan_extras``."""
-    if not kwargs.get("sink_logits"):
+    """The sink plan a plan with ``sink_logits`` asks for, or None; refuses, before anything is
+    planned, a combination the sink variant does not compute. ``extras``: from ``plan_extras``."""
+    if not sink_logits:
         return None
     kv = extras["kv_data_type"]
     if kv != dtype:

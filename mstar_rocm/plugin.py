@@ -20,6 +20,7 @@ AITER = BackendSpec(
     probe="mstar_rocm.probe:probe",
     description="AITER (ROCm) varlen flash attention",
     install_hint="pip install amd-aiter",
+    api_version="2.0",
 )
 
 

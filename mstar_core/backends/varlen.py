@@ -18,11 +18,12 @@ wrapper uses the same checks (:func:`check_varlen_plan`, :func:`check_same_devic
 from __future__ import annotations
 
 import importlib
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Self
 
 import torch
 
 from mstar_core.attention.checks import check_sinks, check_soft_cap
+from mstar_core.attention.plans import PagedPlan, RaggedPlan, WrapperSize
 from mstar_core.errors import InputError, InputTypeError, StateError, Unsupported
 from mstar_core.step import check_window_and_scale, is_int
 
@@ -122,7 +123,11 @@ def first_output(result: Any) -> torch.Tensor:
 class VarlenPrefixedWrapper:
     """Subclasses name the library (``module``, shown as ``library`` in errors) and its limits.
     ``workspace_buffer`` and ``backend`` are accepted for the common constructor and unused
-    (these kernels allocate what they need per call)."""
+    (these kernels allocate what they need per call).
+
+    Contract 2.0: built with ``from_size(WrapperSize)`` and planned with the core's
+    ``RaggedPlan`` (checked there: nothing is checked again). The loose constructor and
+    ``plan(cu_q, cu_k, max_q, max_k, ...)`` stay for direct (1.x-style) use, with their checks."""
 
     module: ClassVar[str]
     library: ClassVar[str]
@@ -151,37 +156,67 @@ class VarlenPrefixedWrapper:
             rule = f"a multiple of {self.head_dim_multiple} and " if self.head_dim_multiple > 1 else ""
             raise InputError(f"{self.library} varlen attention needs head_dim {rule}in 1..{self.max_head_dim}, "
                              f"got {head_dim}")
+        self._init(num_qo_heads, num_kv_heads, head_dim, torch.device(device))
+
+    @classmethod
+    def from_size(cls, size: WrapperSize) -> Self:
+        """Contract 2.0: a wrapper for ``size`` (no workspace: the kernel allocates per call)."""
+        w = cls.__new__(cls)
+        w._init(size.num_qo_heads, size.num_kv_heads, size.head_dim, size.device)
+        return w
+
+    def _init(self, num_qo_heads: int, num_kv_heads: int, head_dim: int, device: torch.device) -> None:
         self.num_qo_heads, self.num_kv_heads, self.head_dim = num_qo_heads, num_kv_heads, head_dim
-        self.device = torch.device(device)
+        self.device = device
         # Imported here, not at module import: the plugin must load where the library is not installed.
         self._varlen = importlib.import_module(self.module).flash_attn_varlen_func
         self._planned = False
 
     def plan(
         self,
-        cu_q: torch.Tensor,
-        cu_k: torch.Tensor,
-        max_q: int,
-        max_k: int,
+        cu_q: RaggedPlan | torch.Tensor,
+        cu_k: torch.Tensor | None = None,
+        max_q: int | None = None,
+        max_k: int | None = None,
         causal: bool = True,
         dtype: torch.dtype = torch.bfloat16,
         sm_scale: float | None = None,
         window_left: int = -1,
         logits_soft_cap: float | None = None,
     ) -> None:
+        """Contract 2.0: ``plan(RaggedPlan)``; the loose form checks its arguments here."""
         who = f"{type(self).__name__}.plan"
+        if isinstance(cu_q, (RaggedPlan, PagedPlan)):
+            if not isinstance(cu_q, RaggedPlan):
+                raise InputError(f"{who}: got a {cu_q.kind} plan; this wrapper runs prefixed_ragged plans")
+            if cu_k is not None:
+                raise InputTypeError(f"{who}: a plan object comes alone; got other arguments with it")
+            self._plan(who, cu_q.cu_q, cu_q.cu_k, cu_q.max_q, cu_q.max_k, cu_q.causal, cu_q.dtype, cu_q.sm_scale,
+                       cu_q.window_left, cu_q.logits_soft_cap, cu_q.sink_logits, cu_q.tokens)
+            return
         soft_cap = check_soft_cap(logits_soft_cap, who)
+        if dtype not in SUPPORTED_DTYPES:
+            raise InputTypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
+        q_t, k_t = check_varlen_plan(who, cu_q, cu_k, max_q, max_k, sm_scale, window_left)
+        assert max_q is not None and max_k is not None  # check_varlen_plan refuses anything but ints
+        self._plan(who, q_t, k_t, int(max_q), int(max_k), causal, dtype, sm_scale, window_left, soft_cap, False,
+                   int(q_t[-1]))
+
+    def _plan(self, who: str, cu_q: torch.Tensor, cu_k: torch.Tensor, max_q: int, max_k: int, causal: bool,
+              dtype: torch.dtype, sm_scale: float | None, window_left: int, soft_cap: float | None,
+              sink_logits: bool, tokens: int) -> None:
+        """What the kernel cannot run is refused first (a refused plan keeps the previous one)."""
         if soft_cap is not None and self.softcap_kwarg is None:
             raise InputError(f"{who}: {self.library} varlen attention has no soft-cap; plan without logits_soft_cap "
                              "or use a backend that declares soft_cap")
-        if dtype not in SUPPORTED_DTYPES:
-            raise InputTypeError(f"{self.library} varlen attention supports dtypes {SUPPORTED_DTYPES}, got {dtype}")
-        cu_q, cu_k = check_varlen_plan(who, cu_q, cu_k, max_q, max_k, sm_scale, window_left)
-        self._tokens = (int(cu_q[-1]), int(cu_k[-1]))
+        if sink_logits and self.sinks_kwarg is None:
+            raise Unsupported(f"{who}: {self.library} varlen attention takes no sink logits; use a backend that "
+                              "declares sink_logits")
+        self._tokens = (tokens, int(cu_k[-1]))
         # Once per step: every layer's run reuses these device copies.
         self._cu_q = cu_q.to(self.device, non_blocking=True)
         self._cu_k = cu_k.to(self.device, non_blocking=True)
-        self._max = (int(max_q), int(max_k))
+        self._max = (max_q, max_k)
         self._causal = causal
         self._dtype = dtype
         self._scale = sm_scale

@@ -1,13 +1,19 @@
 """Build-time refusals: head_dim, dtype, page size and head counts FlashInfer cannot compute are
-refused with an error naming what it can, before any kernel is compiled or run."""
+refused with an error naming what it can, before any kernel is compiled or run. Head dims and
+dtypes come from the backend's one declaration (its BackendSpec)."""
 
 import pytest
 import torch
 
-from mstar_flashinfer import validate
 from mstar_flashinfer.decode import FlashInferDecodeWrapper
-from mstar_flashinfer.head_dim import SUPPORTED_HEAD_DIMS, check_flashinfer_head_dim
+from mstar_flashinfer.head_dim import (
+    SUPPORTED_DTYPES,
+    SUPPORTED_HEAD_DIMS,
+    check_flashinfer_dtype,
+    check_flashinfer_head_dim,
+)
 from mstar_flashinfer.mixed import FlashInferMixedWrapper
+from mstar_flashinfer.plugin import FLASHINFER
 from mstar_flashinfer.prefill import FlashInferPrefillWrapper
 from mstar_flashinfer.ragged import FlashInferPrefixedPrefillWrapper
 
@@ -43,6 +49,11 @@ def test_supported_set_is_what_the_sm90_kernels_assert():
     assert accepted == [64, 128, 256] == list(SUPPORTED_HEAD_DIMS)
 
 
+def test_the_checks_read_the_one_declaration():
+    assert SUPPORTED_HEAD_DIMS == FLASHINFER.head_dims.values
+    assert SUPPORTED_DTYPES == tuple(FLASHINFER.dtypes) == (torch.float16, torch.bfloat16)
+
+
 @pytest.mark.parametrize("build", [
     lambda: FlashInferPrefillWrapper(WS, 8, 2, 96, 16, device=CUDA),
     lambda: FlashInferDecodeWrapper(WS, 8, 2, 96, 16, device=CUDA),
@@ -56,9 +67,9 @@ def test_wrappers_refuse_a_head_dim_at_construction(build):
 
 def test_dtype_refused_on_cuda_naming_the_supported_ones():
     with pytest.raises(ValueError, match=r"float32.*torch.float16, torch.bfloat16"):
-        validate.check_dtype(torch.float32, CUDA)
-    validate.check_dtype(torch.bfloat16, CUDA)
-    validate.check_dtype(torch.float32, torch.device("cpu"))
+        check_flashinfer_dtype(torch.float32, CUDA)
+    check_flashinfer_dtype(torch.bfloat16, CUDA)
+    check_flashinfer_dtype(torch.float32, torch.device("cpu"))
     w = FlashInferPrefillWrapper(WS, 8, 2, 128, 16, device=CUDA)  # eager: allocates nothing on the device
     one = torch.tensor([0, 1], dtype=torch.int32)
     with pytest.raises(ValueError, match="cannot compute in torch.float32"):
@@ -68,15 +79,15 @@ def test_dtype_refused_on_cuda_naming_the_supported_ones():
 
 @pytest.mark.parametrize("ps", [0, -4, 2.0, True])
 def test_page_size_refused(ps):
-    with pytest.raises(ValueError, match="page_size must be a positive int"):
+    with pytest.raises(ValueError, match=rf"page_size must be an int >= 1 .*got {ps!r}$"):
         FlashInferPrefillWrapper(WS, 8, 2, 64, ps, device=torch.device("cpu"))
 
 
 def test_heads_must_group():
-    with pytest.raises(ValueError, match=r"num_qo_heads \(6\) must be a positive multiple of num_kv_heads \(4\)"):
+    with pytest.raises(ValueError, match=r"num_qo_heads \(6\) must be a multiple of num_kv_heads \(4\)"):
         FlashInferDecodeWrapper(WS, 6, 4, 64, 16, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match=r"num_qo_heads \(0\) must be a positive multiple of num_kv_heads \(2\)"):
+    with pytest.raises(ValueError, match=r"num_qo_heads must be a positive int, got 0"):
         FlashInferDecodeWrapper(WS, 0, 2, 64, 16, device=torch.device("cpu"))
-    with pytest.raises(ValueError, match="head_dim must be >= 1, got 0"):
+    with pytest.raises(ValueError, match="head_dim must be a positive int, got 0"):
         FlashInferPrefillWrapper(WS, 4, 2, 0, 16, device=torch.device("cpu"))
 
