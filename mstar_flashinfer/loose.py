@@ -38,15 +38,6 @@ def plan_object(first: Any, rest: bool, kind: str, who: str) -> PagedPlan | Ragg
     return first
 
 
-_NO_INDICES = torch.zeros(0, dtype=torch.int32)
-
-
-def _empty_as_int32(value: Any) -> Any:
-    """An empty list or tuple as an int32 array: numpy would read it as float64, which the core
-    refuses as not integers (a plain ``[]`` for a plan without pages is valid)."""
-    return _NO_INDICES if isinstance(value, (list, tuple)) and not value else value
-
-
 def loose_paged(kind: str, who: str, device: torch.device, page_size: int, qo: Any, indptr: Any, indices: Any,
                 last: Any, causal: bool, dtype: torch.dtype, kv_lens: Any, window_left: int,
                 kwargs: dict[str, Any]) -> PagedPlan:
@@ -58,7 +49,7 @@ def loose_paged(kind: str, who: str, device: torch.device, page_size: int, qo: A
     check_flashinfer_dtype(dtype, device)
     if isinstance(indices, torch.Tensor) and not indices.is_cpu:
         check_same_device(who, device, kv_indices=indices)
-    return paged_plan(kind, qo, indptr, _empty_as_int32(indices), last, page_size, dtype, causal=causal,
+    return paged_plan(kind, qo, indptr, indices, last, page_size, dtype, causal=causal,
                       kv_lens=kv_lens, window_left=window_left, who=who, **kwargs)
 
 

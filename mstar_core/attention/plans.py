@@ -139,6 +139,8 @@ def _host_index(name: str, value: Any, who: str) -> torch.Tensor:
     if type(value) is torch.Tensor and value.dtype is torch.int32 and value.dim() == 1 and value.is_cpu:
         return value  # what the KV manager passes: no copy, no other check
     if not isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple)) and not value:
+            return torch.zeros(0, dtype=torch.int32)  # numpy reads an empty list as float64
         try:
             value = torch.as_tensor(np.asarray(value))
         except (TypeError, ValueError) as e:

@@ -236,6 +236,10 @@ class BackendSpec:
 
     def _check_priority(self) -> None:
         if isinstance(self.priority, Mapping):
+            if parse_api_version(self.api_version) < (2, 0):
+                raise InputError(f"backend {self.name!r}: a priority per capability came with plugin API 2.0, but "
+                                 f"the spec declares api_version {self.api_version!r}; declare api_version='2.0' or "
+                                 "give one int")
             bad = sorted(set(self.priority) - set(self.provides))
             if bad:
                 raise InputError(f"backend {self.name!r}: priority names capabilities it does not provide: {bad}")

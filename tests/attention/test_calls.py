@@ -115,3 +115,8 @@ def test_names_moved_from_grouped_keep_their_old_path_with_a_warning(name):
         assert getattr(grouped, name) is getattr(paged, name)
     with pytest.raises(AttributeError):
         grouped.no_such_name  # noqa: B018
+
+
+def test_a_plan_without_pages_takes_empty_lists():
+    p = paged_plan("paged_decode", None, [0, 0], [], [0], 16, torch.float32)
+    assert p.kv_indices.dtype == torch.int32 and (p.rows, p.max_kv, p.keys_cover_queries) == (1, 0, False)

@@ -339,3 +339,10 @@ def test_the_names_a_failed_plugin_meant_are_read_without_running_its_package(tm
     assert intended_backends("sideeffect_pkg.plugin") == ("quiet", "second")
     assert "sideeffect_pkg" not in sys.modules
     assert intended_backends("no_such_module_anywhere") == ()
+
+
+def test_a_priority_per_capability_needs_plugin_api_2_0():
+    with pytest.raises(ValueError, match=r"a priority per capability came with plugin API 2\.0, but the spec declares "
+                                         r"api_version '1\.1'"):
+        spec("old", api_version="1.1", priority={"paged_decode": 5})
+    assert spec("new", api_version="2.0", priority={"paged_decode": 5}).priority_for("paged_decode") == 5
