@@ -104,7 +104,7 @@ class FA3PagedWrapper:
                     accelerator_graph: bool, query_tokens: int = 1) -> WrapperSize:
         """The loose constructor's size: the core's WrapperSize checks the geometry; the head dim
         is checked against the one declaration."""
-        if FA3.head_dims.reasons(head_dim) if is_int(head_dim) else True:
+        if FA3.head_dims.refusal(head_dim) if is_int(head_dim) else True:
             raise InputError(f"{cls.__name__}: FA3 needs head_dim a multiple of {FA3.head_dims.multiple_of} in "
                              f"{FA3.head_dims.multiple_of}..{MAX_HEAD_DIM}, got {head_dim!r}")
         return WrapperSize(num_qo_heads, num_kv_heads, head_dim, torch.device(device), page_size,

@@ -29,7 +29,7 @@ def check_flashinfer_head_dim(head_dim: int, device: torch.device | str | None =
     Only CUDA runs FlashInfer, so a non-CUDA ``device`` (CPU tests driving the wrappers through a
     stand-in module, with toy head dims) is not checked; ``None`` means CUDA.
     """
-    if _on_cuda(device) and FLASHINFER.head_dims.reasons(head_dim):
+    if _on_cuda(device) and FLASHINFER.head_dims.refusal(head_dim):
         raise InputError(
             f"FlashInfer cannot compute head_dim={head_dim}: its paged attention kernels exist for "
             f"head_dim in {SUPPORTED_HEAD_DIMS}"

@@ -274,7 +274,7 @@ def test_selection_gives_each_capabilitys_spec_and_plugin_api_version():
     assert sel.spec_for("paged_decode").name == "olddec" and sel.api_version("paged_decode") == "1.0"
     reference = sel.spec_for("paged_prefill")
     assert reference is not None and reference.name == "reference"  # the reference has a spec of its own
-    assert sel.api_version("paged_prefill") == sel.api_version("mixed") == REFERENCE.api_version == "1.1"
+    assert sel.api_version("paged_prefill") == sel.api_version("mixed") == REFERENCE.api_version == "2.0"
     assert sel.spec_for("bounded") is None
     with pytest.raises(UnknownName, match="did not select 'bounded'; it selected paged_prefill, paged_decode, mixed"):
         sel.api_version("bounded")

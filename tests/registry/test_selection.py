@@ -191,7 +191,7 @@ def test_auto_order_puts_third_party_plugins_before_the_reference(reg):
 def test_auto_order_follows_each_capabilitys_declared_priority(reg):
     ragged, decode = REFERENCE.provides["prefixed_ragged"], REFERENCE.provides["paged_decode"]
     reg.register(BackendSpec(name="dense1st", provides={"prefixed_ragged": ragged, "paged_decode": decode},
-                             priority={"prefixed_ragged": 1000}))
+                             priority={"prefixed_ragged": 1000}, api_version="2.0"))
     assert auto_order(("prefixed_ragged",), reg) == ["dense1st", "fa3", "rocm", "flashinfer", "reference"]
     assert auto_order(("paged_decode",), reg) == ["flashinfer", "dense1st", "fa3", "reference"]  # left out: 0
     # several capabilities: the first one's priority, then the next's (dense1st and fa3 are level on decode)
@@ -214,13 +214,13 @@ def test_the_reference_is_last_whatever_it_declares():
 ])
 def test_backend_spec_checks_its_priority(priority, error, match):
     with pytest.raises(error, match=match):
-        BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=priority)
+        BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=priority, api_version="2.0")
 
 
 def test_a_priority_mapping_is_copied_and_read_per_capability():
     table = {"paged_decode": 7}
     spec = BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"],
-                                           "mixed": REFERENCE.provides["mixed"]}, priority=table)
+                                           "mixed": REFERENCE.provides["mixed"]}, priority=table, api_version="2.0")
     table["paged_decode"] = 0
     assert (spec.priority_for("paged_decode"), spec.priority_for("mixed")) == (7, 0)
     assert BackendSpec(name="q", provides={}, priority=3).priority_for("mixed") == 3
