@@ -214,7 +214,8 @@ def test_the_reference_is_last_whatever_it_declares():
 ])
 def test_backend_spec_checks_its_priority(priority, error, match):
     with pytest.raises(error, match=match):
-        BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=priority, api_version="2.0")
+        BackendSpec(name="p", provides={"paged_decode": REFERENCE.provides["paged_decode"]}, priority=priority,
+                    api_version="2.0")
 
 
 def test_a_priority_mapping_is_copied_and_read_per_capability():
