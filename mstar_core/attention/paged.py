@@ -9,6 +9,7 @@ overwrites the state a wrapper still holds for step N.
 from __future__ import annotations
 
 import logging
+import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -143,7 +144,7 @@ class PagedAttentionManager(AttentionManager):
         dtype: torch.dtype,
         kv_config: KVConfig,
         wrappers: Mapping[str, type] | None = None,
-        flashinfer_backend: str = "auto",
+        flashinfer_backend: str | None = None,
         max_batch_size: int = 256,
         max_total_tokens: int = 16384,
         max_prefill_rows: int = 8,
@@ -156,11 +157,14 @@ class PagedAttentionManager(AttentionManager):
         multi_token_wrapper: str = PAGED_PREFILL,
         backend_names: Mapping[str, str] | None = None,
         selection: Any = None,
+        backend_options: Mapping[str, Any] | None = None,
     ) -> None:
         """``selection``: the registry's ``Selection``, whole: the wrapper classes, the backend
         serving each kind, the contract version each speaks, where multi-token decode rows run and
         whether decode steps can be captured all come from it (the keywords of the same names are
-        for wrappers given without one)."""
+        for wrappers given without one). ``backend_options``: a backend's own settings, handed to
+        its wrappers untouched (``WrapperSize.options``; FlashInfer's ``{"backend": "fa2"}``).
+        ``flashinfer_backend`` is kept for one MINOR: it sets ``backend_options["backend"]``."""
         features = kv_cache.features if features is None else features
         if selection is not None:
             wrappers = selection.classes
@@ -199,7 +203,12 @@ class PagedAttentionManager(AttentionManager):
         # them there) or on the prefill wrapper.
         self.multi_token_wrapper = multi_token_wrapper
         self._multi_on_decode = multi_token_wrapper == PAGED_DECODE and self.features.decode_query_tokens > 1
-        self.flashinfer_backend = flashinfer_backend
+        self.backend_options = dict(backend_options or {})
+        if flashinfer_backend is not None:
+            warnings.warn("PagedAttentionManager(flashinfer_backend=) is FlashInfer's own setting: pass "
+                          "backend_options={'backend': ...}; the keyword goes in the next MINOR", DeprecationWarning,
+                          stacklevel=2)
+            self.backend_options.setdefault("backend", flashinfer_backend)
         self.max_batch_size = max_batch_size
         self.max_total_tokens = max_total_tokens
         self.max_prefill_rows = max_prefill_rows
@@ -267,7 +276,7 @@ class PagedAttentionManager(AttentionManager):
     def _build_wrapper(self, cls: type, kind: str, bucket: int | None, graph_tokens: int | None) -> Any:
         c = self.kv_config
         size = WrapperSize(c.qo_heads, c.num_kv_heads, c.head_dim, self.device, c.page_size,
-                           workspace_bytes=self.workspace_bytes, options={"backend": self.flashinfer_backend})
+                           workspace_bytes=self.workspace_bytes, options=self.backend_options)
         if bucket is not None:
             # One graph-mode wrapper per (bucket, slot): its static buffers are what the graph
             # captured for that bucket reads; padding rows add one page each. Multi-token decode

@@ -120,3 +120,27 @@ def test_names_moved_from_grouped_keep_their_old_path_with_a_warning(name):
 def test_a_plan_without_pages_takes_empty_lists():
     p = paged_plan("paged_decode", None, [0, 0], [], [0], 16, torch.float32)
     assert p.kv_indices.dtype == torch.int32 and (p.rows, p.max_kv, p.keys_cover_queries) == (1, 0, False)
+
+
+def test_a_backends_own_options_reach_its_wrappers_size():
+    from mstar_core import PagedAttentionManager
+    from mstar_core.backends import reference as R
+
+    from ..helpers import REF_WRAPPERS, small_kv
+
+    seen: list[WrapperSize] = []
+
+    class Recording(R.ReferenceDecodeWrapper):
+        @classmethod
+        def from_size(cls, size):
+            seen.append(size)
+            return super().from_size(size)
+
+    kv = small_kv(max_pages=8, page_size=4, dtype=torch.float32)
+    attn = PagedAttentionManager(kv, "cpu", torch.float32, kv.config, {**REF_WRAPPERS, "paged_decode": Recording},
+                                 backend_options={"backend": "fa2"})
+    attn._wrapper(("text", "paged_decode", 0, None, 0))
+    assert seen[-1].options == {"backend": "fa2"}
+    with pytest.warns(DeprecationWarning, match=r"flashinfer_backend=\) is FlashInfer's own setting"):
+        old = PagedAttentionManager(kv, "cpu", torch.float32, kv.config, REF_WRAPPERS, flashinfer_backend="fa3")
+    assert old.backend_options == {"backend": "fa3"}
