@@ -35,9 +35,8 @@ def attention_oracle(
     kv_len, hkv, _ = k.shape
     g = hq // hkv
     scale = 1.0 / math.sqrt(d) if sm_scale is None else sm_scale
-    k = k.repeat_interleave(g, dim=1)  # query head h reads kv head h // g
-    v = v.repeat_interleave(g, dim=1)
-    scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+    # query head h reads kv head h // g: heads grouped, so long rows' keys are not copied g times
+    scores = torch.einsum("qhgd,khd->hgqk", q.reshape(q_len, hkv, g, d), k).reshape(hq, q_len, kv_len) * scale
     if soft_cap is not None:
         scores = soft_cap * torch.tanh(scores / soft_cap)
     scores = scores.masked_fill(~visible(q_len, kv_len, causal, window_left), float("-inf"))
@@ -46,7 +45,7 @@ def attention_oracle(
         probs = torch.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = torch.nan_to_num(torch.softmax(scores, dim=-1), nan=0.0)
-    return torch.einsum("hqk,khd->qhd", probs, v)
+    return torch.einsum("hgqk,khd->qhgd", probs.reshape(hkv, g, q_len, kv_len), v).reshape(q_len, hq, d)
 
 
 def rel_error(out: torch.Tensor, ref: torch.Tensor) -> float:
