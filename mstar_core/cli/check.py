@@ -15,6 +15,7 @@ from mstar_core.cli.progress import CLEAR
 from mstar_core.errors import InputError
 from mstar_core.registry.spec import dtype_name
 from mstar_core.resource import as_dtype
+from mstar_core.testing.groups import GROUPS
 
 
 def register(sub: argparse._SubParsersAction) -> None:
@@ -22,13 +23,15 @@ def register(sub: argparse._SubParsersAction) -> None:
         "check",
         help="run the conformance suite against an installed backend",
         description="Run the conformance suite against the installed backend NAME: every capability it provides, "
-        "in each dtype and head dim it declares (64 and 128 where it runs them), with the features it declares, "
-        "plus shapes past the usual tiles (64 rows, 64 query heads), one wrapper re-planned with different shapes "
+        "in each dtype and head dim it declares (every listed one; from a range, 64, 128, 256 and its largest), with "
+        "the features it declares, plus scores in the hundreds and far below zero, long rows (32k keys), shapes past "
+        "the usual tiles (64 rows, 64 query heads), one wrapper re-planned with different shapes "
         "and refusing a plan, several wrappers with different windows and scales run in turn, a CUDA-graph replay "
         "where capturable, rows poisoned with NaN/inf, NaN in what a row does not own, and rows that see no key, "
         "each against a float64 oracle; every case run twice (bit-identical), on strided inputs too, its inputs "
         "compared before and after. Prints the case count, a progress line, then a table of cases, each failure "
-        "naming its rule; exits 1 when any case fails, 2 when the backend cannot run here.",
+        "naming its rule, and what the run left out (not covered); exits 1 when any case fails, 2 when the backend "
+        "cannot run here.",
     )
     p.add_argument("name", help="backend name, as `mstar backends` lists it; 'auto' (or any name with "
                    "--layer-windows/--sink-logits): each layer group's paged picks, checked at the group's features")
@@ -37,9 +40,12 @@ def register(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--dtype", action="append", default=None, metavar="DTYPE",
                    help="check only this dtype (repeat for several; default: every dtype the backend declares)")
     p.add_argument("--head-dim", action="append", type=int, default=None, metavar="N",
-                   help="check only this head dim (repeat for several; default: 64 and 128 where declared)")
+                   help="check only this head dim (repeat for several; default: every listed one, from a range 64, "
+                   "128, 256 and its largest)")
     p.add_argument("--quick", action="store_true", help="a short subset: the first head dim only, fewer plain and "
-                   "feature cases (every group and rule still checked)")
+                   "feature cases, long rows of 8192 keys (every group and rule still checked)")
+    p.add_argument("--group", action="append", default=None, metavar="GROUP",
+                   help="run only this group of cases (repeat for several): " + ", ".join(GROUPS))
     p.add_argument("--failures-only", action="store_true", help="list only the failing cases in the table")
     g = p.add_argument_group("layer groups", "check the paged picks of each layer group of a model that asks these")
     g.add_argument("--layer-windows", default=None, metavar="W,W,...",
@@ -89,6 +95,9 @@ def run(args: argparse.Namespace) -> int:
             print(f"[{n}/{total}] {case}", file=err, flush=True)
 
     if args.name == "auto" or args.layer_windows is not None or args.sink_logits is not False:
+        if args.group:
+            raise InputError("check: --group selects cases of one named backend; drop it for 'auto', "
+                             "--layer-windows or --sink-logits")
         from mstar_core.cli.backends import features_from_args
         from mstar_core.testing.group_check import check_groups
 
@@ -96,6 +105,6 @@ def run(args: argparse.Namespace) -> int:
                                    config=config_from(args), quick=args.quick, on_result=progress, on_start=start)
     else:
         report = check_backend(args.name, device, dtypes, args.head_dim, on_result=progress,
-                               config=config_from(args), quick=args.quick, on_start=start)
+                               config=config_from(args), quick=args.quick, on_start=start, groups=args.group)
     print(json.dumps(report.as_json(), indent=2) if args.json else report.render(all_rows=not args.failures_only))
     return 0 if report.ok else 1

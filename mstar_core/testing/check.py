@@ -35,6 +35,7 @@ from mstar_core.errors import InputError
 from mstar_core.registry.spec import BackendSpec, dtype_name
 from mstar_core.testing import conformance as C
 from mstar_core.testing import reuse
+from mstar_core.testing.groups import GROUPS
 from mstar_core.testing.rules import RuleError
 
 NOT_COVERED: dict[str, str] = {
@@ -42,6 +43,8 @@ NOT_COVERED: dict[str, str] = {
                "built-in one",
 }
 HEAD_DIM_CANDIDATES = (64, 128, 256, 96, 80, 32, 192, 16, 8)
+# The head dims every backend is checked at where it declares them (and the largest it declares).
+COMMON_HEAD_DIMS = (64, 128, 256)
 
 
 @dataclass(frozen=True)
@@ -49,7 +52,7 @@ class Check:
     """One case of the suite: ``run()`` returns the relative error or raises."""
 
     capability: str
-    group: str  # plain, shapes, features, edge, window, replan, layers, replay, device
+    group: str  # a key of GROUPS
     dtype: torch.dtype
     name: str
     run: Callable[[], float] = field(repr=False, compare=False)
@@ -128,12 +131,48 @@ class Report:
 
 
 def default_head_dims(spec: BackendSpec, capability: str | None = None) -> tuple[int, ...]:
-    """64 and 128 where declared (by ``capability``; None: the backend), else the first declared
-    among common head dims, else the first value it lists."""
+    """The head dims a run checks (by ``capability``; None: the backend): every value a list
+    declares; from a range, 64, 128 and 256 where declared, and its maximum where that is larger
+    (else the first declared among common head dims)."""
     dims = spec.head_dims if capability is None else spec.head_dims_for(capability)
-    ok = [d for d in HEAD_DIM_CANDIDATES if dims.refusal(d) is None]
-    both = tuple(d for d in (64, 128) if d in ok)
-    return both or tuple(ok[:1]) or tuple((dims.values or ())[:1])
+    if dims.values is not None:
+        return tuple(sorted(set(dims.values)))
+    common = [d for d in COMMON_HEAD_DIMS if dims.refusal(d) is None]
+    top = dims.maximum
+    if top is not None and dims.refusal(top) is None and top > max(common, default=0):
+        common.append(top)
+    return tuple(common) or tuple(d for d in HEAD_DIM_CANDIDATES if dims.refusal(d) is None)[:1]
+
+
+def left_out(spec: BackendSpec, classes: Mapping[str, Any], dtypes: Sequence[torch.dtype] | None,
+             head_dims: Sequence[int] | None, quick: bool) -> dict[str, str]:
+    """What a run of :func:`plan_checks` with these arguments does not check of what each
+    capability declares -- head dims and dtypes -- and why, so a summary never passes it over."""
+    out: dict[str, str] = {}
+    all_dtypes = tuple(dtypes) if dtypes is not None else default_dtypes(spec)
+    given = tuple(head_dims) if head_dims is not None else None
+    for cap in STEP_KINDS:
+        if cap not in classes:
+            continue
+        cap_dtypes, dims = _for_capability(spec, cap, all_dtypes, dtypes is None, given)
+        why = "not asked (--head-dim)" if given is not None else ""
+        if quick and dims[1:]:
+            dims, why = dims[:1], "--quick checks the first head dim only"
+        declared = spec.head_dims_for(cap)
+        if declared.values is not None:
+            missing = [d for d in declared.values if d not in dims]
+            if missing:
+                out[f"{cap} head dims"] = f"{', '.join(map(str, missing))} declared, not checked: {why}"
+        elif dims and not (declared.maximum is not None and all(
+                d in dims for d in range(declared.multiple_of, declared.maximum + 1, declared.multiple_of))):
+            out[f"{cap} head dims"] = (f"declares {declared}; checked {', '.join(map(str, dims))} only" +
+                                       (f" ({why})" if why else " (64, 128, 256 and the largest declared)"))
+        skipped = [d for d in spec.dtypes_for(cap) if d not in cap_dtypes]
+        if skipped:
+            reasons = ["not asked (--dtype)" if d in C.TOLERANCE else "the suite has no tolerance for it"
+                       for d in skipped]
+            out[f"{cap} dtypes"] = "; ".join(f"{dtype_name(d)}: {r}" for d, r in zip(skipped, reasons, strict=True))
+    return out
 
 
 def _declared_anywhere(spec: BackendSpec) -> tuple[list[torch.dtype], list[Any]]:
@@ -223,7 +262,7 @@ def _quick_plain(cases: Sequence[Any]) -> list[Any]:
 def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: bool = False, window: int = -1,
            excludes: Sequence[Sequence[str]] = ()) -> list[tuple[str, Any]]:
     """(group, case) of one capability: the plain cases at the checked head dims; the shapes,
-    feature and edge cases at every one of them (no combination of features ``excludes`` names);
+    feature, edge and numerics cases at every one of them (no combination of features ``excludes`` names);
     ``window`` >= 0: the feature cases and the first plain one at that window too. ``quick``: a
     subset of the plain and feature cases (the head dims are the caller's to cut)."""
     base: Sequence[C.PagedCase | C.RaggedCase] = PLAIN[kind]()
@@ -233,15 +272,17 @@ def _cases(kind: str, features: Sequence[str], head_dims: Sequence[int], quick: 
     shapes: list[Any] = []
     extra: list[Any] = []
     edge: list[Any] = []
+    numerics: list[Any] = []
     for d in head_dims:
         shapes += C.shape_cases(kind, d)
+        numerics += C.numerics_cases(kind, d, quick)
         if kind == "ragged":
             extra += C.ragged_feature_cases(features, d)
         else:
             extra += C.feature_cases(kind, features, page_sizes=(16,) if quick else (1, 16), head_dim=d,
                                      excludes=excludes)
         edge += C.edge_cases(kind, d)
-    groups += [("shapes", shapes), ("features", extra), ("edge", edge)]
+    groups += [("shapes", shapes), ("features", extra), ("edge", edge), ("numerics", numerics)]
     if window >= 0 and kind != "ragged":
         groups.append(("window", [dataclasses.replace(c, window_left=window) for c in [*groups[0][1][:1], *extra]]))
     return [(g, c) for g, cases in groups for c in cases]
@@ -395,13 +436,24 @@ def device_notes(device: torch.device) -> list[str]:
 def check_backend(name: str, device: torch.device | str | None = None, dtypes: Sequence[torch.dtype] | None = None,
                   head_dims: Sequence[int] | None = None, registry: Any = None,
                   on_result: Callable[[Result], None] | None = None, config: Any = None, quick: bool = False,
-                  on_start: Callable[[Sequence[Check]], None] | None = None) -> Report:
+                  on_start: Callable[[Sequence[Check]], None] | None = None,
+                  groups: Sequence[str] | None = None) -> Report:
     """Run every check of the installed backend ``name`` (see :func:`plan_checks`; ``quick``: a
-    short subset). ``on_start`` gets the checks before any runs, ``on_result`` each result."""
+    short subset; ``groups``: only these of :data:`GROUPS`). ``on_start`` gets the checks before
+    any runs, ``on_result`` each result. What the run leaves out is in the report's ``not_covered``."""
     sel, device = select_for_check(name, device, registry, config)
     spec = sel.backend
     check_given(spec, dtypes, head_dims)
+    bad = [g for g in groups or () if g not in GROUPS]
+    if bad:
+        raise InputError(f"check: unknown group {', '.join(map(repr, bad))}; the groups are {', '.join(GROUPS)}")
     checks = plan_checks(spec, sel.classes, device, dtypes, head_dims, quick=quick)
+    gaps = {**not_covered(spec, sel.classes), **left_out(spec, sel.classes, dtypes, head_dims, quick)}
+    if groups:
+        skipped = sorted({c.group for c in checks} - set(groups))
+        checks = [c for c in checks if c.group in groups]
+        if skipped:
+            gaps["groups"] = f"{', '.join(skipped)} not run (--group {' '.join(groups)})"
     if on_start is not None:
         on_start(checks)
     results = []
@@ -410,8 +462,7 @@ def check_backend(name: str, device: torch.device | str | None = None, dtypes: S
         results.append(result)
         if on_result is not None:
             on_result(result)
-    return Report(name, spec.label, spec.api_version, str(device), results, not_covered(spec, sel.classes),
-                  device_notes(device))
+    return Report(name, spec.label, spec.api_version, str(device), results, gaps, device_notes(device))
 
 
 def conformance_test(name: str, *, device: torch.device | str | None = None,
