@@ -142,11 +142,18 @@ def test_the_reference_passes_the_whole_suite():
     reset_registry()
     report = K.check_backend("reference", device="cpu", dtypes=[F32])
     assert report.ok, report.render(all_rows=False)
-    assert len(report.results) > 200 and report.not_covered == {"bounded": K.NOT_COVERED["bounded"]}
-    # the feature, edge, shape and re-plan groups at every head dim checked, not only the largest
-    for group in ("features", "edge", "shapes", "replan", "layers"):
-        assert {"-d64", "-d128"} <= {d for r in report.results if r.group == group for d in ("-d64", "-d128")
-                                     if d in r.name}, group
+    assert len(report.results) > 200
+    # it declares any head dim and four dtypes: the summary names what this run leaves out
+    caps = ("paged_prefill", "paged_decode", "mixed", "prefixed_ragged")
+    assert report.not_covered == {"bounded": K.NOT_COVERED["bounded"],
+                                  **{f"{cap} head dims": "declares any; checked 64, 128, 256 only (64, 128, 256 and "
+                                     "the largest declared)" for cap in caps},
+                                  **{f"{cap} dtypes": "float64: not asked (--dtype); float16: not asked (--dtype); "
+                                     "bfloat16: not asked (--dtype)" for cap in caps}}
+    # the feature, edge, shape, numerics and re-plan groups at every head dim checked, not only the largest
+    dims = ("-d64", "-d128", "-d256")
+    for group in ("features", "edge", "shapes", "numerics", "replan", "layers"):
+        assert set(dims) == {d for r in report.results if r.group == group for d in dims if d in r.name}, group
     assert report.notes and "--device cuda" in report.notes[0]
 
 
@@ -157,9 +164,9 @@ def test_cli_table_json_and_exit_codes(planted, monkeypatch, capsys):
     assert "mstar check honest" in out and "of" in out and "cases passed" in out and "FAIL" not in out
     assert main(["check", "first_plan", "--json"]) == 1
     data = json.loads(capsys.readouterr().out)
-    assert data["ok"] is False and data["failed"] == 4
+    assert data["ok"] is False and data["failed"] == 6
     bad = [r for r in data["results"] if not r["passed"]]
-    # re-planned steps computed with the first plan, and an unknown keyword accepted, at each head dim
+    # re-planned steps computed with the first plan, and an unknown keyword accepted, at each head dim (64, 128, 256)
     assert {(r["group"], r["capability"], r["rule"]) for r in bad} == {
         ("replan", "paged_decode", "replan"), ("replan", "paged_decode", "unknown-keyword")}
     assert main(["check", "nope"]) == 2

@@ -111,8 +111,10 @@ EXTRA = [c for c in K.plan_checks(FLASHINFER, CLASSES, "cpu", [torch.float32], [
 def test_edge_rows_and_replanning(check):
     result = K.run_check(check)
     assert result.passed, result.message
-    # FlashInfer leaves a query that sees no key undefined: the wrappers refuse such rows at plan
-    assert result.refused == ("-p-" in check.name or "_-" in check.name), result.message
+    # FlashInfer leaves a query that sees no key undefined: the wrappers refuse such rows at plan;
+    # a decode row without pages has no query left without its key, and gives zeros
+    keyless = "-p-" in check.name or "_-" in check.name
+    assert result.refused == (keyless and check.capability != "paged_decode"), result.message
     if result.refused:
         assert "at least as many keys as queries" in result.message
 
