@@ -35,7 +35,9 @@ def check_soft_cap(value: Any, who: str) -> float | None:
     if value is None:
         return None
     if not is_positive_finite(value):
-        raise InputError(f"{who}: logits_soft_cap must be {SCALE_RANGE}, or None for no cap; got {value!r}")
+        # 0 reads as "off" to some, while c * tanh(s / c) tends to 0 for every score: refused, not guessed
+        off = " (0 does not turn the cap off: pass None)" if value == 0 else ""
+        raise InputError(f"{who}: logits_soft_cap must be {SCALE_RANGE}, or None for no cap; got {value!r}{off}")
     return float(value)
 
 

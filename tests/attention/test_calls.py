@@ -104,7 +104,21 @@ def test_the_plan_is_checked_once_with_messages_naming_the_entry():
     short = paged_plan("paged_prefill", torch.tensor([0, 5], dtype=I32), torch.tensor([0, 1], dtype=I32),
                        torch.tensor([0], dtype=I32), torch.tensor([2], dtype=I32), 16, torch.float32)
     assert not short.keys_cover_queries
+    # so are decode rows without pages (zero keys, zeros out)
+    empty = paged_plan("paged_decode", None, torch.tensor([0, 0, 2, 2], dtype=I32), torch.tensor([5, 1], dtype=I32),
+                       torch.tensor([0, 4, 0], dtype=I32), 16, torch.float32)
+    assert empty.kv_lens.tolist() == [0, 20, 0] and not empty.keys_cover_queries
     assert p.variant(8, True).window_left == 8 and p.variant(-1, False) is p
+
+
+def test_a_page_table_starts_at_0_and_a_soft_cap_of_0_is_not_off():
+    with pytest.raises(ValueError, match=r"kv_indptr must start at 0, got kv_indptr\[0\] = 2"):
+        paged_plan("paged_decode", None, torch.tensor([2, 3], dtype=I32), torch.tensor([5, 1, 7], dtype=I32),
+                   torch.tensor([4], dtype=I32), 16, torch.float32)
+    with pytest.raises(ValueError, match=r"logits_soft_cap must be .* or None for no cap; got 0.0 \(0 does not "
+                                         r"turn the cap off: pass None\)"):
+        _plan(logits_soft_cap=0.0)
+    assert _plan(logits_soft_cap=None).logits_soft_cap is None
 
 
 @pytest.mark.parametrize("name", ["build_paged_attention", "summary", "PagedManager"])
