@@ -177,3 +177,8 @@ def test_every_name_plugins_md_imports_from_the_surface_is_listed_in_it():
     prefix = "mstar_core.plugin."
     names = {p[len(prefix):].split(".")[0] for p in documented_paths(DOC.read_text()) if p.startswith(prefix)}
     assert sorted(names - set(mstar_core.plugin.__all__)) == []
+
+
+def test_the_example_distribution_declares_the_current_api_version():
+    plugin = dict(_DOC_FILE.findall(DOC.read_text()))["plainattn_mstar/plugin.py"]
+    assert re.findall(r'api_version="([^"]*)"', plugin) == [mstar_core.plugin.API_VERSION]
