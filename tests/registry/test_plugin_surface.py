@@ -12,7 +12,7 @@ import subprocess
 import sys
 
 import mstar_core.plugin
-from mstar_core.scaffold import files_for
+from mstar_core.scaffold import CAPABILITY_CHOICES, files_for
 
 from ..helpers import REPO
 
@@ -61,7 +61,8 @@ def sources() -> dict[str, str]:
     """Every Python source a backend author reads as an example: display path -> text."""
     found = {str(p.relative_to(REPO)): p.read_text() for pkg in PACKAGES for p in sorted((REPO / pkg).rglob("*.py"))}
     found |= {f"docs/PLUGINS.md ({rel})": text for rel, text in _DOC_FILE.findall(DOC.read_text())}
-    found |= {f"mstar new-backend ({rel})": text for rel, text in files_for("demo").items() if rel.endswith(".py")}
+    found |= {f"mstar new-backend ({rel})": text for rel, text in files_for("demo", CAPABILITY_CHOICES).items()
+              if rel.endswith(".py")}
     return found
 
 
@@ -92,6 +93,7 @@ def test_every_source_is_read():
         assert f"{pkg}/plugin.py" in found, pkg
     assert {"docs/PLUGINS.md (plainattn_mstar/plugin.py)", "docs/PLUGINS.md (tests/test_conformance.py)",
             "mstar new-backend (tests/test_conformance.py)"} <= set(found), sorted(found)
+    assert {f"mstar new-backend (demo_mstar/{c}.py)" for c in CAPABILITY_CHOICES} <= set(found), sorted(found)
 
 
 def test_backends_import_mstar_only_through_the_plugin_surface():
@@ -175,3 +177,8 @@ def test_every_name_plugins_md_imports_from_the_surface_is_listed_in_it():
     prefix = "mstar_core.plugin."
     names = {p[len(prefix):].split(".")[0] for p in documented_paths(DOC.read_text()) if p.startswith(prefix)}
     assert sorted(names - set(mstar_core.plugin.__all__)) == []
+
+
+def test_the_example_distribution_declares_the_current_api_version():
+    plugin = dict(_DOC_FILE.findall(DOC.read_text()))["plainattn_mstar/plugin.py"]
+    assert re.findall(r'api_version="([^"]*)"', plugin) == [mstar_core.plugin.API_VERSION]
