@@ -19,11 +19,15 @@ STRETCH = 96
 # The largest score magnitude the shaped rows reach (before a little noise): past exp's float32
 # range (88.7) and float16's (11.1), within bf16/fp16 storage of the keys.
 REACH = 300.0
-# A row's pattern, by name: offsets per stretch of keys, drawn from these ranges.
-PATTERNS: dict[str, tuple[float, float]] = {"spread": (-REACH, REACH), "high": (REACH / 2, REACH),
-                                            "low": (-REACH, -REACH / 2)}
+# A row's pattern, by name: the ranges its stretches' offsets are drawn from, in its first part and
+# its second. "fall" and "rise" hold the row's maximum at one end (3/8 of its stretches) and only
+# low scores at the other, so a merge against the first or the last chunk's (or split's) maximum
+# overflows whatever the kernel's chunking, for any chunk of at most half the row.
+HIGH, LOW, ANY = (REACH / 2, REACH), (-REACH, -REACH / 2), (-REACH, REACH)
+PATTERNS: dict[str, tuple[tuple[float, float], tuple[float, float]]] = {
+    "spread": (ANY, ANY), "high": (HIGH, HIGH), "low": (LOW, LOW), "fall": (HIGH, LOW), "rise": (LOW, HIGH)}
 # What a case's ``scores`` asks for: the patterns of its rows, cycled over the rows.
-SCORES: dict[str, tuple[str, ...]] = {"hundreds": ("spread", "high", "low"), "below": ("low",)}
+SCORES: dict[str, tuple[str, ...]] = {"hundreds": ("fall", "high", "rise", "spread", "low"), "below": ("low",)}
 # float32's unit roundoff: summing n terms in float32 errs by at most n times it (relative).
 FP32_ROUNDOFF = 2.0 ** -24
 ROUNDOFF = {torch.float64: 2.0 ** -53}
@@ -41,15 +45,21 @@ def tolerance(base: float, dtype: torch.dtype, keys: int, reach: float = 0.0, he
 
 def row_offsets(pattern: str, keys: int, gen: torch.Generator) -> torch.Tensor:
     """``[keys]`` score offsets for one row: one offset per stretch of :data:`STRETCH` keys from
-    the pattern's range, plus a few units of noise per key (so the top stretch's softmax spreads
-    over several keys). A ``spread`` row of several stretches holds both ends of the range, the
-    highest stretch first and the lowest last: a merge that rescales against the last stretch's
-    maximum overflows."""
-    lo, hi = PATTERNS[pattern]
+    the pattern's ranges (the first part's stretches, then the second's), plus a few units of
+    noise per key (so the top stretch's softmax spreads over several keys). A row of several
+    stretches starts at its first range's end and ends at its second's: a ``fall`` row holds
+    REACH first and -REACH last, a ``rise`` row the reverse, a ``spread`` row REACH first."""
+    first, second = PATTERNS[pattern]
     n = max(1, -(-keys // STRETCH))
+    # the high end holds 3/8 of the stretches: any half of the row (or smaller chunk) at the other end is all low
+    top = max(1, n * 3 // 8)
+    cut = n - top if pattern == "rise" else top
+    lo = torch.tensor([first[0]] * cut + [second[0]] * (n - cut), dtype=torch.float64)
+    hi = torch.tensor([first[1]] * cut + [second[1]] * (n - cut), dtype=torch.float64)
     per = lo + (hi - lo) * torch.rand(n, generator=gen, dtype=torch.float64)
-    if pattern == "spread" and n >= 2:
-        per[0], per[-1] = hi, lo
+    if n >= 2:
+        per[0] = first[0] if pattern == "rise" else first[1]
+        per[-1] = second[1] if pattern == "rise" else second[0]
     out = per.repeat_interleave(STRETCH)[:keys]
     return out + 2.0 * torch.randn(keys, generator=gen, dtype=torch.float64)
 

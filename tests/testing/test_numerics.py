@@ -56,6 +56,15 @@ def test_the_shaped_scores_reach_the_hundreds_and_stay_far_below_zero(kind):
     assert long_hundreds.scores == "hundreds" and "-scores_hundreds" in str(long_hundreds)
 
 
+@pytest.mark.parametrize(("pattern", "high_first"), [("fall", True), ("rise", False)])
+def test_a_falling_or_rising_row_keeps_its_maximum_at_one_end(pattern, high_first):
+    offsets = N.row_offsets(pattern, 32767, torch.Generator().manual_seed(0))
+    half = offsets.shape[0] // 2
+    high, low = (offsets[:half], offsets[half:]) if high_first else (offsets[half:], offsets[:half])
+    # a merge against the low half's maximum is off by far more than exp's float32 range (88.7)
+    assert float(high.max()) > 290 and float(low.max()) < -140
+
+
 def test_quick_rows_are_shorter_and_every_case_is_drawn_again_the_same():
     for kind in KINDS:
         quick = C.numerics_cases(kind, 128, quick=True)

@@ -156,6 +156,16 @@ def test_each_splitk_slip_fails_naming_its_rule(splitk, slip):
         assert f"rule {rule}: " in r.message and r.error is not None and r.error > 0, r
 
 
+@pytest.mark.parametrize("chunk", [64, 256, 1000, 4096])
+def test_a_merge_against_the_last_chunks_max_fails_whatever_the_chunk(splitk, monkeypatch, chunk):
+    # rows whose maximum sits at one end and only low scores at the other, so no chunking hides it
+    monkeypatch.setattr(S, "CHUNK", chunk)
+    assert K.check_backend(CLEAN, "cpu", registry=splitk, quick=True, groups=["numerics"], dtypes=[F32]).ok
+    report = K.check_backend("merge_last_chunk_max", "cpu", registry=splitk, quick=True, groups=["numerics"],
+                             dtypes=[F32])
+    assert not report.ok and {r.rule for r in report.failed} == {"oracle"}, report.render(all_rows=False)
+
+
 def test_the_fp16_fast_path_shows_only_where_float16_is_checked(splitk):
     report = K.check_backend("fp16_exp_without_max", "cpu", registry=splitk, quick=True, groups=["numerics"],
                              dtypes=[F32, BF16])
