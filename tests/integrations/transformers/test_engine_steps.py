@@ -1,0 +1,128 @@
+"""What each step of a generation loop launches, on a tiny model on the CPU (where a step has run
+when its launch returns, so a finish is seen at once): a prompt joins at its arrival step, a
+request takes one row per token it keeps and none after its end-of-sequence token, its stop or
+its last new token, and a prompt waits for pages, the step's prompt-token budget or a free row.
+The rows come from a spy on the runner's ``launch``, the step numbers from ``on_step`` (called
+once per step, rows or not)."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from mstar_core import Engine, EngineOptions
+from mstar_core.integrations.transformers import run
+from mstar_core.testing.hf_models import build
+
+PAGE = 8
+Rows = dict[int, list[tuple[int, int]]]  # step -> (prompt index, tokens) of each of its rows
+
+
+@functools.cache
+def model_and_prompts():
+    model = build("llama")
+    g = torch.Generator().manual_seed(4)
+    return model, [torch.randint(0, model.config.vocab_size, (n,), generator=g).tolist() for n in (3, 17, 9, 5)]
+
+
+class Schedule:
+    """The rows of every step an engine's runner launches, by step number."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, engine: Engine) -> None:
+        self.rows: Rows = {}
+        self.steps = 0
+        launch = engine.runner.launch
+
+        def spy(prep, tokens):
+            # the loop names prompt i's request "hf{i}"
+            self.rows[self.steps] = sorted((int(s.request_id.removeprefix("hf")), s.num_tokens)
+                                           for s in prep.step.kv.spans)
+            return launch(prep, tokens)
+
+        monkeypatch.setattr(engine.runner, "launch", spy)
+
+    def on_step(self, done: int, total: int) -> None:
+        self.steps += 1
+
+
+def expected(prompts: list[list[int]], joins: list[int], rows: list[int]) -> Rows:
+    """Prompt ``i`` joining at step ``joins[i]`` with its whole prompt, then one token a step, for
+    ``rows[i]`` steps in a row."""
+    out: Rows = {}
+    for i, (p, j, n) in enumerate(zip(prompts, joins, rows, strict=True)):
+        for k in range(n):
+            out.setdefault(j + k, []).append((i, len(p) if k == 0 else 1))
+    return {s: sorted(r) for s, r in sorted(out.items())}
+
+
+def engine(model, **kw) -> Engine:
+    return Engine(model, "reference", EngineOptions(**{"max_pages": 32, "page_size": PAGE, **kw}))
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph-path"])
+def test_each_prompt_joins_at_its_arrival_step(monkeypatch, graphs):
+    model, ps = model_and_prompts()
+    arrivals = [0, 2, 3, 9]  # steps 7 and 8 run nothing: every request has left
+    with engine(model, graphs=graphs, max_batch_size=4) as e:
+        sched = Schedule(monkeypatch, e)
+        out = run(e, ps, 4, arrivals=arrivals, eos_token_id=None, on_step=sched.on_step)
+    assert sched.rows == expected(ps, arrivals, [4] * 4)
+    assert sched.steps == 13
+    assert [s.rows for s in out.steps] == [len(r) for r in sched.rows.values()]
+    assert any(s.graph for s in out.steps) == graphs
+
+
+@pytest.mark.parametrize("finish", ["eos", "stop", "length"])
+def test_a_request_launches_no_row_after_it_finishes(monkeypatch, finish):
+    model, ps = model_and_prompts()
+    new = 8
+    with engine(model) as e:
+        free = run(e, ps, new, eos_token_id=None).ids
+        kw = {}
+        if finish == "eos":
+            # a token prompt 0 first gives as its third: it ends there
+            kw["eos_token_id"] = next(t for k, t in enumerate(free[0]) if k >= 2 and t not in free[0][:k])
+        else:
+            kw["eos_token_id"] = None
+        if finish == "stop":
+            kw["stop"] = lambda i, ids: i == 1 and len(ids) == 2
+        sched = Schedule(monkeypatch, e)
+        out = run(e, ps, new, arrivals=[0, 1, 1, 2], on_step=sched.on_step, **kw)
+    lengths = [len(x) for x in out.ids]
+    if finish == "eos":
+        assert lengths[0] == free[0].index(kw["eos_token_id"]) + 1 < new
+    elif finish == "stop":
+        assert lengths[1] == 2
+    else:
+        assert lengths == [new] * 4
+    # one row per token kept, in consecutive steps from its arrival, and none after
+    assert sched.rows == expected(ps, [0, 1, 1, 2], lengths)
+    assert sum(s.rows for s in out.steps) == out.new_tokens
+
+
+def test_a_prompt_waits_for_the_pages_of_its_whole_run_until_a_request_leaves(monkeypatch):
+    model, _ = model_and_prompts()
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, 128, (4,), generator=g).tolist() for _ in range(3)]
+    # 4 + 12 tokens: each prompt needs 1 page to join, 2 by its end; 3 joining at once would run out
+    with engine(model, max_pages=4) as e:
+        sched = Schedule(monkeypatch, e)
+        out = run(e, ps, 12, eos_token_id=None, on_step=sched.on_step, stop=lambda i, ids: i == 0 and len(ids) == 2)
+    # prompt 2 waits until prompt 0 leaves after step 1
+    assert sched.rows == expected(ps, [0, 0, 2], [2, 12, 12])
+    assert out.waits >= 2
+
+
+@pytest.mark.parametrize("limit, joins", [({"max_prefill_tokens": 20}, [0, 0, 1]), ({"max_batch_size": 2}, [0, 0, 4])],
+                         ids=["prompt-tokens", "rows"])
+def test_a_prompt_waits_for_the_steps_prompt_budget_or_a_free_row(monkeypatch, limit, joins):
+    model, _ = model_and_prompts()
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, 128, (10,), generator=g).tolist() for _ in range(3)]
+    with engine(model, **limit) as e:
+        sched = Schedule(monkeypatch, e)
+        out = run(e, ps, 4, eos_token_id=None, on_step=sched.on_step)
+    assert sched.rows == expected(ps, joins, [4] * 3)
+    assert out.waits >= 1
