@@ -1,9 +1,10 @@
 """The paged KV manager's prefix cache (``KVManager(..., prefix_cache=True)``): hits share pages,
 the last prompt token is always computed, a root (fingerprints, model identity, label) never
 matches another, idle pages are evicted least recently used first and only when the pool needs
-them, a held page never, fork shares full pages, extend_tokens publishes generated tokens' pages,
-clear_prefix_cache evicts only idle pages, bad input is refused, parked streams give their shared
-references back when their step lands, and tensor-parallel checks cover the cached pages."""
+them, a held page never, an admit never hands out pages evicted since its match, fork shares full
+pages, extend_tokens publishes generated tokens' pages, clear_prefix_cache evicts only idle pages,
+bad input is refused, parked streams give their shared references back when their step lands, and
+tensor-parallel checks cover the cached pages."""
 
 import pytest
 import torch
@@ -301,6 +302,41 @@ def test_a_held_page_is_never_evicted_the_step_is_refused_instead():
     assert torch.equal(contents(kv, "b"), expected(kv, [1, 2, 3, 4, 9]))
     run(kv, [("x", 2)], {"x": [20, 21]})  # the idle one is evicted, b's are not
     assert pool.stats.evicted == 1 and held(kv, "b") == b
+    kv.post_warmup_validate()
+
+
+def test_an_eviction_moves_the_version_and_an_admit_matched_before_it_walks_again():
+    """admit_prefix reuses match_prefix's walk only while no key changed: pages evicted in between
+    (taken by another stream) must not be handed out."""
+    kv = make_kv(max_pages=4, ps=2)
+    start(kv, "a", [1, 2, 3, 4, 5])  # a0 a1 published, a2 partial
+    kv.remove_request("a")  # a0 a1 idle, 2 pages free
+    p = [1, 2, 3, 4, 9]
+    assert kv.match_prefix(p, ROOT, "t") == 4
+    pool = kv.pool
+    version = pool.version
+    kv.ingest_request("x")
+    run(kv, [("x", 6)], {"x": [30, 31, 32, 33, 34, 35]})  # the 2 free pages, then the oldest idle one
+    assert pool.stats.evicted == 1 and pool.version == version + 1
+    run(kv, [("x", 2)], {"x": [36, 37]})  # the last idle one
+    assert pool.stats.evicted == 2 and pool.version == version + 2
+    kv.ingest_request("b")
+    assert kv.admit_prefix("b", "t", p, ROOT).cached_tokens == 0
+    assert held(kv, "b") == [] and kv.stream("b", "t").chain.keyed == 0
+    kv.post_warmup_validate()
+
+
+def test_an_admit_matched_before_a_clear_finds_nothing():
+    kv = make_kv(max_pages=8, ps=2)
+    start(kv, "a", [1, 2, 3, 4, 5])
+    kv.remove_request("a")
+    p = [1, 2, 3, 4, 9]
+    assert kv.match_prefix(p, ROOT, "t") == 4
+    version = kv.pool.version
+    assert kv.clear_prefix_cache() == 2
+    assert kv.pool.version == version + 2
+    kv.ingest_request("b")
+    assert kv.admit_prefix("b", "t", p, ROOT).cached_tokens == 0 and held(kv, "b") == []
     kv.post_warmup_validate()
 
 
