@@ -1,6 +1,6 @@
 """The on-device sampler against transformers' own logits processors: the distribution it draws
 from (a chi-squared test on many seeded draws), the tokens each filter may give, greedy rows,
-and draws fixed by a request's seed whatever the batch."""
+and draws fixed by a request's seed whatever the batch, moved by every bit of it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mstar_core.errors import InputError, InputTypeError
-from mstar_core.sampling import FILTERS, Sampler, SamplingParams, check_sampling, uniforms
+from mstar_core.sampling import FILTERS, Sampler, SamplingParams, check_sampling, request_seed, uniforms
 
 VOCAB = 12
 LOGITS = torch.tensor([2.0, 1.5, 1.2, 1.0, 0.8, 0.5, 0.3, 0.0, -0.2, -0.5, -1.0, -1.5])
@@ -144,6 +144,18 @@ def test_a_seed_fixes_the_draw_alone_or_in_any_batch_and_row():
     # Other positions draw otherwise: a request's draws differ step to step.
     u = uniforms(torch.tensor([11] * 64), torch.arange(64))
     assert len(set(u.tolist())) == 64 and 0 < u.min() and u.max() < 1
+
+
+@pytest.mark.parametrize("bit", [0, 31, 32, 47, 62])
+def test_every_bit_of_a_seed_moves_the_draws(bit):
+    """Seeds one bit apart (the high 32 too) draw otherwise, over 32 positions of flat logits."""
+    seed = 0x2545F4914F6CDD1D & ~(1 << bit)
+    s = Sampler("cpu", 64, VOCAB)
+    a, b = (s.admit(SamplingParams(temperature=1.0), x, []) for x in (seed, seed | 1 << bit))
+    s.set_rows([a] * 32 + [b] * 32)
+    got = s.sample(torch.zeros(64, VOCAB), torch.arange(32).repeat(2)).tolist()
+    assert got[:32] != got[32:]
+    assert request_seed(SamplingParams(seed=seed | 1 << bit)) == seed | 1 << bit
 
 
 def test_a_sampler_refuses_requests_needing_a_filter_it_lacks():

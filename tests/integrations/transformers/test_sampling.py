@@ -1,7 +1,8 @@
 """Sampled generation through mstar on a tiny model: seeded tokens the same alone, in a batch,
-staggered, through the graph path and compiled; the first token's distribution against the
-model's own softmax; the repetition penalty against transformers' greedy generate; stops; and the
-time to first token and step times measured as their names say."""
+staggered, through the graph path and compiled, and other for seeds apart in their high bits; the
+first token's distribution against the model's own softmax; the repetition penalty against
+transformers' greedy generate; stops; and the time to first token and step times measured as
+their names say."""
 
 from __future__ import annotations
 
@@ -52,6 +53,14 @@ def test_one_params_for_every_prompt_and_an_unseeded_run_repeatable_from_torch_s
     assert generate(model, prompts, 8, "reference", sampling=params) == first
     torch.manual_seed(8)
     assert generate(model, prompts, 8, "reference", sampling=params) != first
+
+
+def test_seeds_apart_only_in_their_high_bits_draw_other_tokens():
+    model, prompts = model_and_prompts()
+    seeds = [5, 5 + (1 << 32), 5 + (1 << 62)]
+    got = generate(model, [prompts[0]] * 3, 12, "reference", eos_token_id=None,
+                   sampling=[SamplingParams(temperature=1.0, seed=s) for s in seeds])
+    assert len({tuple(g) for g in got}) == 3
 
 
 def test_the_first_token_follows_the_models_softmax_at_temperature_1():
