@@ -264,6 +264,15 @@ def test_stop_strings_check_only_the_tail():
     assert stop.cut("the cat sat on") == ("the ", True) and stop.cut("the mat") == ("the mat", False)
 
 
+def test_a_cut_ends_at_the_earliest_stop_whichever_is_listed_first():
+    from mstar_core.integrations.transformers.text import StopStrings
+
+    stop = StopStrings(tokenizer(), ["mat", "cat"])
+    # "cat" comes first and again last; "mat" sits between them
+    assert stop.cut("the cat sat on the mat the cat") == ("the ", True)
+    assert stop.cut("on the mat the cat") == ("on the ", True)
+
+
 @pytest.fixture(scope="module")
 def ends_at_once(saved, tmp_path_factory):
     """The instruct directory with its end-of-sequence id set to the token greedy decoding puts
