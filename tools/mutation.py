@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import gc
 import json
 import os
 import select
@@ -112,7 +113,9 @@ class _Only:
 
 
 def _pytest_args(files: list[str], stop_first: bool) -> list[str]:
-    args = ["-q", "-p", "no:cacheprovider", "-p", "no:randomly", "-o", "addopts=--import-mode=importlib",
+    # no:unraisableexception: its collections of the whole (frozen) heap at exit cost a second a run
+    args = ["-q", "-p", "no:cacheprovider", "-p", "no:unraisableexception", "-p", "no:threadexception",
+            "-o", "addopts=--import-mode=importlib",
             "--no-header", "-W", "ignore"]
     return args + (["-x"] if stop_first else []) + files
 
@@ -142,11 +145,8 @@ def _child(request: dict, log: str) -> int:
 
 def serve() -> None:
     """The worker's loop: one JSON request a line on stdin, one JSON answer a line on stdout."""
-    for name in PRELOAD:
-        try:
-            __import__(name)
-        except ImportError:
-            pass
+    _preload(list(PRELOAD))
+    stamp = time.time()
     sys.path.insert(0, os.getcwd())
     log = os.path.join(os.getcwd(), ".mutation-child.log")
     for line in sys.stdin:
@@ -154,7 +154,7 @@ def serve() -> None:
         path = Path(request.get("path", ""))
         original = path.read_text() if request.get("source") is not None else None
         if original is not None:
-            path.write_text(request["source"])
+            stamp = _write(path, request["source"], stamp)
         began = time.perf_counter()
         pid = os.fork()
         if pid == 0:
@@ -165,13 +165,21 @@ def serve() -> None:
                 os._exit(code)
         outcome = _wait(pid, request["timeout"])
         if original is not None:
-            path.write_text(original)
+            stamp = _write(path, original, stamp)
         if request["kind"] == "lines" and outcome == 0:
             _preload(json.loads(Path(request["out"]).read_text())["modules"])
         tail = ""
         if outcome not in (0, 1, "timeout"):
             tail = Path(log).read_text(errors="replace")[-2000:]
         print(json.dumps({"outcome": outcome, "seconds": time.perf_counter() - began, "tail": tail}), flush=True)
+
+
+def _write(path: Path, text: str, stamp: float) -> float:
+    """Each write a newer mtime than the last: a cached .pyc of another version never passes for it."""
+    path.write_text(text)
+    stamp += 2.0
+    os.utime(path, (stamp, stamp))
+    return stamp
 
 
 def _preload(names: list[str]) -> None:
@@ -183,6 +191,7 @@ def _preload(names: list[str]) -> None:
                 __import__(name)
             except Exception:  # a module that only imports in some contexts: the child imports it itself
                 pass
+    gc.freeze()  # what is loaded now is never collected: a child's collections skip it
 
 
 def _wait(pid: int, timeout: float) -> int | str:
@@ -207,7 +216,7 @@ class Worker:
     def __init__(self, home: Path) -> None:
         self.home = home
         _copy_tree(home)
-        env = dict(os.environ, PYTHONPATH=str(home), PYTHONDONTWRITEBYTECODE="1", OMP_NUM_THREADS="1",
+        env = dict(os.environ, PYTHONPATH=str(home), OMP_NUM_THREADS="1",
                    MKL_NUM_THREADS="1", HF_HUB_OFFLINE="1", TOKENIZERS_PARALLELISM="false")
         self.proc = subprocess.Popen([sys.executable, str(home / "tools" / "mutation.py"), "--serve"], cwd=home,
                                      env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
