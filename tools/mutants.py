@@ -80,6 +80,16 @@ def _silent(node: ast.AST) -> bool:
     return False
 
 
+def _typelike(node: ast.AST) -> bool:
+    """``X | None``, ``list[int] | Foo``: a type's spelling, by convention capitalised or subscripted."""
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr):
+        return _typelike(node.left) or _typelike(node.right)
+    if isinstance(node, ast.Constant):
+        return node.value is None
+    name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else ""
+    return isinstance(node, ast.Subscript) or name[:1].isupper() or name in ("int", "float", "str", "bool", "bytes")
+
+
 def _type_checking(node: ast.AST) -> bool:
     test = getattr(node, "test", None)
     return isinstance(node, ast.If) and isinstance(test, ast.Name) and test.id == "TYPE_CHECKING"
@@ -216,6 +226,8 @@ class _Sites(ast.NodeVisitor):
 
     def visit_BinOp(self, node: ast.BinOp) -> None:
         swap = SWAP_BINARY.get(type(node.op))
+        if isinstance(node.op, ast.BitOr) and (_typelike(node.left) or _typelike(node.right)):
+            return  # a union of types (an alias): not arithmetic
         if swap is not None and not isinstance(node.left, ast.Constant | ast.JoinedStr):
             self.add("arith", node, ast.BinOp(node.left, swap(), node.right))
         elif swap is not None and isinstance(node.left, ast.Constant) and not isinstance(node.left.value, str):

@@ -278,7 +278,7 @@ def pick(targets: dict[str, Target], asked: list[str]) -> list[Target]:
 @dataclass
 class Outcome:
     mutant: Mutant
-    result: str  # caught, timeout, survived, equivalent, error
+    result: str  # caught, timeout, crashed, survived, equivalent, error (pytest's own: exit 5 and up)
     seconds: float
     tests: int
     detail: str = ""
@@ -344,7 +344,7 @@ def run_module(target: Target, workers: list[Worker], progress: bool) -> list[Ou
                 assert isinstance(tag, tuple)
                 m, count = tag
                 a = w.answer()
-                result = {0: "survived", 1: "caught", 2: "caught", "timeout": "timeout"}.get(a["outcome"], "error")
+                result = _result(a["outcome"])
                 outcomes.append(Outcome(m, result, a["seconds"], count, a["tail"][-600:]))
                 done += 1
                 if progress:
@@ -354,9 +354,21 @@ def run_module(target: Target, workers: list[Worker], progress: bool) -> list[Ou
     return outcomes
 
 
+def _result(outcome: int | str) -> str:
+    """pytest's exit: 0 all passed (survived), 1 a test failed, 2-4 collection or a conftest
+    failed to import (the slip breaks import: caught); a signal (a crash) is caught too."""
+    if outcome == "timeout":
+        return "timeout"
+    if outcome == 0:
+        return "survived"
+    if outcome in (1, 2, 3, 4):
+        return "caught"
+    return "crashed" if isinstance(outcome, int) and outcome < 0 else "error"
+
+
 def score(outcomes: list[Outcome]) -> tuple[int, int]:
     counted = [o for o in outcomes if o.result != "equivalent"]
-    caught = [o for o in counted if o.result in ("caught", "timeout")]
+    caught = [o for o in counted if o.result in ("caught", "timeout", "crashed")]
     return len(caught), len(counted)
 
 
