@@ -133,3 +133,23 @@ def test_the_bound_counts_a_shared_entry_once_and_may_evict_it():
     assert c.stats.gathers == 4 and c.streams() == {("a", "x"), ("b", "x"), ("c", "x"), ("d", "x"), ("f", "x")}
     c.clear()
     assert c.tokens == 0 and c.shared() == {} and c.stats.dropped == 2
+
+
+def test_a_bound_of_zero_keeps_only_the_entry_in_use():
+    c = GatheredPrefixCache(max_tokens=0)
+    c.get(("a", "x"), 0, (0, 4, ()), lambda: kv(4))
+    c.get(("b", "x"), 0, (0, 4, ()), lambda: kv(4))
+    assert c.streams() == {("b", "x")} and c.stats.evictions == 1
+
+
+def test_after_clear_the_streams_start_over_and_their_shared_keys_have_only_their_new_users():
+    c = GatheredPrefixCache()
+    for rid in "ab":
+        c.get_shared((rid, "x"), 0, (0, 4, (7,)), SH, lambda: kv(4))
+    c.clear()
+    # nothing of a stream outlives clear(): no key, no shared key, no user of one
+    assert (c._keys, c._shared_of, c._users, c._entries) == ({}, {}, {}, {})
+    c.get_shared(("a", "x"), 0, (0, 4, (7,)), SH, lambda: kv(4))
+    assert c.shared() == {SH: {("a", "x")}} and c.stats.gathers == 2
+    c.drop_request("a")  # its last user gone: the shared entry goes with it
+    assert c.shared() == {} and c.tokens == 0 and c.stats.dropped == 2
