@@ -172,6 +172,16 @@ class DecodeKeepsScale(R.ReferenceDecodeWrapper):
             self._sm_scale = scale
 
 
+class DecodeKeepsPageTable(R.ReferenceDecodeWrapper):
+    """A plan after the first keeps the first one's page table (its new rows' lengths taken)."""
+
+    def _plan(self, p):
+        first = self._planned
+        super()._plan(p)
+        if first is not None:
+            self._planned = (*self._planned[:4], first[4], first[5])
+
+
 class DecodeScaleBeforeChecks(R.ReferenceDecodeWrapper):
     """``plan`` takes the new ``sm_scale`` before checking its other arguments."""
 

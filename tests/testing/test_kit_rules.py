@@ -36,6 +36,7 @@ BREAKERS: dict[str, tuple[dict[str, type], torch.dtype, str, str]] = {
     "deterministic": ({"paged_decode": B.DecodeEveryOtherRunOff}, F32, "deterministic", "plain"),
     "owned_output": ({"paged_decode": B.DecodeWritesPreviousOutput}, F32, "owned-output", "plain"),
     "replan": ({"paged_decode": B.DecodeKeepsScale}, F32, "replan", "replan"),
+    "replan_page_table": ({"paged_decode": B.DecodeKeepsPageTable}, F32, "replan", "replan"),
     "refused_plan": ({"paged_decode": B.DecodeScaleBeforeChecks}, F32, "refused-plan", "replan"),
     "unknown_keyword": ({"paged_decode": B.DecodeDropsUnknownKeywords}, F32, "unknown-keyword", "replan"),
     "independent_wrappers": ({"paged_decode": B.DecodeScaleOnClass}, F32, "independent-wrappers", "layers"),
