@@ -225,3 +225,71 @@ class DecodeRaisesOnFullLastPage(R.ReferenceDecodeWrapper):
             raise RuntimeError("a row's last page is full")
         super().plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *args, **kwargs)
 
+
+# -- replay: a capturable decode wrapper, and one whose plan the captured graph never sees ---------
+
+
+class StaticDecode:
+    """A capturable decode wrapper (plugin API 1.0) in plain PyTorch: ``run`` is one fixed-shape
+    computation over each row's page table and length, which ``plan`` copies into buffers sized
+    for ``batch_size`` rows of ``max_num_pages`` pages in graph mode (else for each plan's rows),
+    so a captured ``run`` replays whatever was planned last."""
+
+    graph_capturable = True
+
+    def __init__(self, workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=None,
+                 max_num_pages=None, device="cpu", accelerator_graph=False, enable_nvtx=False, backend="auto"):
+        self.num_qo_heads, self.num_kv_heads, self.head_dim, self.page_size = (num_qo_heads, num_kv_heads, head_dim,
+                                                                               page_size)
+        self.device = torch.device(device)
+        self._graph = accelerator_graph
+        if accelerator_graph:
+            self._pages = torch.zeros((batch_size, max_num_pages), dtype=torch.long, device=self.device)
+            self._lens = torch.zeros(batch_size, dtype=torch.long, device=self.device)
+
+    def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=torch.bfloat16, kv_lens=None,
+             window_left=-1, sm_scale=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"StaticDecode.plan got unexpected keyword arguments {sorted(kwargs)}")
+        ends, indices = paged_kv_indptr.tolist(), paged_kv_indices.tolist()
+        last = paged_kv_last_page_len.tolist()
+        rows = len(last)
+        width = self._pages.shape[1] if self._graph else max([ends[r + 1] - ends[r] for r in range(rows)] + [1])
+        pages = torch.zeros((self._pages.shape[0] if self._graph else rows, width), dtype=torch.long)
+        lens = torch.zeros(pages.shape[0], dtype=torch.long)
+        for r in range(rows):
+            n = ends[r + 1] - ends[r]
+            pages[r, :n] = torch.tensor(indices[ends[r]:ends[r + 1]], dtype=torch.long)
+            lens[r] = (n - 1) * self.page_size + last[r] if n else 0
+        self._set(pages.to(self.device), lens.to(self.device))
+        self._window = window_left
+        self._scale = 1.0 / self.head_dim ** 0.5 if sm_scale is None else sm_scale
+
+    def _set(self, pages, lens):
+        if self._graph:  # in place: the captured run reads these buffers
+            self._pages.copy_(pages)
+            self._lens.copy_(lens)
+        else:
+            self._pages, self._lens = pages, lens
+
+    def run(self, q, kv_cache_layer, **kwargs):
+        rows, width = self._pages.shape
+        hkv, d = self.num_kv_heads, self.head_dim
+        kv = kv_cache_layer[self._pages].transpose(1, 2).reshape(rows, 2, width * self.page_size, hkv, d)
+        pos = torch.arange(width * self.page_size, device=q.device)
+        valid = pos[None] < self._lens[:, None]
+        if self._window >= 0:
+            valid &= pos[None] >= self._lens[:, None] - 1 - self._window
+        k, v = (kv[:, i].masked_fill(~valid[:, :, None, None], 0.0).float() for i in (0, 1))
+        qg = q.float().reshape(rows, hkv, -1, d)
+        s = torch.einsum("bhgd,bkhd->bhgk", qg, k) * self._scale
+        p = torch.softmax(s.masked_fill(~valid[:, None, None], float("-inf")), dim=-1).nan_to_num(0.0)
+        return torch.einsum("bhgk,bkhd->bhgd", p, v).reshape(rows, self.num_qo_heads, d).to(q.dtype)
+
+
+class StaticDecodeRebinds(StaticDecode):
+    """``plan`` binds new page-table buffers in graph mode too: a graph captured before replays
+    the plan it was captured with."""
+
+    def _set(self, pages, lens):
+        self._pages, self._lens = pages, lens
