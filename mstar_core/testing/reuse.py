@@ -98,7 +98,9 @@ def check_replan(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
         try:
             held.append(RUNS[kind](backend, case, wrapper=w))
         except Exception as e:
-            if i == 0 or isinstance(e, C.Refused) or (isinstance(e, RuleError) and e.rule not in ("oracle", "shape")):
+            # NaN from slots the step's rows do not own, too: a plan that kept the last one's page table reads them
+            if i == 0 or isinstance(e, C.Refused) or (isinstance(e, RuleError) and
+                                                      e.rule not in ("oracle", "shape", "stale-slots")):
                 raise
             RUNS[kind](backend, case)  # alone, through a fresh wrapper: it may just be wrong
             what = e.detail if isinstance(e, RuleError) else f"{type(e).__name__}: {e}"
@@ -294,7 +296,8 @@ def check_replay(backend: WrapperSet, kind: str, head_dim: int = 128, multi_toke
         try:
             errors.append(assert_close(backend, f"{kind} replay", case, out_static[:n], paged_oracle(case, d, True)))
         except RuleError as e:
-            if e.rule != "oracle":
+            # NaN too: rows the replay skipped, or pages of the plan the graph was captured with
+            if e.rule not in ("oracle", "stale-slots"):
                 raise
             raise RuleError("replay", e.where, e.detail, e.error) from e
     return max(errors)

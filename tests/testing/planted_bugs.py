@@ -1,18 +1,45 @@
 """Wrappers with one bug each, of the kinds kernel authors write: each subclasses (or wraps) a
 correct reference wrapper and gets one thing wrong. ``test_planted_bugs.py`` registers each as a
-third-party backend and checks that ``mstar check`` fails it, naming the rule that caught it."""
+third-party backend (:func:`register`) and checks that ``mstar check`` fails it, naming the rule
+that caught it."""
 
 from __future__ import annotations
 
 import dataclasses
 import math
+import sys
+import types
+from typing import Any
 
 import torch
 
+from mstar_core import BackendSpec, Registry
 from mstar_core.backends import reference as R
 from mstar_core.testing.oracle import visible
 
 TILE_ROWS, TILE_HEADS = 8, 16
+MODULE = "mstar_planted_bugs_kit"
+
+
+def register(monkeypatch: Any, plants: dict[str, tuple[Any, ...]], api_1_1: frozenset[str] = frozenset(),
+             capturable: frozenset[str] = frozenset()) -> Registry:
+    """A registry holding one third-party backend per plant (name -> (capability -> wrapper
+    class, dtypes, features, ...)), its classes in a module put in ``sys.modules`` for the test;
+    plugin API 1.1 for the names in ``api_1_1``, else 1.0; every capability declared capturable
+    for the names in ``capturable``."""
+    mod = types.ModuleType(MODULE)
+    monkeypatch.setitem(sys.modules, MODULE, mod)
+    reg = Registry(discover=False)
+    for name, (classes, dtypes, features, *_) in plants.items():
+        provides = {}
+        for cap, cls in classes.items():
+            attr = f"{name}_{cap}"
+            setattr(mod, attr, cls)
+            provides[cap] = f"{MODULE}:{attr}"
+        reg.register(BackendSpec(name=name, provides=provides, devices=("cpu", "cuda"), dtypes=dtypes,
+                                 features=features, api_version="1.1" if name in api_1_1 else "1.0",
+                                 capturable=tuple(classes) if name in capturable else ()))
+    return reg
 
 
 def _contiguous_strides(shape: torch.Size) -> tuple[int, ...]:

@@ -173,6 +173,15 @@ def test_cli_table_json_and_exit_codes(planted, monkeypatch, capsys):
     assert "'nope' (from argument) is unknown" in capsys.readouterr().err
 
 
+def test_a_run_that_checks_nothing_does_not_pass(planted, monkeypatch, capsys):
+    """No case run is no evidence: on a CPU the replay group holds no case, and the run fails."""
+    report = K.check_backend("honest", device="cpu", registry=planted, groups=["replay"])
+    assert report.results == [] and not report.ok and report.as_json()["ok"] is False
+    monkeypatch.setattr("mstar_core.registry.registry._default", planted)
+    assert main(["check", "honest", "--group", "replay"]) == 1
+    assert "0 of 0 cases passed" in capsys.readouterr().out
+
+
 def test_pytest_entry_gives_one_test_per_case(planted, monkeypatch):
     monkeypatch.setattr("mstar_core.registry.registry._default", planted)
     test = K.conformance_test("honest", dtypes=[F32], head_dims=[64])

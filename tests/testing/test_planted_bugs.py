@@ -5,13 +5,9 @@ on CUDA only."""
 
 from __future__ import annotations
 
-import sys
-import types
-
 import pytest
 import torch
 
-from mstar_core import BackendSpec, Registry
 from mstar_core.backends import reference as R
 from mstar_core.cli import main
 from mstar_core.testing import check as K
@@ -19,7 +15,6 @@ from mstar_core.testing import check as K
 from . import planted_bugs as P
 
 F32, BF16 = torch.float32, torch.bfloat16
-MODULE = "mstar_planted_bugs_kit"
 
 # name -> (capability -> wrapper, dtypes, features, the rule every failure names, what a failing
 # case must show: (group, substring of its name))
@@ -48,7 +43,7 @@ PLANTS: dict[str, tuple[dict[str, type], tuple[torch.dtype, ...], dict[str, tupl
     "writes_q_decode": ({"paged_decode": P.DecodeWritesQ}, (F32,), {}, "inputs-unchanged", ("plain", "")),
 }
 # Written for plugin API 1.1: multi-token rows declared on (and run by) the decode wrapper.
-API_1_1 = {"multi_token_on_decode"}
+API_1_1 = frozenset({"multi_token_on_decode"})
 PASSES = {"cast_to_plan_dtype": ({"paged_decode": P.DecodeCastToPlanDtype}, (F32, BF16), {})}
 ON_CUDA = {
     "output_on_host": ({"paged_decode": P.DecodeOutputOnHost}, (BF16,), {}),
@@ -56,24 +51,9 @@ ON_CUDA = {
 }
 
 
-def _registry(monkeypatch, plants) -> Registry:
-    mod = types.ModuleType(MODULE)
-    monkeypatch.setitem(sys.modules, MODULE, mod)
-    reg = Registry(discover=False)
-    for name, (classes, dtypes, features, *_) in plants.items():
-        provides = {}
-        for cap, cls in classes.items():
-            attr = f"{name}_{cap}"
-            setattr(mod, attr, cls)
-            provides[cap] = f"{MODULE}:{attr}"
-        reg.register(BackendSpec(name=name, provides=provides, devices=("cpu", "cuda"), dtypes=dtypes,
-                                 features=features, api_version="1.1" if name in API_1_1 else "1.0"))
-    return reg
-
-
 @pytest.fixture
 def planted(monkeypatch):
-    return _registry(monkeypatch, {**PLANTS, **PASSES, **ON_CUDA})
+    return P.register(monkeypatch, {**PLANTS, **PASSES, **ON_CUDA}, API_1_1)
 
 
 @pytest.mark.parametrize("bug", sorted(PLANTS))
