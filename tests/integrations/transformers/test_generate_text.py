@@ -339,3 +339,37 @@ def test_the_progress_line_ends_on_the_tokens_generated(ends_at_once, capsys, mo
     assert out["prompts"][0]["finish"] == "eos" and out["new_tokens"] < 12  # prompt 0 ended at once
     assert len(lines) >= 2 and all(" of at most 12, " in x for x in lines[:-1])  # the total: an upper bound
     assert re.fullmatch(rf"mstar generate: done, {out['new_tokens']} tokens generated in \d+ s", lines[-1])
+
+
+def test_a_cut_at_the_very_start_leaves_no_text():
+    from mstar_core.integrations.transformers.text import StopStrings
+
+    assert StopStrings(tokenizer(), ["the"]).cut("the cat") == ("", True)
+    assert StopStrings(tokenizer(), ["dog"]).cut("the cat") == ("the cat", False)
+
+
+@pytest.mark.parametrize("stops", [[], ["cat", ""], ["cat", 3], [""]], ids=["none", "empty", "not-text", "only-empty"])
+def test_stop_strings_must_be_non_empty_text(stops):
+    from mstar_core.errors import InputError
+    from mstar_core.integrations.transformers.text import StopStrings
+
+    with pytest.raises(InputError, match="--stop takes non-empty strings"):
+        StopStrings(tokenizer(), stops)
+
+
+def test_the_tail_checked_covers_the_longest_stop_string():
+    from mstar_core.integrations.transformers.text import StopStrings
+
+    long = "the cat sat on the cat sat on"  # eight tokens, completed by the last
+    stop = StopStrings(tokenizer(), ["mat", long])
+    assert stop(0, [BOS, THE, CAT, SAT, ON, THE, CAT, SAT, ON])
+    assert not stop(0, [BOS, CAT, SAT, ON, THE, CAT, SAT, ON])
+
+
+def test_a_chat_template_that_fails_is_reported_naming_the_prompt_and_the_error():
+    from mstar_core.errors import InputError
+    from mstar_core.integrations.transformers.text import encode_chat
+
+    refusing = tokenizer("{{ raise_exception('roles must alternate') }}")
+    with pytest.raises(InputError, match=r"prompt 2: the tokenizer's chat template fails .*roles must alternate"):
+        encode_chat(refusing, [{"role": "user", "content": "the cat"}], "prompt 2")
