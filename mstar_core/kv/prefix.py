@@ -51,8 +51,8 @@ class PrefixChain:
 
     root: int
     tokens: list[int]
-    keyed: int = 0
-    node: int = 0
+    keyed: int
+    node: int  # no defaults: node 0 is no root (ids count from 1), so its pages would never be found
 
     def copy(self, length: int) -> PrefixChain:
         """The chain of a fork of its stream at ``length`` committed tokens."""

@@ -326,6 +326,22 @@ def test_an_eviction_moves_the_version_and_an_admit_matched_before_it_walks_agai
     kv.post_warmup_validate()
 
 
+def test_a_publish_moves_the_version_and_an_admit_matched_before_it_finds_the_new_pages():
+    """A page published between match_prefix and admit_prefix is found by the admit: the match's
+    walk is stale once a key is added, as it is once one is removed."""
+    kv = make_kv(max_pages=12, ps=4)
+    start(kv, "a", [1, 2, 3, 4, 5])  # publishes [1..4]
+    p = list(range(1, 10))
+    assert kv.match_prefix(p, ROOT, "t") == 4
+    version = kv.pool.version
+    start(kv, "q", list(range(1, 9)) + [50])  # publishes [5..8] below it
+    assert kv.pool.version == version + 1
+    kv.ingest_request("b")
+    assert kv.admit_prefix("b", "t", p, ROOT).cached_tokens == 8
+    assert held(kv, "b") == held(kv, "q")[:2]
+    kv.post_warmup_validate()
+
+
 def test_an_admit_matched_before_a_clear_finds_nothing():
     kv = make_kv(max_pages=8, ps=2)
     start(kv, "a", [1, 2, 3, 4, 5])
