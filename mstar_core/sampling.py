@@ -147,7 +147,9 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One float32 in (0, 1) per row from its key (:func:`request_key`) and the position it
     draws at: the same pair gives the same value on every device and in any batch."""
     h = _mix32((keys + (positions.long() & _MASK32) * _STEP) & _MASK32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: each value the middle of its bin, held exactly in float32 (k + 0.5 over 2**24 is
+    # not: its top bin rounds to 1).
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def _host_to(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
