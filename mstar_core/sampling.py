@@ -262,7 +262,8 @@ class Sampler:
             ws = torch.addcmul(shift, x.sort(-1, descending=True).values, inv_t).exp_()
             w = torch.where(w >= self._ranked_floor(ws, ints[:, 0:1], f[:, 2]), w, 0.0)
         if "min_p" in self.filters:  # after top-p, as transformers orders them (the most likely stays)
-            w = torch.where(w >= f[:, 3:4], w, 0.0)
+            # Scaled by the most likely token's weight: rounding may leave it just under 1.
+            w = torch.where(w >= f[:, 3:4] * w.gather(-1, greedy[:, None]), w, 0.0)
         # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
         # which filters its batch-mates needed.
         picked = self._reaching(w, uniforms(ints[:, 1], positions))
