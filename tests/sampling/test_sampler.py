@@ -240,3 +240,33 @@ def test_the_repetition_penalty_divides_a_positive_logit_and_multiplies_a_negati
     s.set_rows([s.admit(SamplingParams(repetition_penalty=2.0), 0, [0]) for _ in range(4)])
     want = RepetitionPenaltyLogitsProcessor(2.0)(torch.zeros(4, 1, dtype=torch.long), logits.clone()).argmax(-1)
     assert s.sample(logits, torch.arange(4)).tolist() == want.tolist() == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_logits_shifted_by_a_constant_draw_the_same_tokens(temperature):
+    # The weights are taken relative to the most likely token's: large logits neither overflow nor vanish.
+    params = SamplingParams(temperature=temperature, min_p=0.01)
+    assert torch.equal(draw(params, rows=600, logits=LOGITS + 100), draw(params, rows=600))
+
+
+def test_a_single_row_draws_from_any_chunk_of_a_large_vocabulary():
+    vocab = 1000  # four chunks of 256, the last padded
+    s = Sampler("cpu", 1, vocab)
+    s.set_rows([s.admit(SamplingParams(temperature=1.0, top_k=3, top_p=0.9), 0, [])])
+    for token in (5, 300, 700, 999):
+        logits = torch.full((1, vocab), -20.0)
+        logits[0, token] = 0.0
+        assert s.sample(logits, torch.tensor([0])).item() == token
+
+
+@pytest.mark.parametrize("filters", [(), FILTERS])
+@pytest.mark.parametrize("vocab", [VOCAB, 700])
+def test_a_row_of_nan_logits_still_draws_a_token_of_the_vocabulary(filters, vocab):
+    """A padding row may hold anything; an index past the vocabulary would fault on a GPU."""
+    s = Sampler("cpu", 2, vocab, filters)
+    s.set_rows([s.admit(SamplingParams(temperature=1.0), i, []) for i in range(2)])
+    logits = torch.zeros(2, vocab)
+    logits[0] = math.nan
+    logits[1, vocab // 2] = math.nan
+    got = s.sample(logits, torch.tensor([3, 4]))
+    assert ((0 <= got) & (got < vocab)).all(), got
