@@ -147,7 +147,9 @@ def uniforms(keys: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
     """One float32 in (0, 1) per row from its key (:func:`request_key`) and the position it
     draws at: the same pair gives the same value on every device and in any batch."""
     h = _mix32((keys + (positions.long() & _MASK32) * _STEP) & _MASK32)
-    return ((h >> 8).float() + 0.5) * (1.0 / (1 << 24))
+    # 23 bits: each value the middle of its bin, held exactly in float32 (k + 0.5 over 2**24 is
+    # not: its top bin rounds to 1).
+    return ((h >> 9).float() + 0.5) * (1.0 / (1 << 23))
 
 
 def _host_to(values: list[int] | list[float], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -260,7 +262,8 @@ class Sampler:
             ws = torch.addcmul(shift, x.sort(-1, descending=True).values, inv_t).exp_()
             w = torch.where(w >= self._ranked_floor(ws, ints[:, 0:1], f[:, 2]), w, 0.0)
         if "min_p" in self.filters:  # after top-p, as transformers orders them (the most likely stays)
-            w = torch.where(w >= f[:, 3:4], w, 0.0)
+            # Scaled by the most likely token's weight: rounding may leave it just under 1.
+            w = torch.where(w >= f[:, 3:4] * w.gather(-1, greedy[:, None]), w, 0.0)
         # Drawn in vocabulary order whatever the filters, so a request's draw never depends on
         # which filters its batch-mates needed.
         picked = self._reaching(w, uniforms(ints[:, 1], positions))

@@ -72,6 +72,8 @@ CASES = {
     "min-p-0.2": SamplingParams(temperature=1.2, min_p=0.2),
     "all-filters": SamplingParams(temperature=0.9, top_k=6, top_p=0.9, min_p=0.05),
     "penalty": SamplingParams(temperature=1.0, repetition_penalty=1.8),
+    # Top-p over what top-k kept, the k-th token included: both of the two stay.
+    "top-k-then-top-p": SamplingParams(temperature=1.0, top_k=2, top_p=0.9),
 }
 
 
@@ -209,3 +211,62 @@ def test_a_vocabulary_of_several_chunks_draws_its_softmax():
     stat, df = chi2(torch.cat([counts[~rare], counts[rare].sum()[None]]),
                     torch.cat([probs[~rare], probs[rare].sum()[None]]))
     assert stat < critical(df)
+
+
+def test_top_k_1_draws_the_argmax_and_a_top_k_past_the_vocabulary_keeps_every_token():
+    assert set(draw(SamplingParams(temperature=5.0, top_k=1), rows=200).tolist()) == {0}
+    every = draw(SamplingParams(temperature=2.0), rows=600)
+    assert set(every.tolist()) == set(range(VOCAB))
+    for k in (VOCAB, 50):
+        assert torch.equal(draw(SamplingParams(temperature=2.0, top_k=k), rows=600), every), k
+
+
+@pytest.mark.parametrize("temperature", [0.3, 0.7, 1.0, 2.9])
+def test_min_p_1_keeps_only_the_most_likely_tokens_at_any_temperature(temperature):
+    logits = LOGITS.clone()
+    logits[[3, 7]] = 2.5  # two most likely, tied
+    got = draw(SamplingParams(temperature=temperature, min_p=1.0), rows=200, logits=logits)
+    assert set(got.tolist()) == {3, 7}
+
+
+@pytest.mark.requires_transformers
+def test_the_repetition_penalty_divides_a_positive_logit_and_multiplies_a_negative_one():
+    from transformers import RepetitionPenaltyLogitsProcessor
+
+    # Token 0 is seen in every row; penalised the other way (or not at all), it stays the argmax.
+    logits = torch.full((4, VOCAB), -5.0)
+    logits[:, :2] = torch.tensor([[0.9, 0.5], [-0.2, -0.3], [3.0, 1.6], [0.0, -0.1]])
+    s = Sampler("cpu", 4, VOCAB, ("repetition_penalty",))
+    s.set_rows([s.admit(SamplingParams(repetition_penalty=2.0), 0, [0]) for _ in range(4)])
+    want = RepetitionPenaltyLogitsProcessor(2.0)(torch.zeros(4, 1, dtype=torch.long), logits.clone()).argmax(-1)
+    assert s.sample(logits, torch.arange(4)).tolist() == want.tolist() == [1, 1, 1, 0]
+
+
+@pytest.mark.parametrize("temperature", [0.5, 2.0])
+def test_logits_shifted_by_a_constant_draw_the_same_tokens(temperature):
+    # The weights are taken relative to the most likely token's: large logits neither overflow nor vanish.
+    params = SamplingParams(temperature=temperature, min_p=0.01)
+    assert torch.equal(draw(params, rows=600, logits=LOGITS + 100), draw(params, rows=600))
+
+
+def test_a_single_row_draws_from_any_chunk_of_a_large_vocabulary():
+    vocab = 1000  # four chunks of 256, the last padded
+    s = Sampler("cpu", 1, vocab)
+    s.set_rows([s.admit(SamplingParams(temperature=1.0, top_k=3, top_p=0.9), 0, [])])
+    for token in (5, 300, 700, 999):
+        logits = torch.full((1, vocab), -20.0)
+        logits[0, token] = 0.0
+        assert s.sample(logits, torch.tensor([0])).item() == token
+
+
+@pytest.mark.parametrize("filters", [(), FILTERS])
+@pytest.mark.parametrize("vocab", [VOCAB, 700])
+def test_a_row_of_nan_logits_still_draws_a_token_of_the_vocabulary(filters, vocab):
+    """A padding row may hold anything; an index past the vocabulary would fault on a GPU."""
+    s = Sampler("cpu", 2, vocab, filters)
+    s.set_rows([s.admit(SamplingParams(temperature=1.0), i, []) for i in range(2)])
+    logits = torch.zeros(2, vocab)
+    logits[0] = math.nan
+    logits[1, vocab // 2] = math.nan
+    got = s.sample(logits, torch.tensor([3, 4]))
+    assert ((0 <= got) & (got < vocab)).all(), got
