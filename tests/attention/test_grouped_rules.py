@@ -25,7 +25,7 @@ from mstar_core import (
     layer_groups,
 )
 from mstar_core.attention import grouped, paged
-from mstar_core.attention.groups import LayerGroup, same_picks
+from mstar_core.attention.groups import LayerGroup, same_picks, select_groups
 from mstar_core.attention.paged import capture_kinds, decode_capturable, layer_variants, plan_variants
 from mstar_core.capabilities import PAGED
 
@@ -279,3 +279,82 @@ def test_the_old_import_path_still_works_with_a_warning():
     with warnings.catch_warnings(), pytest.raises(AttributeError, match="no attribute 'nope'"):
         warnings.simplefilter("error")
         grouped.nope  # noqa: B018
+
+
+# -- what is left after a step, and what a fingerprint holds without a kernel's --------------------
+
+
+def test_run_eager_checks_the_layer_view_unless_told_it_is_a_compiled_graphs():
+    kv, _ = _kv()
+    attn = _grouped(kv)
+    node = Node([kv, attn])
+    node.ingest_request("a")
+    ctx = _planned(node, ("a", "text", 3))
+    with node.bound(ctx):
+        with pytest.raises(Exception, match="layer"):
+            attn.run_eager(_q(3), "text", kv.layer_view(1), 0, torch.zeros(HQ))
+        attn.run_eager(_q(3), "text", kv.layer_view(1), 0, torch.zeros(HQ), check_view=False)
+    node.rollback_admit(step(("a", "text", 3)), ctx)
+
+
+def test_cleanup_reaches_every_group_and_forgets_the_step_planned(monkeypatch):
+    kv, _ = _kv()
+    attn = _grouped(kv)
+    node = Node([kv, attn])
+    node.ingest_request("a")
+    ctx = _planned(node, ("a", "text", 3))
+    assert attn._current is not None
+    cleaned = []
+    for m in attn.managers:
+        monkeypatch.setattr(m, "cleanup", lambda m=m: cleaned.append(m))
+    attn.cleanup()
+    assert cleaned == list(attn.managers) and attn._current is None
+    node.rollback_admit(step(("a", "text", 3)), ctx)
+
+
+def test_a_group_whose_manager_has_no_fingerprint_still_names_its_layers(monkeypatch):
+    attn = _grouped()
+    m0, m1 = attn.managers
+    monkeypatch.setattr(m0, "fingerprint", lambda: None)
+    assert attn.fingerprint() == b"attn.grouped:0,2=|1,3=" + m1.fingerprint()
+
+
+def test_one_group_of_every_layer_is_a_grouped_manager_too():
+    kv, _ = _kv(AttentionFeatures())
+    (g,) = layer_groups(kv.features, LAYERS)
+    attn = GroupedPagedAttentionManager(kv, [(g, _manager(kv, g.features))])
+    assert attn.managers[0].device == attn.device and attn.kv_config is kv.config
+
+
+def _selecting(monkeypatch, whole_ok=True):
+    """select_backend recording the features it is asked for; the whole model's refused unless
+    ``whole_ok`` (it is asked first, with the features of no group)."""
+    import mstar_core.registry as registry
+
+    asked = []
+
+    def select(capabilities, features, **kw):
+        asked.append(features)
+        if not whole_ok and len(asked) == 1:
+            raise BackendUnavailable("no backend serves every layer", requested="auto")
+        return SimpleNamespace(names={c: "x" for c in capabilities}, multi_token_wrapper=None, summary="x",
+                               rejected={})
+
+    monkeypatch.setattr(registry, "select_backend", select)
+    return asked
+
+
+def test_the_whole_model_is_selected_with_its_own_features_or_the_groups_when_none_given(monkeypatch):
+    asked = _selecting(monkeypatch)
+    whole = AttentionFeatures(sink_logits=SINKS, soft_cap=5.0)
+    sel = select_groups(FEATURES, LAYERS, whole_features=whole)
+    assert asked[0] is whole and not sel.split
+    asked.clear()
+    sel = select_groups(FEATURES, LAYERS)
+    assert asked[0] is FEATURES and not sel.split
+
+
+def test_groups_served_only_apart_are_a_split_selection(monkeypatch):
+    _selecting(monkeypatch, whole_ok=False)
+    sel = select_groups(FEATURES, LAYERS)
+    assert sel.split and sel.whole is None and [g.layers for g, _ in sel.groups] == [(0, 2), (1, 3)]
