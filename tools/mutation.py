@@ -25,6 +25,7 @@ import datetime
 import gc
 import json
 import os
+import re
 import select
 import shutil
 import signal
@@ -284,7 +285,29 @@ class Outcome:
     detail: str = ""
 
 
-def run_module(target: Target, workers: list[Worker], progress: bool) -> list[Outcome]:
+def slug(target: Target) -> str:
+    return target.module.replace("/", ".").removesuffix(".py")
+
+
+def prior_survivors(out: Path, target: Target) -> tuple[str, set[str]]:
+    """The commit of ``target``'s last report and the keys of the slips that survived there.
+    Refused when the module changed since (its other slips were caught in another text)."""
+    path = out / f"{slug(target)}.md"
+    if not path.exists():
+        raise SystemExit(f"--survivors: no report of {target.module} in {out}; run it whole first")
+    text = path.read_text()
+    commit = text.split(" at ", 1)[1].split(",", 1)[0].split(" ")[0]
+    then = subprocess.run(["git", "show", f"{commit.removesuffix('+changes')}:{target.module}"], cwd=ROOT,
+                          capture_output=True, text=True)
+    if commit.endswith("+changes") or then.returncode or then.stdout != (ROOT / target.module).read_text():
+        raise SystemExit(f"--survivors: {target.module} is not what its report at {commit} planted in; run it whole")
+    survived = text.split("## survived", 1)[1].split("\n## ", 1)[0] if "## survived" in text else ""
+    return commit, set(re.findall(r"key: `(.*)`", survived))
+
+
+def run_module(target: Target, workers: list[Worker], progress: bool,
+               only: tuple[str, set[str]] | None = None) -> list[Outcome]:
+    """Every slip of ``target`` (``only``: (commit, keys): just those, the rest caught at that commit)."""
     source = (ROOT / target.module).read_text()
     planted = list(mutants(target.module, source))
     w0 = workers[0]
@@ -315,6 +338,9 @@ def run_module(target: Target, workers: list[Worker], progress: bool) -> list[Ou
     for m in planted:
         if m.key in target.equivalent:
             outcomes.append(Outcome(m, "equivalent", 0.0, 0, target.equivalent[m.key]))
+            continue
+        if only is not None and m.key not in only[1]:
+            outcomes.append(Outcome(m, "caught", 0.0, 0, f"caught at {only[0]}"))
             continue
         lines = range(m.line, m.line + m.before.count("\n") + 1)
         reached = set().union(*(hits.get(n, set()) for n in lines))
@@ -372,7 +398,7 @@ def score(outcomes: list[Outcome]) -> tuple[int, int]:
     return len(caught), len(counted)
 
 
-def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: str) -> str:
+def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: str, prior: str | None) -> str:
     caught, counted = score(outcomes)
     by = defaultdict(int)
     for o in outcomes:
@@ -380,7 +406,9 @@ def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: st
     pct = 100.0 * caught / counted if counted else 0.0
     line = (f"{target.module}: {caught}/{counted} caught ({pct:.1f}%) at {commit}, {datetime.date.today()}; "
             + ", ".join(f"{k} {v}" for k, v in sorted(by.items())))
-    lines = [f"# {target.module} at {commit}, {datetime.date.today()}", "", line, "",
+    rerun = [] if prior is None else [f"Only the survivors of the run at {prior} were planted again; the "
+                                      "rest were caught there (the module is the same).", ""]
+    lines = [f"# {target.module} at {commit}, {datetime.date.today()}", "", line, "", *rerun,
              f"tests: {', '.join(target.tests)}", ""]
     for kind in ("survived", "error"):
         rows = [o for o in outcomes if o.result == kind]
@@ -409,6 +437,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", default=str(ROOT / "results" / "cpu" / "mutation"),
                         help="folder for one report per module and summary.txt")
     parser.add_argument("--quiet", action="store_true", help="no line per mutant")
+    parser.add_argument("--survivors", action="store_true",
+                        help="plant only the slips that survived in each module's last report in --out (after "
+                             "adding tests; refused where the module changed since)")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -423,6 +454,10 @@ def main(argv: list[str] | None = None) -> int:
     if not args.modules:
         parser.error("name modules or folders (or --list)")
     chosen = pick(targets, args.modules)
+    out = Path(args.out)
+    if args.survivors:
+        for t in chosen:
+            prior_survivors(out, t)  # refused before any worker starts
     commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True,
                             text=True).stdout.strip()
     dirty = subprocess.run(["git", "status", "--porcelain", "--", "mstar_core", "tests"], cwd=ROOT,
@@ -430,13 +465,12 @@ def main(argv: list[str] | None = None) -> int:
     commit += "+changes" if dirty else ""
     scratch = Path(tempfile.mkdtemp(prefix="mstar-mutation-"))
     workers = [Worker(scratch / f"w{i}") for i in range(max(1, args.workers))]
-    out = Path(args.out)
     summary = []
     try:
         for t in chosen:
-            outcomes = run_module(t, workers, progress=not args.quiet)
-            slug = t.module.replace("/", ".").removesuffix(".py")
-            summary.append(write_report(out / f"{slug}.md", t, outcomes, commit))
+            only = prior_survivors(out, t) if args.survivors else None
+            outcomes = run_module(t, workers, progress=not args.quiet, only=only)
+            summary.append(write_report(out / f"{slug(t)}.md", t, outcomes, commit, only and only[0]))
             print(summary[-1], flush=True)
     finally:
         for w in workers:
