@@ -130,6 +130,10 @@ def test_a_closed_engine_refuses_to_run():
     engine.close()  # twice: nothing more to do
     with pytest.raises(StateError, match="Engine is closed"):
         run(engine, prompts[:1], 2)
+    with pytest.raises(StateError, match="Engine is closed"):  # said first, before any input is read
+        run(engine, prompts[:1], 0)
+    with pytest.raises(StateError, match="Engine is closed"):  # generate's path: inputs checked before
+        batching.run_checked(engine, prompts[:1], 2, [0], set(), None)
     assert users(model) == 0 and model.config._attn_implementation == "eager"
 
 

@@ -40,6 +40,9 @@ CASES = [
     ("max-new-float", dict(max_new_tokens=2.0), ValueError, r"max_new_tokens must be an int >= 1, got 2\.0"),
     ("max-new-bool", dict(max_new_tokens=True), ValueError, r"got True"),
     ("on-step-not-callable", dict(on_step=5), TypeError, r"on_step must be a callable .* got 5"),
+    ("stop-not-callable", dict(stop=5), TypeError, r"stop must be a callable stop\(index, ids\) -> bool or None, got 5"),
+    ("new-past-positions", dict(max_new_tokens=2048), ValueError,
+     r"prompts\[0\] \(3 tokens\) \+ max_new_tokens 2048 = 2051 positions, more than the model's max_position_embeddings"),
     ("prompt-float-array", dict(prompts=[np.array([1.5])]), TypeError, r"1\.5 \(float\)"),
     ("prompts-a-str", dict(prompts="hello"), ValueError, r"got 'hello'"),
     ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a sequence .* got int 4"),
@@ -50,7 +53,7 @@ CASES = [
 
 
 # The cases of run's own inputs (the rest are engine options).
-RUN_CASES = [(kw, error, match) for _, kw, error, match in CASES if not {"buckets", "max_pages"} & set(kw)]
+RUN_CASES = [c for c in CASES if not {"buckets", "max_pages"} & set(c[1])]
 
 
 @pytest.mark.parametrize("name, kw, error, match", CASES, ids=[c[0] for c in CASES])
@@ -62,8 +65,8 @@ def test_generate_refuses_naming_the_value(name, kw, error, match):
     untouched(model)
 
 
-@pytest.mark.parametrize("kw, error, match", RUN_CASES)
-def test_run_refuses_naming_the_value_and_holds_nothing(kw, error, match):
+@pytest.mark.parametrize("name, kw, error, match", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_run_refuses_naming_the_value_and_holds_nothing(name, kw, error, match):
     model, prompts, _ = model_and_reference()
     kw = {"prompts": prompts[:1], "max_new_tokens": 2, **kw}
     with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
