@@ -12,8 +12,8 @@ import functools
 import pytest
 import torch
 
-from mstar_core import Engine, EngineOptions
-from mstar_core.integrations.transformers import run
+from mstar_core import Engine, EngineOptions, StateError
+from mstar_core.integrations.transformers import batching, run
 from mstar_core.testing.hf_models import build
 
 PAGE = 8
@@ -126,3 +126,25 @@ def test_a_prompt_waits_for_the_steps_prompt_budget_or_a_free_row(monkeypatch, l
         out = run(e, ps, 4, eos_token_id=None, on_step=sched.on_step)
     assert sched.rows == expected(ps, joins, [4] * 3)
     assert out.waits >= 1
+
+
+def test_a_prompt_that_needs_the_whole_cache_and_the_whole_step_budget_is_served(monkeypatch):
+    model, ps = model_and_prompts()
+    p = ps[1][:12]  # 12 + 4 new tokens: exactly the 2 pages of 8, and exactly the step's 12 prompt tokens
+    with engine(model, max_pages=2, max_prefill_tokens=12) as e:
+        sched = Schedule(monkeypatch, e)
+        out = run(e, [p], 4, eos_token_id=None, on_step=sched.on_step)
+    assert sched.rows == expected([p], [0], [4])
+    assert len(out.ids[0]) == 4 and out.waits == 0
+
+
+def test_a_loop_that_admits_nothing_stops_after_its_bound_of_steps(monkeypatch):
+    model, ps = model_and_prompts()
+    monkeypatch.setattr(batching._Loop, "_joining", lambda self, decode: [])  # a bug: no prompt ever joins
+    with engine(model) as e:
+        sched = Schedule(monkeypatch, e)
+        # 100 steps per request and per new token, and 1000 more: 100 * (2 + 3) + 1000, then one past it
+        with pytest.raises(StateError, match=r"generate made no progress in 1501 steps \(a bug"):
+            run(e, ps[:2], 3, on_step=sched.on_step)
+        assert e.kv.requests == ()
+    assert sched.rows == {} and sched.steps == 1501
