@@ -148,3 +148,35 @@ def test_a_loop_that_admits_nothing_stops_after_its_bound_of_steps(monkeypatch):
             run(e, ps[:2], 3, on_step=sched.on_step)
         assert e.kv.requests == ()
     assert sched.rows == {} and sched.steps == 1501
+
+
+def test_the_last_row_leaving_keeps_the_others_tokens(monkeypatch):
+    model, ps = model_and_prompts()
+    with engine(model) as e:
+        free = run(e, ps[:3], 5, eos_token_id=None).ids
+        sched = Schedule(monkeypatch, e)
+        # the last row of the step stops after its second token; the rows before it decode on
+        out = run(e, ps[:3], 5, eos_token_id=None, on_step=sched.on_step, stop=lambda i, ids: i == 2 and len(ids) == 2)
+    assert out.ids == [free[0], free[1], free[2][:2]]
+    assert sched.rows == expected(ps[:3], [0, 0, 0], [5, 5, 2])
+
+
+def test_a_decode_step_the_cache_refuses_is_an_error_naming_the_cache(monkeypatch):
+    from mstar_core.graphs import Prepared
+    from mstar_core.step import AdmitOutcome, Shortage
+
+    model, ps = model_and_prompts()
+    with engine(model) as e:
+        real = e.runner.prepare
+
+        def refuse_decode(step):
+            prep = real(step)
+            if all(s.num_tokens == 1 for s in step.kv.spans):  # nobody joins: nobody can wait instead
+                e.runner.discard(prep)
+                return Prepared(step, prep.ctx, prep.rows, outcome=AdmitOutcome.refuse(Shortage("kv", "pages", 9, 0)))
+            return prep
+
+        monkeypatch.setattr(e.runner, "prepare", refuse_decode)
+        with pytest.raises(StateError, match=r"decode step of 2 requests was refused .* the cache \(32 pages\)"):
+            run(e, ps[:2], 3, eos_token_id=None)
+        assert e.kv.requests == ()

@@ -87,6 +87,18 @@ def test_a_prompt_waits_for_one_joining_beside_it_when_that_saves_at_least_half_
     assert [s.rows for s in out.steps] == ([1, 2, 1] if waits else [2, 2])
 
 
+def test_the_step_budget_counts_only_the_prompt_tokens_not_found_in_the_cache():
+    model = build("llama")
+    system = list(range(1, 33))  # 4 pages of 8
+    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE, prefix_cache=True,
+                                                  max_prefill_tokens=36)) as e:
+        run(e, [system + [40]], 1, eos_token_id=None)  # publishes the system prompt's pages
+        # 4 + 30 prompt tokens to compute fit the step's 36; the cached 32 do not count
+        out = run(e, [system + [41, 42, 43, 44], list(range(50, 80))], 2, eos_token_id=None)
+    assert out.cached_tokens == (32, 0) and out.waits == 0
+    assert [(s.rows, s.tokens) for s in out.steps] == [(2, 34), (2, 2)]
+
+
 def test_without_the_cache_prompts_sharing_pages_join_together():
     model = build("llama")
     same = list(range(1, 1 + 2 * PAGE))
