@@ -202,3 +202,17 @@ def test_checked_inputs_without_sampling_are_served_greedily():
     model, prompts, want = model_and_reference()
     with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
         assert run_checked(engine, prompts[:2], 4, [0, 0], set(), None).ids == [w[:4] for w in want[:2]]
+
+
+# Each size option's two ways to be wrong: an int below 1, and a number that is not an int.
+SIZES = [(name, bad) for name in ("page_size", "max_batch_size", "max_prefill_tokens", "max_pages") for bad in (0, 2.5)]
+
+
+@pytest.mark.parametrize("name, bad", SIZES, ids=[f"{n}-{b}" for n, b in SIZES])
+def test_engine_sizes_are_ints_of_at_least_one(name, bad):
+    with pytest.raises(ValueError, match=rf"mstar generate: {name} must be an int >= 1.*got {bad}"):
+        EngineOptions(**{name: bad})
+    o = EngineOptions(page_size=1, max_batch_size=1, max_prefill_tokens=1, max_pages=1)  # the least of each
+    assert (o.page_size, o.max_batch_size, o.max_prefill_tokens, o.max_pages) == (1, 1, 1, 1)
+    d = EngineOptions()
+    assert (d.page_size, d.max_batch_size, d.max_prefill_tokens, d.max_pages) == (16, 64, 8192, None)
