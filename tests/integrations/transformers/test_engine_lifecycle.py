@@ -44,6 +44,8 @@ def assert_nothing_held(engine: Engine) -> None:
     assert engine.runner._pending == {}, "a staging slot still holds a prepared step"
     assert engine.runner._open == [], "a prepared step was neither launched nor discarded"
     assert not any(s.in_flight for s in engine.kv.streams.values())
+    if engine.sampler is not None:
+        assert sorted(engine.sampler._free) == list(range(engine.sampler.pad)), "sampler slots left held"
 
 
 class Injected(Exception):
@@ -130,6 +132,10 @@ def test_a_closed_engine_refuses_to_run():
     engine.close()  # twice: nothing more to do
     with pytest.raises(StateError, match="Engine is closed"):
         run(engine, prompts[:1], 2)
+    with pytest.raises(StateError, match="Engine is closed"):  # said first, before any input is read
+        run(engine, prompts[:1], 0)
+    with pytest.raises(StateError, match="Engine is closed"):  # generate's path: inputs checked before
+        batching.run_checked(engine, prompts[:1], 2, [0], set(), None)
     assert users(model) == 0 and model.config._attn_implementation == "eager"
 
 
@@ -148,9 +154,11 @@ def test_a_model_switched_away_under_an_open_engine_is_refused():
 
 @pytest.mark.parametrize("graphs", [False, True])
 @pytest.mark.parametrize("kind", [KeyboardInterrupt, Injected])
-def test_an_interrupt_between_prepare_and_launch_leaves_nothing_held(graphs, kind):
+@pytest.mark.parametrize("sampler", [None, ()], ids=["argmax", "sampler"])
+def test_an_interrupt_between_prepare_and_launch_leaves_nothing_held(graphs, kind, sampler):
     model, prompts, want = model_and_reference()
-    with Engine(model, "reference", EngineOptions(max_pages=16, graphs=graphs, max_batch_size=4)) as engine:
+    opts = EngineOptions(max_pages=16, graphs=graphs, max_batch_size=4, sampler=sampler)
+    with Engine(model, "reference", opts) as engine:
         with fault(engine, "tokens", 3, kind), pytest.raises(kind, match="injected at tokens"):
             run(engine, prompts[:3], NEW)
         assert_nothing_held(engine)

@@ -12,8 +12,8 @@ import functools
 import pytest
 import torch
 
-from mstar_core import Engine, EngineOptions
-from mstar_core.integrations.transformers import run
+from mstar_core import Engine, EngineOptions, StateError
+from mstar_core.integrations.transformers import batching, run
 from mstar_core.testing.hf_models import build
 
 PAGE = 8
@@ -110,9 +110,9 @@ def test_a_prompt_waits_for_the_pages_of_its_whole_run_until_a_request_leaves(mo
     with engine(model, max_pages=4) as e:
         sched = Schedule(monkeypatch, e)
         out = run(e, ps, 12, eos_token_id=None, on_step=sched.on_step, stop=lambda i, ids: i == 0 and len(ids) == 2)
-    # prompt 2 waits until prompt 0 leaves after step 1
+    # prompt 2 waits until prompt 0 leaves after step 1: one deferral a step
     assert sched.rows == expected(ps, [0, 0, 2], [2, 12, 12])
-    assert out.waits >= 2
+    assert out.waits == 2
 
 
 @pytest.mark.parametrize("limit, joins", [({"max_prefill_tokens": 20}, [0, 0, 1]), ({"max_batch_size": 2}, [0, 0, 4])],
@@ -125,4 +125,58 @@ def test_a_prompt_waits_for_the_steps_prompt_budget_or_a_free_row(monkeypatch, l
         sched = Schedule(monkeypatch, e)
         out = run(e, ps, 4, eos_token_id=None, on_step=sched.on_step)
     assert sched.rows == expected(ps, joins, [4] * 3)
-    assert out.waits >= 1
+    assert out.waits == joins[-1]  # prompt 2 is deferred once a step until it joins
+
+
+def test_a_prompt_that_needs_the_whole_cache_and_the_whole_step_budget_is_served(monkeypatch):
+    model, ps = model_and_prompts()
+    p = ps[1][:12]  # 12 + 4 new tokens: exactly the 2 pages of 8, and exactly the step's 12 prompt tokens
+    with engine(model, max_pages=2, max_prefill_tokens=12) as e:
+        sched = Schedule(monkeypatch, e)
+        out = run(e, [p], 4, eos_token_id=None, on_step=sched.on_step)
+    assert sched.rows == expected([p], [0], [4])
+    assert len(out.ids[0]) == 4 and out.waits == 0
+
+
+def test_a_loop_that_admits_nothing_stops_after_its_bound_of_steps(monkeypatch):
+    model, ps = model_and_prompts()
+    monkeypatch.setattr(batching._Loop, "_joining", lambda self, decode: [])  # a bug: no prompt ever joins
+    with engine(model) as e:
+        sched = Schedule(monkeypatch, e)
+        # 100 steps per request and per new token, and 1000 more: 100 * (2 + 3) + 1000, then one past it
+        with pytest.raises(StateError, match=r"generate made no progress in 1501 steps \(a bug"):
+            run(e, ps[:2], 3, on_step=sched.on_step)
+        assert e.kv.requests == ()
+    assert sched.rows == {} and sched.steps == 1501
+
+
+def test_the_last_row_leaving_keeps_the_others_tokens(monkeypatch):
+    model, ps = model_and_prompts()
+    with engine(model) as e:
+        free = run(e, ps[:3], 5, eos_token_id=None).ids
+        sched = Schedule(monkeypatch, e)
+        # the last row of the step stops after its second token; the rows before it decode on
+        out = run(e, ps[:3], 5, eos_token_id=None, on_step=sched.on_step, stop=lambda i, ids: i == 2 and len(ids) == 2)
+    assert out.ids == [free[0], free[1], free[2][:2]]
+    assert sched.rows == expected(ps[:3], [0, 0, 0], [5, 5, 2])
+
+
+def test_a_decode_step_the_cache_refuses_is_an_error_naming_the_cache(monkeypatch):
+    from mstar_core.graphs import Prepared
+    from mstar_core.step import AdmitOutcome, Shortage
+
+    model, ps = model_and_prompts()
+    with engine(model) as e:
+        real = e.runner.prepare
+
+        def refuse_decode(step):
+            prep = real(step)
+            if all(s.num_tokens == 1 for s in step.kv.spans):  # nobody joins: nobody can wait instead
+                e.runner.discard(prep)
+                return Prepared(step, prep.ctx, prep.rows, outcome=AdmitOutcome.refuse(Shortage("kv", "pages", 9, 0)))
+            return prep
+
+        monkeypatch.setattr(e.runner, "prepare", refuse_decode)
+        with pytest.raises(StateError, match=r"decode step of 2 requests was refused .* the cache \(32 pages\)"):
+            run(e, ps[:2], 3, eos_token_id=None)
+        assert e.kv.requests == ()

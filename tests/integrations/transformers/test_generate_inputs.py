@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from mstar_core import Engine, EngineOptions, generate
-from mstar_core.integrations.transformers import run
+from mstar_core.integrations.transformers import run, run_checked
 from mstar_core.integrations.transformers.engine import users
 from mstar_core.testing.hf_models import build
 
@@ -40,6 +40,11 @@ CASES = [
     ("max-new-float", dict(max_new_tokens=2.0), ValueError, r"max_new_tokens must be an int >= 1, got 2\.0"),
     ("max-new-bool", dict(max_new_tokens=True), ValueError, r"got True"),
     ("on-step-not-callable", dict(on_step=5), TypeError, r"on_step must be a callable .* got 5"),
+    ("stop-not-callable", dict(stop=5), TypeError, r"stop must be a callable stop\(index, ids\) .* got 5"),
+    ("new-past-positions", dict(max_new_tokens=2048), ValueError,
+     r"prompts\[0\] \(3 tokens\) \+ max_new_tokens 2048 = 2051 positions, more than the model's max_position_emb"),
+    ("prompt-past-step-budget", dict(max_prefill_tokens=2), ValueError,
+     r"prompt 0 has 3 tokens, more than max_prefill_tokens 2 \(one step's prompt tokens\)"),
     ("prompt-float-array", dict(prompts=[np.array([1.5])]), TypeError, r"1\.5 \(float\)"),
     ("prompts-a-str", dict(prompts="hello"), ValueError, r"got 'hello'"),
     ("buckets-an-int", dict(buckets=4, graphs=True), TypeError, r"buckets must be a sequence .* got int 4"),
@@ -50,7 +55,7 @@ CASES = [
 
 
 # The cases of run's own inputs (the rest are engine options).
-RUN_CASES = [(kw, error, match) for _, kw, error, match in CASES if not {"buckets", "max_pages"} & set(kw)]
+RUN_CASES = [c for c in CASES if not {"buckets", "max_pages", "max_prefill_tokens"} & set(c[1])]
 
 
 @pytest.mark.parametrize("name, kw, error, match", CASES, ids=[c[0] for c in CASES])
@@ -62,8 +67,8 @@ def test_generate_refuses_naming_the_value(name, kw, error, match):
     untouched(model)
 
 
-@pytest.mark.parametrize("kw, error, match", RUN_CASES)
-def test_run_refuses_naming_the_value_and_holds_nothing(kw, error, match):
+@pytest.mark.parametrize("name, kw, error, match", RUN_CASES, ids=[c[0] for c in RUN_CASES])
+def test_run_refuses_naming_the_value_and_holds_nothing(name, kw, error, match):
     model, prompts, _ = model_and_reference()
     kw = {"prompts": prompts[:1], "max_new_tokens": 2, **kw}
     with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
@@ -191,3 +196,23 @@ def test_a_model_eos_outside_its_vocabulary_is_ignored_with_a_warning(caplog):
 
 def test_buckets_wider_than_the_batch_are_the_batch():
     assert EngineOptions(max_pages=8, max_batch_size=7, buckets=(1, 2, 4, 8)).graph_buckets() == [1, 2, 4, 7]
+
+
+def test_checked_inputs_without_sampling_are_served_greedily():
+    model, prompts, want = model_and_reference()
+    with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
+        assert run_checked(engine, prompts[:2], 4, [0, 0], set(), None).ids == [w[:4] for w in want[:2]]
+
+
+# Each size option's two ways to be wrong: an int below 1, and a number that is not an int.
+SIZES = [(name, bad) for name in ("page_size", "max_batch_size", "max_prefill_tokens", "max_pages") for bad in (0, 2.5)]
+
+
+@pytest.mark.parametrize("name, bad", SIZES, ids=[f"{n}-{b}" for n, b in SIZES])
+def test_engine_sizes_are_ints_of_at_least_one(name, bad):
+    with pytest.raises(ValueError, match=rf"mstar generate: {name} must be an int >= 1.*got {bad}"):
+        EngineOptions(**{name: bad})
+    o = EngineOptions(page_size=1, max_batch_size=1, max_prefill_tokens=1, max_pages=1)  # the least of each
+    assert (o.page_size, o.max_batch_size, o.max_prefill_tokens, o.max_pages) == (1, 1, 1, 1)
+    d = EngineOptions()
+    assert (d.page_size, d.max_batch_size, d.max_prefill_tokens, d.max_pages) == (16, 64, 8192, None)

@@ -68,6 +68,45 @@ def test_a_short_shared_prefix_does_not_hold_prompts_back():
     assert on.cached_tokens == (0, 0, 0)
 
 
+# (the prompt's length, the full pages it shares with the one joining beside it, whether it waits)
+HALF = [(8, 1, False),  # its one page holds its last token, which it computes anyway: nothing to find
+        (9, 1, True),  # 8 of its 9 tokens
+        (16, 2, True),  # 8 of 16 (its second page holds its last token): exactly half
+        (17, 1, False)]  # 8 of 17: less than half
+
+
+@pytest.mark.parametrize("length, shared, waits", HALF, ids=[f"{n}-tokens-{k}-pages" for n, k, _ in HALF])
+def test_a_prompt_waits_for_one_joining_beside_it_when_that_saves_at_least_half_its_prefill(length, shared, waits):
+    model = build("llama")
+    first = list(range(1, 1 + PAGE * shared)) + [100] * (length - PAGE * shared)
+    second = first[:PAGE * shared] + [101] * (length - PAGE * shared)
+    with Engine(model, "reference", EngineOptions(max_pages=16, page_size=PAGE, prefix_cache=True)) as e:
+        out = run(e, [first, second], 2, eos_token_id=None)
+    found = min(PAGE * shared, (length - 1) // PAGE * PAGE)
+    assert (out.waits, out.cached_tokens) == ((1, (0, found)) if waits else (0, (0, 0)))
+    assert [s.rows for s in out.steps] == ([1, 2, 1] if waits else [2, 2])
+
+
+def test_the_step_budget_counts_only_the_prompt_tokens_not_found_in_the_cache():
+    model = build("llama")
+    system = list(range(1, 33))  # 4 pages of 8
+    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE, prefix_cache=True,
+                                                  max_prefill_tokens=36)) as e:
+        run(e, [system + [40]], 1, eos_token_id=None)  # publishes the system prompt's pages
+        # 4 + 30 prompt tokens to compute fit the step's 36; the cached 32 do not count
+        out = run(e, [system + [41, 42, 43, 44], list(range(50, 80))], 2, eos_token_id=None)
+    assert out.cached_tokens == (32, 0) and out.waits == 0
+    assert [(s.rows, s.tokens) for s in out.steps] == [(2, 34), (2, 2)]
+
+
+def test_without_the_cache_prompts_sharing_pages_join_together():
+    model = build("llama")
+    same = list(range(1, 1 + 2 * PAGE))
+    with Engine(model, "reference", EngineOptions(max_pages=16, page_size=PAGE)) as e:
+        out = run(e, [same, same], 2, eos_token_id=None)
+    assert out.waits == 0 and [s.rows for s in out.steps] == [2, 2]
+
+
 def test_a_later_run_finds_what_an_earlier_one_generated():
     model = build("qwen3")
     prompt = list(range(3, 20))
@@ -148,7 +187,8 @@ def test_a_joining_prompt_refused_by_the_step_gives_its_cached_pages_back(monkey
     model = build("llama")
     system = list(range(1, 33))
     ps = [system + [40], system + [41, 42], system + [43]]
-    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE, prefix_cache=True)) as e:
+    # with a sampler: the requests that join hold their slots once, through the retry
+    with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE, prefix_cache=True, sampler=())) as e:
         real = e.runner.prepare
         held: list[tuple[int, int]] = []
 
@@ -169,6 +209,8 @@ def test_a_joining_prompt_refused_by_the_step_gives_its_cached_pages_back(monkey
         assert held[0][0] == 32  # hf2 had taken the cached pages when the step was refused
         assert held[1] == (False, 2)  # and gave them back for the retry without it
         assert got.cached_tokens == (32, 32, 32)  # and found them again when it joined
+        assert got.waits == 1
+        assert sorted(e.sampler._free) == list(range(e.sampler.pad))
         assert e.kv.pool.num_free == free_before
         e.node.post_warmup_validate()
     with Engine(model, "reference", EngineOptions(max_pages=32, page_size=PAGE)) as plain:
