@@ -57,3 +57,27 @@ def test_an_input_changed_in_shape_or_in_place_is_reported_as_such():
     with pytest.raises(RuleError, match=r"q changed shape from \(2, 3\) to \(6,\)") as e:
         check_unchanged("here", inputs, before, "after run")
     assert e.value.rule == "inputs-unchanged" and e.value.error == math.inf
+
+
+def test_a_window_of_zero_keys_back_sees_only_the_querys_own_position():
+    from mstar_core.testing.oracle import visible
+
+    assert torch.equal(visible(3, 3, True, 0), torch.eye(3, dtype=torch.bool))
+    assert torch.equal(visible(2, 4, False, 1), torch.tensor([[0, 1, 1, 1], [0, 0, 1, 1]], dtype=torch.bool))
+    assert visible(3, 3, False, -1).all()
+
+
+def test_the_oracle_is_causal_unless_told_otherwise():
+    from mstar_core.testing.oracle import attention_oracle
+
+    q, k, v = torch.randn(4, 2, 8), torch.randn(4, 2, 8), torch.randn(4, 2, 8)
+    assert torch.equal(attention_oracle(q, k, v), attention_oracle(q, k, v, causal=True))
+    assert not torch.allclose(attention_oracle(q, k, v), attention_oracle(q, k, v, causal=False))
+
+
+def test_the_relative_error_against_a_zero_reference_is_the_absolute_one():
+    from mstar_core.testing.oracle import rel_error
+
+    assert rel_error(torch.tensor([3.0, 4.0]), torch.zeros(2, dtype=torch.float64)) == 5.0
+    assert rel_error(torch.tensor([1.0, 1.0]), torch.tensor([1.0, 0.0], dtype=torch.float64)) == 1.0
+    assert rel_error(torch.tensor([math.inf, 0.0]), torch.zeros(2, dtype=torch.float64)) == math.inf
