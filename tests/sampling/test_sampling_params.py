@@ -4,15 +4,18 @@ one params for every prompt or a sequence holding one per prompt."""
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
 from mstar_core.errors import InputError, InputTypeError
 from mstar_core.sampling import SamplingParams, check_sampling
 
 
+class _Count(int):
+    """An integer of another type (as numpy's are): top_k keeps its value, as a plain int."""
+
+
 def test_fields_are_normalised_to_float_and_int():
-    p = SamplingParams(temperature=1, top_k=np.int64(3), top_p=1, min_p=0, repetition_penalty=2)
+    p = SamplingParams(temperature=1, top_k=_Count(3), top_p=1, min_p=0, repetition_penalty=2)
     assert [type(v) for v in (p.temperature, p.top_k, p.top_p, p.min_p, p.repetition_penalty)] \
         == [float, int, float, float, float]
     assert repr(p) == ("SamplingParams(temperature=1.0, top_k=3, top_p=1.0, min_p=0.0, repetition_penalty=2.0, "
