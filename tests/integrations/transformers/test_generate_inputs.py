@@ -216,3 +216,35 @@ def test_engine_sizes_are_ints_of_at_least_one(name, bad):
     assert (o.page_size, o.max_batch_size, o.max_prefill_tokens, o.max_pages) == (1, 1, 1, 1)
     d = EngineOptions()
     assert (d.page_size, d.max_batch_size, d.max_prefill_tokens, d.max_pages) == (16, 64, 8192, None)
+
+
+# (id, EngineOptions' keyword arguments, error type, what the message must name)
+OPTIONS = [
+    ("graphs-a-str", dict(graphs="yes"), TypeError, r"graphs must be a bool or None .* got 'yes'"),
+    ("compile-a-str", dict(compile="yes"), TypeError, r"compile must be True, False or None .* got 'yes'"),
+    ("sampler-a-str", dict(sampler="top_k"), ValueError, r"sampler must be None \(greedy\) or filters .* got 'top_k'"),
+    ("sampler-an-int", dict(sampler=5), ValueError, r"sampler must be None .* got 5"),
+    ("sampler-a-mapping", dict(sampler={"top_k": 50}), ValueError, r"sampler must be None .* got \{'top_k': 50\}"),
+    ("sampler-unknown-filter", dict(sampler=("top_k", "beam")), ValueError, r"sampler must be None .* 'beam'"),
+    ("tp-timeout-zero", dict(tp_timeout_s=0), ValueError, r"tp_timeout_s must be a finite number of seconds > 0, got 0"),
+    ("tp-timeout-inf", dict(tp_timeout_s=float("inf")), ValueError, r"tp_timeout_s .* got inf"),
+    ("compile-without-graphs", dict(compile=True, graphs=False), ValueError, r"compile compiles the graph steps"),
+    ("maybe-compile-without-graphs", dict(compile=None, graphs=False), ValueError, r"but graphs is False"),
+]
+
+
+@pytest.mark.parametrize("name, kw, error, match", OPTIONS, ids=[c[0] for c in OPTIONS])
+def test_engine_options_refuse_naming_the_option(name, kw, error, match):
+    with pytest.raises(error, match=match):
+        EngineOptions(**kw)
+
+
+def test_engine_options_accept_each_option_at_its_plain_values():
+    assert EngineOptions(graphs=False).graphs is False  # no compile: nothing needs the graph path
+    assert EngineOptions(graphs=False, compile=False).compile is False
+    assert EngineOptions(compile=None).compile is None and EngineOptions(compile=True, graphs=True).compile is True
+    assert EngineOptions(tp_timeout_s=0.5).tp_timeout_s == 0.5
+    # Filters in any order and collection are one sampler: sorted into a tuple, equal options.
+    a, b = EngineOptions(sampler=["top_p", "min_p"]), EngineOptions(sampler={"min_p", "top_p"})
+    assert a.sampler == b.sampler == ("min_p", "top_p") and a == b
+    assert EngineOptions(sampler=[]).sampler == ()
