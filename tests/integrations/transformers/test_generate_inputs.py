@@ -278,3 +278,13 @@ def test_engine_options_accept_each_option_at_its_plain_values():
     a, b = EngineOptions(sampler=["top_p", "min_p"]), EngineOptions(sampler={"min_p", "top_p"})
     assert a.sampler == b.sampler == ("min_p", "top_p") and a == b
     assert EngineOptions(sampler=[]).sampler == ()
+
+
+def test_an_engine_without_max_pages_or_on_a_training_model_is_refused():
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"Engine: options\.max_pages is required"):
+        Engine(model, "reference")  # the default options leave the cache's size to generate()
+    model.train()
+    with pytest.raises(ValueError, match=r"Engine: the model is in training mode \(dropout\); call model\.eval"):
+        Engine(model, "reference", EngineOptions(max_pages=8))
+    untouched(model)
