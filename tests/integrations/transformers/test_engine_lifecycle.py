@@ -153,6 +153,16 @@ def test_a_model_that_does_not_take_the_switch_is_refused_and_left_as_it_was(mon
         Engine(model, "reference", EngineOptions(max_pages=8))
     assert model.config._attn_implementation == "eager" and users(model) == 0
 
+
+def test_closing_one_engine_twice_gives_back_its_share_of_the_switch_once():
+    model = build("llama")
+    a, b = (Engine(model, "reference", EngineOptions(max_pages=8)) for _ in range(2))
+    a.close()
+    a.close()
+    assert users(model) == 1 and model.config._attn_implementation == "mstar"  # b still runs through mstar
+    b.close()
+    assert users(model) == 0 and model.config._attn_implementation == "eager"
+
 def test_concurrent_generate_calls_on_one_model():
     model, prompts, want = model_and_reference()
     got: dict[int, list[list[int]]] = {}
