@@ -16,7 +16,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from mstar_core import Engine, EngineOptions, StateError, generate
+from mstar_core import Engine, EngineOptions, StateError, UnsupportedModel, generate
 from mstar_core.integrations.transformers import batching, run
 from mstar_core.integrations.transformers.engine import users
 from mstar_core.testing.hf_models import build
@@ -103,6 +103,65 @@ def test_two_engines_on_one_model_share_its_switch():
     b.close()
     assert model.config._attn_implementation == "eager" and users(model) == 0
 
+
+
+@pytest.mark.parametrize("before, after", [("sdpa", "sdpa"), (None, "eager")], ids=["sdpa", "unset"])
+def test_the_last_engine_to_close_switches_the_model_back_to_what_it_had(before, after):
+    model = build("llama")
+    model.set_attn_implementation("sdpa")
+    model.config._attn_implementation = before  # None: a config that names none runs eager
+    Engine(model, "reference", EngineOptions(max_pages=8)).close()
+    assert model.config._attn_implementation == after and users(model) == 0
+
+
+def test_a_model_switched_away_before_close_stays_as_the_caller_switched_it():
+    model = build("llama")
+    with Engine(model, "reference", EngineOptions(max_pages=8)):
+        model.set_attn_implementation("sdpa")
+    assert model.config._attn_implementation == "sdpa" and users(model) == 0
+
+
+def test_the_engine_serves_through_mstars_attention_even_after_the_name_was_taken():
+    from transformers import AttentionInterface
+
+    from mstar_core.integrations.transformers.attention import register
+
+    def other(*args, **kwargs):
+        raise AssertionError("another function registered under 'mstar' ran")
+
+    model, prompts, want = model_and_reference()
+    AttentionInterface.register("mstar", other)
+    try:
+        assert generate(model, prompts[:1], 3, backend="reference") == [want[0][:3]]
+    finally:
+        register()
+
+
+@pytest.mark.parametrize("how", ["raises", "ignores"])
+def test_a_model_that_does_not_take_the_switch_is_refused_and_left_as_it_was(monkeypatch, how):
+    model = build("llama")
+
+    def refuse(name):
+        if how == "raises":
+            raise ValueError(f"{name} is not supported")
+        # transformers only warns for a class it cannot switch, and changes nothing
+
+    monkeypatch.setattr(model, "set_attn_implementation", refuse)
+    match = ("does not take a custom attention implementation: mstar is not supported" if how == "raises" else
+             "did not switch to attn_implementation 'mstar'")
+    with pytest.raises(UnsupportedModel, match=match):
+        Engine(model, "reference", EngineOptions(max_pages=8))
+    assert model.config._attn_implementation == "eager" and users(model) == 0
+
+
+def test_closing_one_engine_twice_gives_back_its_share_of_the_switch_once():
+    model = build("llama")
+    a, b = (Engine(model, "reference", EngineOptions(max_pages=8)) for _ in range(2))
+    a.close()
+    a.close()
+    assert users(model) == 1 and model.config._attn_implementation == "mstar"  # b still runs through mstar
+    b.close()
+    assert users(model) == 0 and model.config._attn_implementation == "eager"
 
 def test_concurrent_generate_calls_on_one_model():
     model, prompts, want = model_and_reference()

@@ -6,13 +6,15 @@ a short run needs) is served, not refused."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 
 from mstar_core import Engine, EngineOptions, generate
 from mstar_core.integrations.transformers import run, run_checked
-from mstar_core.integrations.transformers.engine import users
+from mstar_core.integrations.transformers.engine import graphs_default, users
 from mstar_core.testing.hf_models import build
 
 from ...helpers import hf_greedy
@@ -198,6 +200,34 @@ def test_buckets_wider_than_the_batch_are_the_batch():
     assert EngineOptions(max_pages=8, max_batch_size=7, buckets=(1, 2, 4, 8)).graph_buckets() == [1, 2, 4, 7]
 
 
+
+@pytest.mark.parametrize("batch", [1, 2, 5, 8, 64])
+def test_default_buckets_are_the_powers_of_two_below_the_batch_and_the_batch(batch):
+    want = [2**i for i in range(batch.bit_length()) if 2**i < batch] + [batch]
+    assert EngineOptions(max_batch_size=batch).graph_buckets() == want
+
+
+def test_graphs_are_on_by_default_only_on_cuda():
+    assert graphs_default(torch.device("cuda")) and not graphs_default(torch.device("cpu"))
+    model, prompts, want = model_and_reference()
+    with Engine(model, "reference", EngineOptions(max_pages=8, max_batch_size=2)) as engine:
+        assert not engine.runner.enabled  # on this CPU every step runs eagerly
+        assert run(engine, prompts[:1], 3).ids == [want[0][:3]]
+
+
+@pytest.mark.parametrize("lacks", ["config", "set_attn_implementation"])
+def test_a_model_lacking_config_or_the_switch_is_not_a_transformers_model(lacks):
+    class Half:
+        config = SimpleNamespace(vocab_size=8) if lacks != "config" else None
+
+        def set_attn_implementation(self, name):
+            pass
+
+    if lacks == "set_attn_implementation":
+        Half.set_attn_implementation = None  # type: ignore[assignment,method-assign]
+    with pytest.raises(TypeError, match="Half is not a transformers model"):
+        Engine(Half(), "reference", EngineOptions(max_pages=4))
+
 def test_checked_inputs_without_sampling_are_served_greedily():
     model, prompts, want = model_and_reference()
     with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
@@ -216,3 +246,45 @@ def test_engine_sizes_are_ints_of_at_least_one(name, bad):
     assert (o.page_size, o.max_batch_size, o.max_prefill_tokens, o.max_pages) == (1, 1, 1, 1)
     d = EngineOptions()
     assert (d.page_size, d.max_batch_size, d.max_prefill_tokens, d.max_pages) == (16, 64, 8192, None)
+
+
+# (id, EngineOptions' keyword arguments, error type, what the message must name)
+OPTIONS = [
+    ("graphs-a-str", dict(graphs="yes"), TypeError, r"graphs must be a bool or None .* got 'yes'"),
+    ("compile-a-str", dict(compile="yes"), TypeError, r"compile must be True, False or None .* got 'yes'"),
+    ("sampler-a-str", dict(sampler="top_k"), ValueError, r"sampler must be None \(greedy\) or filters .* got 'top_k'"),
+    ("sampler-an-int", dict(sampler=5), ValueError, r"sampler must be None .* got 5"),
+    ("sampler-a-mapping", dict(sampler={"top_k": 50}), ValueError, r"sampler must be None .* got \{'top_k': 50\}"),
+    ("sampler-unknown-filter", dict(sampler=("top_k", "beam")), ValueError, r"sampler must be None .* 'beam'"),
+    ("tp-timeout-zero", dict(tp_timeout_s=0), ValueError, r"tp_timeout_s must be a finite number .* > 0, got 0"),
+    ("tp-timeout-inf", dict(tp_timeout_s=float("inf")), ValueError, r"tp_timeout_s .* got inf"),
+    ("compile-without-graphs", dict(compile=True, graphs=False), ValueError, r"compile compiles the graph steps"),
+    ("maybe-compile-without-graphs", dict(compile=None, graphs=False), ValueError, r"but graphs is False"),
+]
+
+
+@pytest.mark.parametrize("name, kw, error, match", OPTIONS, ids=[c[0] for c in OPTIONS])
+def test_engine_options_refuse_naming_the_option(name, kw, error, match):
+    with pytest.raises(error, match=match):
+        EngineOptions(**kw)
+
+
+def test_engine_options_accept_each_option_at_its_plain_values():
+    assert EngineOptions(graphs=False).graphs is False  # no compile: nothing needs the graph path
+    assert EngineOptions(graphs=False, compile=False).compile is False
+    assert EngineOptions(compile=None).compile is None and EngineOptions(compile=True, graphs=True).compile is True
+    assert EngineOptions(tp_timeout_s=0.5).tp_timeout_s == 0.5
+    # Filters in any order and collection are one sampler: sorted into a tuple, equal options.
+    a, b = EngineOptions(sampler=["top_p", "min_p"]), EngineOptions(sampler={"min_p", "top_p"})
+    assert a.sampler == b.sampler == ("min_p", "top_p") and a == b
+    assert EngineOptions(sampler=[]).sampler == ()
+
+
+def test_an_engine_without_max_pages_or_on_a_training_model_is_refused():
+    model = build("llama")
+    with pytest.raises(ValueError, match=r"Engine: options\.max_pages is required"):
+        Engine(model, "reference")  # the default options leave the cache's size to generate()
+    model.train()
+    with pytest.raises(ValueError, match=r"Engine: the model is in training mode \(dropout\); call model\.eval"):
+        Engine(model, "reference", EngineOptions(max_pages=8))
+    untouched(model)
