@@ -87,8 +87,8 @@ class EngineOptions:
             object.__setattr__(self, "buckets", check_buckets(self.buckets, "mstar generate"))
         compile_options(self.compile, self.compile_backend, "mstar generate")  # refused here, not at warm-up
         if self.sampler is not None:
-            # A str is none of these collections: "top_k" is refused, not read as its letters.
-            if not isinstance(self.sampler, (tuple, list, set, frozenset)) or set(self.sampler) - set(FILTERS):
+            if isinstance(self.sampler, (str, bytes)) or not isinstance(self.sampler, (tuple, list, set, frozenset)) \
+                    or set(self.sampler) - set(FILTERS):
                 raise InputError(f"mstar generate: sampler must be None (greedy) or filters from {list(FILTERS)}, "
                                  f"got {self.sampler!r}")
             object.__setattr__(self, "sampler", tuple(sorted(self.sampler)))
