@@ -56,8 +56,11 @@ def _copy_tree(dest: Path) -> None:
                            check=True, capture_output=True).stdout.split(b"\0")
     for name in filter(None, files):
         src = ROOT / name.decode()
-        if src.is_file():
-            out = dest / name.decode()
+        out = dest / name.decode()
+        if src.is_symlink():  # a plugin's package is a link to the top-level one: keep it a link
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.symlink_to(os.readlink(src))
+        elif src.is_file():
             out.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, out)
 
