@@ -1,7 +1,9 @@
 """An Engine's life on one model: engines that share the model's attention switch, a closed
-engine that refuses to run, and a generation loop that leaves nothing held after an exception at
-any point of a step (checked against free pages, requests, prepared steps and staging slots),
-driven by a hypothesis state machine against transformers' own greedy tokens."""
+engine that refuses to run (its cache freed, a step it prepared given back), what it refuses when
+built or when a layer calls attention otherwise than when probed, graphs that fall back to eager
+steps only where they were not asked for, and a generation loop that leaves nothing held after an
+exception at any point of a step (checked against free pages, requests, prepared steps and staging
+slots), driven by a hypothesis state machine against transformers' own greedy tokens."""
 
 from __future__ import annotations
 
@@ -18,7 +20,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from mstar_core import Engine, EngineOptions, StateError, UnsupportedModel, generate
 from mstar_core.integrations.transformers import batching, run
-from mstar_core.integrations.transformers.engine import users
+from mstar_core.integrations.transformers.engine import LABEL, users
+from mstar_core.step import KVSpan, KVStep, Step
 from mstar_core.testing.hf_models import build
 
 from ...helpers import hf_greedy
@@ -196,6 +199,105 @@ def test_a_closed_engine_refuses_to_run():
     with pytest.raises(StateError, match="Engine is closed"):  # generate's path: inputs checked before
         batching.run_checked(engine, prompts[:1], 2, [0], set(), None)
     assert users(model) == 0 and model.config._attn_implementation == "eager"
+    assert engine.kv.storage.numel() == 0, "the KV cache was not freed"
+
+
+def test_closing_an_engine_gives_back_a_step_it_prepared_and_never_launched():
+    model, prompts, _ = model_and_reference()
+    engine = Engine(model, "reference", EngineOptions(max_pages=16))
+    engine.node.ingest_request("a")
+    prep = engine.runner.prepare(Step(KVStep((KVSpan("a", LABEL, 3),)), engine.step_attn))
+    engine.close()
+    assert prep.done and engine.runner._open == []
+    with pytest.raises(StateError, match="launch of a step that was already launched or discarded"):
+        engine.runner.launch(prep, torch.tensor(prompts[0]))
+
+
+def test_an_encoder_decoder_model_is_refused_before_its_attention_is_switched(monkeypatch):
+    model = build("llama")
+    monkeypatch.setattr(model.config, "is_encoder_decoder", True, raising=False)
+    switched = []
+    monkeypatch.setattr(model, "set_attn_implementation", switched.append)
+    with pytest.raises(UnsupportedModel, match="LlamaForCausalLM is an encoder-decoder model"):
+        Engine(model, "reference", EngineOptions(max_pages=8))
+    assert switched == [] and users(model) == 0
+
+
+def _masked(attn) -> None:
+    """``attn`` passes an attention mask of its own (as a model that builds its mask itself)."""
+    forward = attn.forward
+
+    def with_mask(*a, **kw):
+        kw["attention_mask"] = torch.zeros(1, 1, 1, 1)
+        return forward(*a, **kw)
+
+    attn.forward = with_mask
+
+
+@pytest.mark.parametrize("change, says", [
+    ("scaling", r"layer 1 called attention with \(sm_scale, window_left, soft_cap, sinks\) = \(0\.25, -1, None, "
+                r"False\); the engine was built for \(0\.125, -1, None, False\)"),
+    ("mask", r"layer 1 called attention with .* = \(0\.125, -1, None, False\) and a mask; the engine was built for"),
+], ids=["scaling", "mask"])
+def test_a_layer_that_calls_attention_otherwise_than_when_probed_is_refused(change, says):
+    model = build("llama")
+    with Engine(model, "reference", EngineOptions(max_pages=8)) as engine:
+        attn = model.model.layers[1].self_attn
+        if change == "scaling":
+            attn.scaling *= 2
+        else:
+            _masked(attn)
+        with pytest.raises(UnsupportedModel, match=says + r".*must not change after the model is probed"):
+            run(engine, [[1, 2, 3]], 2)
+        assert_nothing_held(engine)
+
+
+def failing_capture(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Graphs by default (as on CUDA), and a capture that fails (as a forward with a host sync does)."""
+    import mstar_core.integrations.transformers.engine as engine_mod
+    from mstar_core.graphs import GraphRunner
+
+    def host_sync(self):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    monkeypatch.setattr(engine_mod, "graphs_default", lambda device: True)
+    monkeypatch.setattr(GraphRunner, "warmup", host_sync)
+
+
+@pytest.mark.parametrize("asked", [{}, {"graphs": True}, {"compile": True}], ids=["default", "graphs", "compile"])
+def test_a_failed_capture_runs_eagerly_only_where_graphs_were_not_asked_for(monkeypatch, caplog, asked):
+    failing_capture(monkeypatch)
+    model, prompts, want = model_and_reference()
+    opts = EngineOptions(max_pages=16, max_batch_size=4, **asked)
+    if asked:
+        with pytest.raises(RuntimeError, match="stream is capturing"):
+            Engine(model, "reference", opts)
+        assert users(model) == 0
+        return
+    with caplog.at_level("WARNING"), Engine(model, "reference", opts) as engine:
+        assert not engine.runner.enabled
+        assert run(engine, prompts[:2], NEW).ids == want[:2]
+    assert "graphs off: capturing LlamaForCausalLM's decode step failed (RuntimeError: operation not" in caplog.text
+
+
+@pytest.mark.parametrize("compile", [True, None])
+def test_compile_where_the_backend_cannot_capture_is_refused_or_runs_eagerly(monkeypatch, caplog, compile):
+    from mstar_core.attention.paged import PagedAttentionManager
+    from mstar_core.compiling import CompileError
+
+    monkeypatch.setattr(PagedAttentionManager, "can_capture", lambda self: False)
+    model, prompts, want = model_and_reference()
+    opts = EngineOptions(max_pages=16, max_batch_size=4, compile=compile, compile_backend="eager")
+    if compile:
+        with pytest.raises(CompileError, match="compile=True: backend reference cannot capture paged decode here"):
+            Engine(model, "reference", opts)
+        assert users(model) == 0
+        return
+    with caplog.at_level("WARNING"), Engine(model, "reference", opts) as engine:
+        assert not engine.runner.enabled
+        assert run(engine, prompts[:2], NEW).ids == want[:2]
+    assert "graphs requested but backend reference cannot capture paged decode here: steps run eagerly, uncompiled" \
+        in caplog.text
 
 
 def test_a_model_switched_away_under_an_open_engine_is_refused():
@@ -205,6 +307,25 @@ def test_a_model_switched_away_under_an_open_engine_is_refused():
         try:
             with pytest.raises(StateError, match="switched to attn_implementation 'sdpa'"):
                 run(engine, prompts[:1], 2)
+            assert_nothing_held(engine)
+        finally:
+            model.set_attn_implementation("mstar")
+    assert model.config._attn_implementation == "eager"
+
+
+def test_a_model_switched_away_between_compiled_graph_steps_is_refused():
+    model = build("llama")
+    opts = EngineOptions(max_pages=8, max_batch_size=1, compile=True, compile_backend="eager")
+
+    def switch_away(done: int, total: int) -> None:
+        if done == 1:  # after the prompt's step: the next is a compiled graph step
+            model.set_attn_implementation("sdpa")
+
+    with Engine(model, "reference", opts) as engine:
+        assert engine.runner.enabled and engine.runner.compiler is not None
+        try:
+            with pytest.raises(StateError, match="switched to attn_implementation 'sdpa'"):
+                run(engine, [[1, 2, 3]], 4, on_step=switch_away)
             assert_nothing_held(engine)
         finally:
             model.set_attn_implementation("mstar")

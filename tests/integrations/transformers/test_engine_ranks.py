@@ -2,19 +2,26 @@
 of two whose collectives answer as a peer would (the same values, or the ones a test gives it).
 The ranks agree on the requests before any step, on each step whose rows change, and on the
 tokens at the end; unseeded requests draw with rank 0's seeds; a collective that fails inside a
-step is a peer's failure. The real two-process runs are test_tensor_parallel.py's."""
+step is a peer's failure. An engine built over that peer refuses a model whose layers do not call
+attention with their rank's heads, and checks its cache with the peer once built; in a gloo group of
+this process alone, a model sharded by transformers has its shards copied out of whole layers. The
+real two-process runs are test_tensor_parallel.py's."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
 import pytest
+import torch
 
-from mstar_core import Engine, EngineOptions, StateError, TensorParallel, TensorParallelError
+from mstar_core import Engine, EngineOptions, StateError, TensorParallel, TensorParallelError, UnsupportedModel
 from mstar_core.integrations.transformers import run
+from mstar_core.integrations.transformers.engine import users
+from mstar_core.integrations.transformers.parallel import MARK
 from mstar_core.sampling import SamplingParams
+from mstar_core.testing.hf_models import build
 
-from .test_engine_lifecycle import assert_nothing_held, model_and_reference
+from .test_engine_lifecycle import assert_nothing_held, failing_capture, model_and_reference
 
 GLOO = "[/pytorch/third_party/gloo/gloo/transport/tcp/pair.cc:553] Connection closed by peer"
 
@@ -37,6 +44,9 @@ class Peer(TensorParallel):
     def broadcast(self, values, what):
         self.calls.append((what, list(values)))
         return list(values if self.seeds is None else self.seeds)
+
+    def all_reduce(self, x, what="an all-reduce"):
+        return x  # the peer's partial sums are not modelled: a model sharded over it runs, with other values
 
 
 def engine(peer: Peer | None, **kw) -> Engine:
@@ -123,3 +133,75 @@ def test_a_collective_that_fails_inside_a_step_is_a_peers_failure(monkeypatch, p
         else:
             assert got.value is error
         assert_nothing_held(e)
+
+
+def whole_model_over(peer: Peer, **kw) -> Engine:
+    """An engine on a fresh tiny Llama that mstar shards over ``peer``'s two ranks."""
+    return Engine(build("llama"), "reference", EngineOptions(**{"max_pages": 16, "tp_timeout_s": 1.0, **kw}), tp=peer)
+
+
+def test_a_model_marked_sharded_whose_layers_still_call_attention_with_every_head_is_refused():
+    model = build("llama")
+    setattr(model, MARK, Peer(0, 2))  # as if sharded by mstar, but every layer still holds all its heads
+    with pytest.raises(UnsupportedModel, match="sharded over 2 ranks calls attention with 8 query / 2 KV heads on "
+                                               "rank 0, not its share 4 / 1 of 8 / 2"):
+        Engine(model, "reference", EngineOptions(max_pages=16))
+    assert users(model) == 0
+
+
+def test_a_plan_that_leaves_the_attention_whole_is_refused_once_the_model_is_sharded():
+    model = build("llama")
+    model.tp_plan = {k: v for k, v in model.tp_plan.items() if ".mlp." in k}  # the MLP split, the heads not
+    with pytest.raises(UnsupportedModel, match="calls attention with 8 query / 2 KV heads on rank 0, not its share"):
+        Engine(model, "reference", EngineOptions(max_pages=16), tp=Peer(0, 2))
+    assert users(model) == 0
+
+
+@pytest.mark.parametrize("graphs", [False, True, "failed"], ids=["eager", "graphs", "capture-failed"])
+def test_the_ranks_check_their_caches_agree_once_the_engine_is_built(monkeypatch, graphs):
+    if graphs == "failed":  # the steps then run eagerly
+        failing_capture(monkeypatch)
+    kw = {"graphs": graphs} if isinstance(graphs, bool) else {}
+    peer = Peer(0, 2)
+    with whole_model_over(peer, max_batch_size=4, **kw) as e:
+        assert e.kv.config.num_kv_heads == 1 and e.runner.enabled == (graphs is True)
+    assert [what for what, _ in peer.calls] == ["the model's weights", "kv"]
+    with pytest.raises(StateError, match="ranks disagree on kv free pages: rank 0 has 1[56], ranks range from -1"):
+        whole_model_over(Peer(0, 2, differs={"kv": {"free pages": -1}}), max_batch_size=4, **kw)
+
+
+@pytest.fixture
+def one_rank_group(tmp_path):
+    """A gloo process group of this process alone, and its device mesh."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("weight", ["view", "own", "replicated"])
+def test_a_model_sharded_by_transformers_has_its_shards_copied_out_of_the_whole_layers(one_rank_group, caplog, weight):
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    model = build("llama")
+    whole = torch.zeros(1024, 256)  # 1 MiB, of which a shard of 32 rows keeps 32 KiB
+    local = whole[:32].clone() if weight == "own" else whole[:32]
+    placement = Replicate() if weight == "replicated" else Shard(0)
+    # A weight as transformers' sharded loading leaves it (its forward never reads it).
+    model.loaded = torch.nn.Module()
+    model.loaded.weight = torch.nn.Parameter(DTensor.from_local(local, one_rank_group, [placement], run_check=False),
+                                             requires_grad=False)
+    before = model.loaded.weight
+    with caplog.at_level("INFO", logger="mstar_core.integrations.transformers.engine"), \
+            Engine(model, "reference", EngineOptions(max_pages=8)) as e:
+        sharded = e.tp is not None
+    storage = model.loaded.weight.to_local().untyped_storage().nbytes()
+    assert sharded == (weight != "replicated")  # only a Shard placement says the model is split over a group
+    assert storage == (32 * 256 * 4 if weight != "replicated" else whole.untyped_storage().nbytes())
+    assert (model.loaded.weight is before) == (weight != "view")
+    copied = "the model's weight shards were views of whole layers (transformers' sharded loading); copied"
+    assert (copied in caplog.text) == (weight == "view")

@@ -180,3 +180,32 @@ def test_a_decode_step_the_cache_refuses_is_an_error_naming_the_cache(monkeypatc
         with pytest.raises(StateError, match=r"decode step of 2 requests was refused .* the cache \(32 pages\)"):
             run(e, ps[:2], 3, eos_token_id=None)
         assert e.kv.requests == ()
+
+
+def test_the_attention_takes_a_steps_whole_prompt_budget_and_a_token_for_each_other_row(monkeypatch):
+    model, _ = model_and_prompts()
+    g = torch.Generator().manual_seed(9)
+    ps = [torch.randint(0, 128, (n,), generator=g).tolist() for n in (5, 5, 12)]
+    with engine(model, max_prefill_tokens=12, max_batch_size=3) as e:
+        sched = Schedule(monkeypatch, e)
+        run(e, ps, 3, arrivals=[0, 0, 1], eos_token_id=None, on_step=sched.on_step)
+    # step 1: the two first prompts' decode rows and the whole third prompt
+    widest = max(sum(n for _, n in rows) for rows in sched.rows.values())
+    assert widest == 2 + 12 <= e.attn.max_total_tokens == 12 + 3
+
+
+def test_the_graph_buffers_are_sized_for_the_longest_sequence_the_cache_holds(monkeypatch):
+    from mstar_core.kv import KVManager
+
+    sizes = []
+    build = KVManager.build_accelerator_graph_buffers
+
+    def spy(self, slots, max_bs, max_seq_len):
+        sizes.append((max_bs, max_seq_len))
+        return build(self, slots, max_bs, max_seq_len)
+
+    monkeypatch.setattr(KVManager, "build_accelerator_graph_buffers", spy)
+    model, _ = model_and_prompts()
+    with engine(model, max_pages=5, graphs=True, max_batch_size=4):
+        pass
+    assert sizes == [(4, 5 * PAGE)] and isinstance(sizes[0][1], int)

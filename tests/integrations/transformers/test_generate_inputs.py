@@ -144,6 +144,24 @@ def test_graphs_by_default_without_room_for_the_widest_bucket_run_eagerly(monkey
     assert "graphs off: graphs capture batches of up to 4 rows" in caplog.text and "max_pages is 4" in caplog.text
 
 
+@pytest.mark.parametrize("asked", [{"graphs": True}, {"compile": True}], ids=["graphs", "compile"])
+def test_graphs_asked_for_without_room_for_the_widest_bucket_are_refused(asked):
+    model, _, _ = model_and_reference()
+    with pytest.raises(ValueError, match=r"Engine: graphs capture batches of up to 4 rows .* but max_pages is 4; "
+                                         r"raise max_pages, lower max_batch_size or buckets, or set graphs=False"):
+        Engine(model, "reference", EngineOptions(max_pages=4, max_batch_size=4, **asked))
+    untouched(model)
+
+
+@pytest.mark.parametrize("graphs", [False, None], ids=["off", "cpu-default"])
+def test_an_engine_without_graphs_says_nothing_of_the_widest_bucket(caplog, graphs):
+    model, prompts, want = model_and_reference()
+    with caplog.at_level("WARNING"), Engine(model, "reference", EngineOptions(max_pages=2, max_batch_size=4,
+                                                                              graphs=graphs)) as e:
+        assert run(e, prompts[:1], 4).ids == [want[0][:4]]
+    assert "graphs off" not in caplog.text
+
+
 def test_new_tokens_past_the_models_positions_are_refused_naming_the_bound(monkeypatch):
     model, prompts, _ = model_and_reference()
     limit = model.config.max_position_embeddings
