@@ -120,6 +120,14 @@ def test_a_layout_without_what_its_per_token_arrays_come_from_says_so(missing):
     assert lay.positions.tolist() == [2, 3, 4, 0, 1]  # the layout it was copied from has them
 
 
+def test_a_copy_of_a_layout_with_other_rows_reads_its_own_spans():
+    kv = small_kv()
+    lay = planned(kv)
+    assert [s.request_id for s in lay.spans] == ["a", "b"]  # read once: kept with the layout
+    other = run_step(kv, step(("b", "t", 1))).layout()
+    assert dataclasses.replace(lay, rows=other.rows).spans == other.spans
+
+
 def test_a_layout_built_by_hand_is_of_no_tokens_not_decode_and_without_per_token_arrays():
     lay = planned(small_kv())
     bare = LabelLayout(lay.rows, lay.qo_indptr, lay.kv_indptr, lay.kv_indices, lay.kv_last_page_len, lay.kv_lens,
