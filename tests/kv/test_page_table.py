@@ -31,6 +31,11 @@ def check(lay):
     indices, pages, offs, pos = host_truth(lay)
     assert lay.kv_indices.tolist() == indices == lay.kv_indices_host.tolist()
     assert lay.kv_indices.dtype == torch.int32
+    ps, lens = lay.page_size, lay.kv_lens.tolist()
+    assert lens == [s.length for s in lay.spans]
+    assert lay.kv_last_page_len.tolist() == [(x - 1) % ps + 1 if x else 0 for x in lens]
+    assert np.diff(lay.kv_indptr.numpy()).tolist() == [-(-x // ps) for x in lens]  # each row's pages
+    assert np.diff(lay.qo_indptr.numpy()).tolist() == [s.to_compute for s in lay.spans]
     n = lay.num_tokens
     assert lay.write_pages[:n].tolist() == pages
     assert lay.write_offsets[:n].tolist() == offs
