@@ -155,7 +155,7 @@ class PageTable:
         value of the row j falls in (``indptr``: the device copy, rows + 1 entries from 0,
         ``indptr[-1] == n``). A GPU finds the rows with one binary-search kernel; a CPU repeats
         each row's value (a binary search per entry is several times slower there)."""
-        if self.device.type == "cpu":
+        if self.on_host:
             counts = indptr[1:] - indptr[:-1]
             return [torch.repeat_interleave(v, counts, output_size=n) for v in values]
         row = torch.searchsorted(indptr[1:], self.arange(n), right=True, out_int32=True)

@@ -72,3 +72,31 @@ def test_an_inf_key_poisons_its_row_and_no_other(kv_dtype):
     assert not torch.isfinite(dequantize(page[1, 2, 1, 0], 2.0 if kv_dtype != "auto" else 1.0, torch.float32))
     kv.post_warmup_validate()
     assert kv.num_free_pages == 8 - 2  # one page per stream, nothing else held
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("fp8", list(FP8.values()), ids=list(FP8))
+def test_dequantize_reads_fp8_storage_times_its_scale_in_the_model_dtype(fp8, dtype):
+    stored = torch.tensor([1.5, -0.25, 0.0, 96.0]).to(fp8)  # exact in both formats
+    assert dequantize(stored, 2.0, dtype).tolist() == [3.0, -0.5, 0.0, 192.0]
+    assert dequantize(stored, 0.5, dtype).tolist() == [0.75, -0.125, 0.0, 48.0]
+    assert dequantize(stored, 1.0, dtype).tolist() == [1.5, -0.25, 0.0, 96.0]  # scale 1: only the cast
+    assert {dequantize(stored, s, dtype).dtype for s in (2.0, 1.0)} == {dtype}
+
+
+def test_dequantize_scales_storage_already_in_the_model_dtype():
+    stored = torch.tensor([1.5, -0.25, 96.0])
+    assert dequantize(stored, 0.5, torch.float32).tolist() == [0.75, -0.125, 48.0]
+
+
+def test_dequantize_of_model_dtype_storage_at_scale_one_is_the_storage_itself():
+    # the dense path reads a model-dtype cache through it: no copy of the pages
+    stored = torch.tensor([1.5, -0.25, 96.0], dtype=torch.bfloat16)
+    assert dequantize(stored, 1.0, torch.bfloat16) is stored
+
+
+@pytest.mark.parametrize("fp8", list(FP8.values()), ids=list(FP8))
+def test_dequantize_undoes_quantize_up_to_the_formats_rounding(fp8):
+    x = torch.linspace(-3.0, 3.0, 25)
+    back = dequantize(quantize(x, 0.25, fp8), 0.25, torch.float32)
+    assert torch.allclose(back, x, rtol=torch.finfo(fp8).eps / 2, atol=0)  # half a unit in the last place

@@ -128,6 +128,20 @@ def test_a_kept_step_admitted_twice_is_refused():
     step(kv, st)
 
 
+def test_a_step_planned_and_not_yet_landed_is_refused_a_second_admit():
+    kv = small_kv(max_pages=20, page_size=4)
+    for r in "ab":
+        kv.ingest_request(r)
+    st, ctx = decode("a", "b", n=2), StepContext()
+    assert kv.admit(st, ctx)
+    kv.plan(st, ctx)  # the plan keeps its rows, in flight
+    with pytest.raises(RuntimeError, match="neither committed nor rolled back"):
+        kv.admit(st, StepContext())
+    kv.commit(st, ctx)
+    assert [s.length for s in step(kv, st).spans] == [4, 4]
+    kv.post_warmup_validate()
+
+
 def _snapshot(kv):
     return (kv.num_free_pages, {k: (s.length, list(s.pages), s.generation, s.in_flight)
                                 for k, s in kv.streams.items()})

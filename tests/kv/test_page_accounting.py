@@ -86,3 +86,16 @@ def test_pool_refuses_a_page_given_back_twice_in_one_call():
     assert pool.num_free == 1 and pool.used == frozenset(pages)
     pool.give_back(pages)
     assert pool.num_free == 4 and sorted(pool.take(4)) == [0, 1, 2, 3]
+
+
+def test_pool_refuses_a_page_that_is_not_in_use_and_names_it():
+    """A page never taken, or taken and given back already, is refused (a double free), the
+    message names it, and the pool is left as it was."""
+    pool = PagePool(4)
+    pages = pool.take(2)
+    pool.give_back([1])
+    for bad in ([3], [1], [0, 3]):
+        with pytest.raises(RuntimeError, match=rf"pages \[{bad[-1]}\] returned but not in use \(double free\)"):
+            pool.give_back(bad)
+        assert pool.num_free == 3 and pool.used == frozenset({0})
+    assert pages == [0, 1] and pool.take(3) == [1, 2, 3]

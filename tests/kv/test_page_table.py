@@ -3,10 +3,13 @@ page lists say, across table growth, row reuse, fork, reset, rollback and uncomm
 
 import random
 
+import numpy as np
 import pytest
 import torch
 
 from mstar_core import KVSpan, KVStep, Step, StepContext
+from mstar_core.errors import StateError
+from mstar_core.kv.page_table import PageTable
 
 from ..helpers import small_kv
 
@@ -28,6 +31,11 @@ def check(lay):
     indices, pages, offs, pos = host_truth(lay)
     assert lay.kv_indices.tolist() == indices == lay.kv_indices_host.tolist()
     assert lay.kv_indices.dtype == torch.int32
+    ps, lens = lay.page_size, lay.kv_lens.tolist()
+    assert lens == [s.length for s in lay.spans]
+    assert lay.kv_last_page_len.tolist() == [(x - 1) % ps + 1 if x else 0 for x in lens]
+    assert np.diff(lay.kv_indptr.numpy()).tolist() == [-(-x // ps) for x in lens]  # each row's pages
+    assert np.diff(lay.qo_indptr.numpy()).tolist() == [s.to_compute for s in lay.spans]
     n = lay.num_tokens
     assert lay.write_pages[:n].tolist() == pages
     assert lay.write_offsets[:n].tolist() == offs
@@ -96,3 +104,73 @@ def test_a_reset_streams_row_is_not_reused_while_its_step_is_in_flight():
     kv.commit(s2, c2)
     assert row in kv.table._free_rows
     kv.post_warmup_validate()
+
+
+CPU = torch.device("cpu")
+
+
+def test_a_new_table_holds_nothing_until_a_row_is_written():
+    t = PageTable(CPU, max_pages=64)
+    assert t.prepare() == 0 and (t.rows, t.cols, t.table.numel()) == (0, 0, 0)
+    assert t.gather_host(np.zeros(0, np.int32), np.zeros(0, np.int32), 0).tolist() == []
+
+
+def test_rows_are_handed_out_from_zero_and_a_released_one_first():
+    t = PageTable(CPU, max_pages=8)
+    assert [t.assign() for _ in range(3)] == [0, 1, 2]
+    t.release(1)
+    t.release(-1)  # a stream that never got pages holds no row
+    assert [t.assign(), t.assign()] == [1, 3]
+
+
+def test_the_table_grows_by_doubling_from_16_and_never_wider_than_the_cache():
+    t = PageTable(CPU, max_pages=40)
+    rows = [t.assign() for _ in range(16)]
+    t.write(rows[3], 0, list(range(100, 116)))  # 16 rows x 16 columns: exactly the first size
+    assert t.prepare() == 16 and (t.rows, t.cols) == (16, 16)
+    t.stage(0)  # the writes land in the table (host memory on a CPU)
+    rows.append(t.assign())
+    t.write(rows[-1], 0, list(range(17)))
+    assert t.prepare() == 32 and (t.rows, t.cols) == (32, 32)
+    t.stage(0)
+    t.write(rows[-1], 17, list(range(17, 40)))  # 40 columns: the next doubling (64) is capped at the cache's 40
+    assert t.prepare() == 40 and (t.rows, t.cols) == (32, 40)
+    t.stage(0)
+    # what was written before each growth is still where its row and column say
+    base = np.array([rows[3] * 40, rows[-1] * 40 - 16], dtype=np.int32)  # row * cols - kv_indptr
+    got = t.gather_host(np.array([16, 40]), base, 56).tolist()
+    assert got == list(range(100, 116)) + list(range(40))
+
+
+def test_a_table_past_int32_indexing_is_refused_before_it_is_allocated():
+    meta = torch.device("meta")  # sizes without memory
+    t = PageTable(meta, max_pages=1 << 27)
+    t.write(t.assign(), (1 << 27) - 1, [0])  # 16 rows x 2**27 columns: 2**31 entries
+    with pytest.raises(StateError, match="16 streams x 134217728 pages exceeds int32 indexing"):
+        t.prepare()
+    t = PageTable(meta, max_pages=(1 << 27) - 1)
+    t.write(t.assign(), (1 << 27) - 2, [0])
+    assert t.prepare() == (1 << 27) - 1 and t.table.numel() == 16 * ((1 << 27) - 1)
+
+
+def test_a_stage_leads_with_the_pending_writes_once_then_room_for_n():
+    t = PageTable(CPU, max_pages=8)
+    t.on_host = False  # the accelerator's path: writes go up with the rows and are scattered there
+    row = t.assign()
+    t.write(row, 0, [5, 6])
+    t.prepare()
+    cpu, a, at = t.stage(3)
+    assert at == 4 and a.shape == (7,) and a[:4].tolist() == [row * 8, row * 8 + 1, 5, 6]
+    t.send(cpu, at)
+    assert t.table[row * 8: row * 8 + 2].tolist() == [5, 6]
+    _, a, at = t.stage(3)
+    assert at == 0 and a.shape == (3,)  # written already: not sent again
+
+
+def test_aranges_are_views_of_one_buffer_grown_only_for_a_longer_range():
+    t = PageTable(CPU, max_pages=8)
+    a, h = t.arange(1024), t.host_arange(1024)
+    assert a.tolist() == h.tolist() == list(range(1024)) and a.dtype == torch.int32 and h.dtype == np.int32
+    assert t.arange(1024).data_ptr() == t.arange(7).data_ptr() == a.data_ptr()  # no kernel
+    assert np.shares_memory(t.host_arange(1024), h) and np.shares_memory(t.host_arange(7), h)
+    assert t.arange(1025).tolist() == t.host_arange(1025).tolist() == list(range(1025))
