@@ -1,6 +1,6 @@
-"""Spy wrappers: the reference paged wrappers, each recording the plan it keeps (whichever
-contract version handed it over) and every run (wrapper, plan, KV layer, keywords), for what
-the managers hand a backend that the reference's outputs cannot show."""
+"""Spy wrappers: the reference paged wrappers, each recording the size it was built for, the plan
+it keeps (whichever contract version handed it over) and every run (wrapper, plan, KV layer,
+keywords), for what the managers hand a backend that the reference's outputs cannot show."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from typing import Any
 
 import torch
 
-from mstar_core.attention.plans import PagedPlan
+from mstar_core.attention.plans import PagedPlan, WrapperSize
 from mstar_core.backends import reference as R
 
 
@@ -21,12 +21,17 @@ class Run:
     kw: dict[str, Any]
 
 
+SIZES: list[tuple[str, WrapperSize]] = []  # (kind, size) per wrapper built
 PLANS: list[tuple[Any, PagedPlan]] = []
 RUNS: list[Run] = []
 
 
 def spy(base: type, name: str) -> type:
-    """``base`` recording into PLANS and RUNS (not for graph mode: a padded run records twice)."""
+    """``base`` recording into SIZES, PLANS and RUNS (not for graph mode: a padded run records twice)."""
+
+    def from_size(cls, size):
+        SIZES.append((base.kind, size))
+        return base.from_size.__func__(cls, size)
 
     def _plan(self, p):
         base._plan(self, p)  # plan() of 2.0 and of 1.x both end here, with the checked plan
@@ -37,7 +42,7 @@ def spy(base: type, name: str) -> type:
         RUNS.append(Run(self, self.kept, kv_cache_layer, kw))
         return base.run(self, q, kv_cache_layer, **kw)
 
-    return type(name, (base,), {"_plan": _plan, "run": run})
+    return type(name, (base,), {"from_size": classmethod(from_size), "_plan": _plan, "run": run})
 
 
 SPIES = {
@@ -48,5 +53,6 @@ SPIES = {
 
 
 def clear() -> None:
+    SIZES.clear()
     PLANS.clear()
     RUNS.clear()

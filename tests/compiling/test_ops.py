@@ -19,7 +19,7 @@ from mstar_core import (
     PagedAttentionManager,
     StepContext,
 )
-from mstar_core.errors import StateError
+from mstar_core.errors import InputError, StateError
 
 from ..helpers import REF_WRAPPERS, bstep, dense, step
 
@@ -105,6 +105,31 @@ def test_one_compiled_graph_serves_every_step_of_its_shape():
         torch.testing.assert_close(kv.storage, written)
         node.commit(dec, c)
     assert kv.streams[("a", "text")].length == 8 and kv.streams[("b", "text")].length == 6
+
+
+def test_a_compiled_layer_reads_the_label_it_names_and_the_layer_of_its_layer_idx():
+    cfg = KVConfig(2, 2, 64, 16, 16, 4)
+    kv = KVManager(cfg, "cpu", torch.float32)
+    attn = PagedAttentionManager(kv, "cpu", torch.float32, cfg, REF_WRAPPERS)
+    node = Node([kv, attn])
+    node.ingest_request("a")
+    ctx = StepContext()
+    st = step(("a", "text", 5), ("a", "audio", 3))
+    assert node.admit(st, ctx)
+    node.plan(st, ctx)
+    q = torch.randn(3, 4, 64, generator=torch.Generator().manual_seed(1))
+    got = _compiled(lambda q: attn.run(q, "audio", layer_idx=1))(q)  # no view given: layer_idx's
+    torch.testing.assert_close(got, attn.run(q, "audio", kv.layer_view(1), layer_idx=1))
+    given = torch.randn_like(kv.layer_view(1))  # what a compiler may hand over for the layer: read as given
+    got = _compiled(lambda q, layer: attn.run(q, "audio", layer, layer_idx=1))(q, given)
+    torch.testing.assert_close(got, attn.run_eager(q, "audio", given, 1, None, check_view=False))
+    with pytest.raises(InputError, match=r"label=None is ambiguous: this step has labels \['text', 'audio'\]"):
+        _compiled(lambda q: attn.run(q, layer_idx=1))(q)
+    # a whole graph cannot raise: the compiler reports the refusal
+    with pytest.raises(torch._dynamo.exc.Unsupported, match="PagedAttentionManager.run under torch.compile needs "
+                                                            "layer_idx"):
+        _compiled(lambda q: attn.run(q, "audio", kv.layer_view(1)))(q)
+    node.rollback_admit(st, ctx)
 
 
 def test_an_op_of_a_manager_that_is_gone_is_refused():
