@@ -3,6 +3,7 @@ message that names the bad value and what is allowed, and nothing changed."""
 
 from __future__ import annotations
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -16,7 +17,7 @@ from mstar_core import (
     select_backend,
 )
 from mstar_core.backends.reference.plugin import REFERENCE
-from mstar_core.registry import config_backend
+from mstar_core.registry import config_backend, resolve_requested
 from mstar_core.registry.discovery import ENV_STRICT, strict_from_env
 
 PAGED = ("paged_prefill", "paged_decode", "mixed")
@@ -40,6 +41,14 @@ def test_a_requested_name_that_is_not_a_string_is_a_type_error(reg, requested):
     msg = str(e.value)
     assert repr(requested) in msg and type(requested).__name__ in msg
     assert "backend name string or 'auto'" in msg
+    with pytest.raises(TypeError, match=r"backend name string or 'auto'.* got " + type(requested).__name__):
+        resolve_requested(requested, None)
+
+
+def test_a_wrong_requested_type_is_named_before_the_config_is_read(reg, tmp_path):
+    with pytest.raises(TypeError, match="requested backend must be a backend name string"):
+        select_backend(capabilities=PAGED, requested=3, device=CPU, dtype=F32, config=tmp_path / "nope.toml",
+                       registry=reg)
 
 
 def test_other_argument_types_are_named(reg):
@@ -50,6 +59,23 @@ def test_other_argument_types_are_named(reg):
     with pytest.raises(TypeError, match=r"head_dim must be an int or None, got float 64.0"):
         select_backend(capabilities=PAGED, device=CPU, dtype=F32, head_dim=64.0, registry=reg)
     assert select_backend(capabilities=PAGED, device=CPU, dtype=F32, registry=reg).name == "reference"
+
+
+@pytest.mark.parametrize("capabilities", [(), ("paged_decode", "paged_everything")], ids=["empty", "unknown"])
+def test_capabilities_must_be_a_non_empty_subset_of_the_known_ones(reg, capabilities):
+    with pytest.raises(ValueError, match=r"capabilities must be a non-empty subset of \[.*'paged_decode'.*\], got "
+                                         + re.escape(str(list(capabilities)))):
+        select_backend(capabilities=capabilities, device=CPU, dtype=F32, registry=reg)
+
+
+def test_the_registry_is_a_registry_or_none_for_the_process_wide_one(monkeypatch):
+    with pytest.raises(TypeError, match="registry must be a Registry or None, got dict"):
+        select_backend(capabilities=PAGED, device=CPU, dtype=F32, registry={"reference": REFERENCE})
+    only_toy = Registry(discover=False)
+    only_toy.register(BackendSpec(name="toy", provides={"paged_decode": REFERENCE.provides["paged_decode"]},
+                                  devices=("cpu",), dtypes=(F32,)))
+    monkeypatch.setattr("mstar_core.registry.registry._default", only_toy)
+    assert select_backend(capabilities=("paged_decode",), device=CPU, dtype=F32).name == "toy"
 
 
 # -- config --------------------------------------------------------------------------------------

@@ -216,6 +216,14 @@ def test_a_pin_in_env_or_config_picks_one(two_fasts, monkeypatch):
         Registry()
 
 
+def test_a_name_the_config_pins_is_judged_on_its_own_reasons_not_as_a_conflict(two_fasts):
+    pinned = {"attention": {"pins": {"fast": "fast-kernels"}}}
+    with pytest.raises(BackendUnavailable) as e:
+        select_backend(("paged_decode",), device=CPU, dtype=torch.int8, registry=Registry(), config=pinned)
+    assert "dtype int8 is not supported" in e.value.reasons["fast"][0]
+    assert not any("registered by 2 distributions" in r for r in e.value.reasons["fast"])
+
+
 def test_backends_lists_both_claimants_with_the_conflict(two_fasts, monkeypatch, capsys):
     monkeypatch.setattr("mstar_core.registry.registry._default", Registry())
     assert main(["backends", "--json", "--device", "cpu"]) == 0

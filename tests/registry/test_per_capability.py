@@ -4,6 +4,8 @@ multi-token decode rows run."""
 
 from __future__ import annotations
 
+import logging
+
 import pytest
 import torch
 
@@ -226,6 +228,20 @@ def test_a_1_0_decode_only_backend_is_refused_for_multi_token_rows_by_name_as_by
     assert select_backend(("paged_decode",), requested="olddec", device=CPU, dtype=F32, registry=reg).name == "olddec"
 
 
+def test_two_query_tokens_per_decode_row_are_multi_token_rows_by_name_and_by_auto():
+    reg = registry()
+    two = AttentionFeatures(decode_query_tokens=2)
+    for requested in ("reference", "auto"):
+        sel = select_backend(PAGED, requested=requested, device=CPU, dtype=F32, registry=reg, features=two)
+        assert sel.multi_token_wrapper == "paged_decode", requested
+    # one token per row asks no wrapper for them, though the reference's decode wrapper runs them
+    assert select_backend(PAGED, requested="reference", device=CPU, dtype=F32, registry=reg).multi_token_wrapper \
+        is None
+    # nor does prefill asked alone, by name
+    assert select_backend(("paged_prefill",), requested="reference", device=CPU, dtype=F32, registry=reg,
+                          features=MULTI).multi_token_wrapper is None
+
+
 # -- the two paths' Selection ----------------------------------------------------------------------
 
 def test_a_selection_by_name_and_one_per_capability_answer_the_same_questions():
@@ -265,6 +281,24 @@ def test_a_decode_only_selection_with_multi_token_rows_keeps_a_decode_pick_that_
 
 
 # -- which contract each pick speaks -------------------------------------------------------------
+
+def test_the_log_says_auto_picked_only_where_auto_picked(caplog):
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    reg = registry()
+    select_backend(PAGED, device=CPU, dtype=F32, registry=reg)
+    assert "auto picked attention backend 'reference'" in caplog.text
+    caplog.clear()
+    select_backend(PAGED, requested={"default": "reference"}, device=CPU, dtype=F32, registry=reg)
+    assert "auto picked" not in caplog.text and "attention backends per capability" in caplog.text
+
+
+def test_a_probe_reason_ending_in_words_that_are_not_capabilities_is_kept_as_written():
+    # only a tail of capability names marks a reason to merge across capabilities
+    why = ["library built without support in mixed, debug", "library built without support in bounded"]
+    reg = registry(spec("odd", priority=5, probe=lambda device: why))
+    sel = select_backend(("paged_decode",), device=CPU, dtype=F32, registry=reg)
+    assert sel.name == "reference" and sel.rejected["odd"] == why
+
 
 def test_selection_gives_each_capabilitys_spec_and_plugin_api_version():
     reg = registry(spec("olddec", api_version="1.0", priority=5))

@@ -23,7 +23,7 @@ from mstar_core import (
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.errors import InputError, InputTypeError
-from mstar_core.registry import auto_order
+from mstar_core.registry import auto_order, resolve_requested
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
 from mstar_rocm.plugin import AITER
@@ -242,6 +242,7 @@ def test_auto_when_nothing_can_run_raises_with_every_reason(reg):
     # every backend that provides paged_decode, with its reasons; rocm does not provide it
     assert set(e.value.reasons) == {"flashinfer", "fa3", "reference"}
     assert "dtype int8 is not supported" in e.value.reasons["reference"][0]
+    assert "| reference: dtype int8 is not supported" in str(e.value)
     assert e.value.known == ["fa3", "flashinfer", "reference", "rocm"]
 
 
@@ -310,6 +311,29 @@ def test_env_overrides_config_and_says_so(reg, monkeypatch, caplog):
     sel = select_backend(PAGED, device="cpu", config={"attention": {"backend": "flashinfer"}}, registry=reg)
     assert sel.name == "reference" and sel.source == "env MSTAR_ATTENTION_BACKEND"
     assert "MSTAR_ATTENTION_BACKEND=reference overrides the config's backend 'flashinfer'" in caplog.text
+
+
+def test_env_warns_only_where_it_overrides_another_configured_name(reg, monkeypatch, caplog):
+    caplog.set_level(logging.INFO, logger="mstar.registry")
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", "reference")
+
+    def override_levels(requested):
+        caplog.clear()
+        assert select_backend(PAGED, requested=requested, device="cpu", registry=reg).name == "reference"
+        return [r.levelname for r in caplog.records if "overrides" in r.getMessage()]
+
+    for same in (None, "auto", "reference", " reference "):  # nothing configured, or nothing else
+        assert override_levels(same) == ["INFO"], same
+    assert override_levels("flashinfer") == ["WARNING"]
+
+
+def test_resolve_requested_honors_the_env_unless_told_not_to(monkeypatch):
+    monkeypatch.setenv("MSTAR_ATTENTION_BACKEND", " fa3 ")
+    assert resolve_requested(None, None) == ("fa3", "env MSTAR_ATTENTION_BACKEND")
+    assert resolve_requested("reference", None, honor_env=False) == ("reference", "argument")
+    assert resolve_requested(None, {"attention": {"backend": "flashinfer"}}, honor_env=False) == ("flashinfer",
+                                                                                                   "config")
+    assert resolve_requested(None, None, honor_env=False) == ("auto", "default")
 
 
 def test_env_naming_an_unknown_backend_fails_clearly(reg, monkeypatch):
