@@ -152,3 +152,51 @@ def test_the_cli_takes_groups_but_not_for_layer_groups(registry, monkeypatch, ca
     assert "4 of 4 cases passed" in out and "groups: edge, layers, plain, replan, shapes not run" in out
     assert main(["check", "auto", "--group", "numerics"]) == 2
     assert "--group selects cases of one named backend" in capsys.readouterr().err
+
+
+def _stretches(offsets: torch.Tensor) -> list[float]:
+    """Each stretch's offset, its per-key noise averaged out (to within about a unit)."""
+    return [float(s.mean()) for s in offsets.split(N.STRETCH)]
+
+
+# pattern -> its first and last stretch, as the docs give them (REACH = 300)
+ENDS = {"fall": (300, -300), "rise": (-300, 300), "spread": (300, -300), "high": (300, 150), "low": (-150, -300)}
+
+
+@pytest.mark.parametrize("pattern", sorted(N.PATTERNS))
+def test_a_row_s_stretches_keep_to_its_pattern_s_ranges(pattern):
+    assert (N.HIGH, N.LOW, N.ANY) == ((150, 300), (-300, -150), (-300, 300))
+    n = 64
+    per = _stretches(N.row_offsets(pattern, n * N.STRETCH, torch.Generator().manual_seed(1)))
+    # the high end holds 3/8 of the stretches (24 of 64), at the start of a row but a rising one
+    top = 24 if pattern != "rise" else n - 24
+    for (lo, hi), part in zip(N.PATTERNS[pattern], (per[1:top], per[top:-1]), strict=True):
+        assert all(lo - 1 < p < hi + 1 for p in part), (lo, hi, part)
+        # the offsets are drawn over the whole range, not from one end of it
+        assert min(part) < lo + (hi - lo) / 4 and max(part) > hi - (hi - lo) / 4, (lo, hi, part)
+    assert per[0] == pytest.approx(ENDS[pattern][0], abs=1) and per[-1] == pytest.approx(ENDS[pattern][1], abs=1)
+
+
+@pytest.mark.parametrize("pattern", sorted(N.PATTERNS))
+def test_a_row_of_two_stretches_holds_both_ends(pattern):
+    per = _stretches(N.row_offsets(pattern, 2 * N.STRETCH, torch.Generator().manual_seed(2)))
+    assert per == pytest.approx(ENDS[pattern], abs=1)
+
+
+def test_the_tolerance_adds_each_term_only_where_asked():
+    assert N.tolerance(0.0, torch.float64, 1024) == 1024 * 2.0 ** -53
+    assert N.tolerance(0.0, F32, 10, head_dim=64) == 10 * 2.0 ** -24  # no reach: the scores add nothing
+    assert N.tolerance(0.0, F32, 10, reach=300.0) == 10 * 2.0 ** -24  # no head dim: likewise
+    assert N.tolerance(0.0, F32, 10, 300.0, 64) == (10 + 2400) * 2.0 ** -24
+
+
+def test_the_shaped_queries_and_keys_lie_along_a_unit_direction_per_kv_head():
+    gen = torch.Generator().manual_seed(3)
+    q = torch.zeros((5, 8, 64))
+    adds = N.shape_scores("hundreds", q, [300, 7], 4, 0.5, gen)
+    # a query is its KV head's unit direction (plus a little noise) over the scale
+    assert torch.all(((q * 0.5).norm(dim=-1) - 1).abs() < 0.5)
+    for add, n in zip(adds, (300, 7), strict=True):
+        assert add.shape == (n, 2, 64)
+        norms = add.norm(dim=-1)  # |offset_j| on every KV head alike
+        assert torch.allclose(norms[:, 0], norms[:, 1], rtol=1e-5) and float(norms.max()) < 320
