@@ -272,3 +272,19 @@ def test_matches_past_the_remembered_limit_start_over(monkeypatch):
     kv.ingest_request("q")
     kv.admit_prefix("q", "t", prompts[0], b"m")  # forgotten: the 1025th match cleared the first 1024
     assert calls[0] == 1026
+
+
+def test_check_layer_view_takes_the_layer_view_and_names_a_wrong_one():
+    kv = small_kv(layers=3)
+    s = kv.storage
+    kv.check_layer_view(kv.layer_view(1), 1, "run")
+    with pytest.raises(InputError, match=r"run: kv_cache_layer is layer 2's view \(layer_view\(2\)\), but layer_idx is 1"):
+        kv.check_layer_view(kv.layer_view(2), 1, "run")
+    with pytest.raises(InputError, match=r"is layer 0's view \(layer_view\(0\)\), but layer_idx is 2"):
+        kv.check_layer_view(kv.layer_view(0), 2, "run")
+    misaligned = torch.as_strided(s, s.shape[1:], s[0].stride(), storage_offset=s[0].numel() + 3)
+    for other in (torch.zeros_like(s[1]), s[1].view(torch.int64), misaligned, s[1][..., :2]):
+        with pytest.raises(InputError, match=r"is not a layer of this KV cache; pass layer_view\(1\) with layer_idx=1"):
+            kv.check_layer_view(other, 1, "run")
+    with pytest.raises(InputTypeError, match=r"kv_cache_layer must be a tensor"):
+        kv.check_layer_view([1], 1, "run")
