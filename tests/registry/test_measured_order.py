@@ -128,7 +128,7 @@ def test_an_unreadable_table_is_ignored_with_a_warning(fake_gpu, tables, caplog)
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": 1.0}}, "capability -> workload"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": -1}}}, "positive number"),
     ({"backend": "x", "arch": "sm90", "median_ms": [{"d": 1.0}]}, "capability -> workload"),
-    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": 1.0}, "mixed": 2.0}}, "capability -> workload"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": 1.0}, "mixed": 2}}, "capability -> workload"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": 0}}}, "positive number"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": "1.0"}}}, "positive number"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": True}}}, "positive number"),
