@@ -7,11 +7,14 @@ import logging
 import os
 import subprocess
 import sys
+import textwrap
+from importlib import metadata as md
+from types import SimpleNamespace
 
 import pytest
 
 from mstar_core import BackendSpec, PluginError, Registry, hookimpl
-from mstar_core.registry.discovery import entry_points, env_flag
+from mstar_core.registry.discovery import GROUP, distribution_of, entry_points, env_flag, intended_backends
 
 
 def spec(name: str) -> BackendSpec:
@@ -215,3 +218,27 @@ def test_an_entry_point_listed_twice_loads_once(fake_module, make_ep, fake_entry
     reg = Registry()
     assert calls == [1]
     assert "twice" in reg.names() and reg.failures == []
+
+
+def test_intended_backends_reads_one_string_name_per_call(tmp_path, monkeypatch):
+    (tmp_path / "fake_intended_src.py").write_text(textwrap.dedent("""
+        import kernels
+        A = BackendSpec(name="by_keyword", provides={})
+        B = kernels.BackendSpec("positional", {})
+        C = BackendSpec("first_argument", name="keyword_wins")
+        D = BackendSpec(name=NAME)  # not a literal: unknown without running it
+        E = BackendSpec(name=3)
+        F = BackendSpec(name="by_keyword")
+        G = OtherSpec(name="not_a_backend")
+    """), encoding="utf-8")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert intended_backends("fake_intended_src") == ("by_keyword", "positional", "keyword_wins")
+
+
+@pytest.mark.parametrize("dist,expected", [
+    (SimpleNamespace(name="by-name", version="1.2"), ("by-name", "1.2")),
+    (SimpleNamespace(metadata={"Name": "by-metadata"}, version="2.0"), ("by-metadata", "2.0")),
+    (SimpleNamespace(), ("?", "?")),
+])
+def test_distribution_of_reads_the_name_then_the_metadata_else_a_question_mark(dist, expected):
+    assert distribution_of(md.EntryPoint(name="x", value="x_mod", group=GROUP)._for(dist)) == expected

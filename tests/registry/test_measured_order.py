@@ -127,10 +127,22 @@ def test_an_unreadable_table_is_ignored_with_a_warning(fake_gpu, tables, caplog)
     ({"backend": "x", "arch": "sm90"}, "needs 'median_ms'"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": 1.0}}, "capability -> workload"),
     ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": -1}}}, "positive number"),
+    ({"backend": "x", "arch": "sm90", "median_ms": [{"d": 1.0}]}, "capability -> workload"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": 1.0}, "mixed": 2}}, "capability -> workload"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": 0}}}, "positive number"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": "1.0"}}}, "positive number"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": True}}}, "positive number"),
+    ({"backend": "x", "arch": "sm90", "median_ms": {"paged_decode": {"d": float("inf")}}}, "positive number"),
 ])
 def test_bad_tables_are_refused_naming_what_is_wrong(doc, match):
     with pytest.raises((InputError, InputTypeError), match=match):
         MeasuredTable.from_dict(doc, "t.json")
+
+
+def test_keys_beyond_the_known_ones_are_kept_as_extra():
+    t = MeasuredTable.from_dict({"backend": "x", "arch": "sm90", "median_ms": {}, "device": "H200", "source": "s",
+                                 "torch": "2.5"}, "t.json")
+    assert (t.device, t.source, t.extra) == ("H200", "s", {"torch": "2.5"})
 
 
 def test_measured_needs_api_1_1_and_a_reference():

@@ -23,7 +23,7 @@ from mstar_core import (
 from mstar_core.backends.reference import ReferencePrefixedPrefillWrapper
 from mstar_core.backends.reference.plugin import REFERENCE
 from mstar_core.errors import InputError, InputTypeError
-from mstar_core.registry import auto_order, resolve_requested
+from mstar_core.registry import auto_order, get_registry, resolve_requested
 from mstar_fa3.plugin import FA3
 from mstar_flashinfer.plugin import FLASHINFER
 from mstar_rocm.plugin import AITER
@@ -393,6 +393,11 @@ def test_dense_rule_is_the_rule_whatever_the_env_says(reg, monkeypatch):
     assert dense_selection("cpu", registry=reg).name == "reference"
     with pytest.raises(BackendUnavailable, match="from env MSTAR_ATTENTION_BACKEND"):
         select_backend(("prefixed_ragged",), device="cpu", registry=reg)  # a manager's selection obeys it
+
+
+def test_the_dense_rule_reads_the_process_wide_registry_by_default():
+    sel = dense_selection("cpu")
+    assert sel.name == "reference" and dense_selection("cpu", registry=get_registry()) is sel  # its cached answer
 
 
 def test_clear_probe_cache_also_forgets_the_dense_rule(reg, fake_gpu, fake_installed, fa3_kernel):
