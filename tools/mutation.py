@@ -11,9 +11,11 @@ of missing tests.
 
 How it stays fast on 2 cores: each worker owns a copy of the tree and a process that has imported
 torch, pytest and transformers once; a mutant is written into the copy and run in a forked child
-(so only mstar itself is imported again). A first run of each module's tests records which tests
-execute each line; a mutant then runs only those tests (all of them for lines no test reached
-in-process, such as code run in a subprocess), fastest first, stopping at the first failure.
+(so only mstar itself is imported again). A first run of each module's tests, split across the
+workers, records which tests execute each line; a mutant then runs only those tests (all of them
+for lines no test reached in-process, such as code run in a subprocess), the ones that caught most
+slips per second first, stopping at the first failure. Each outcome goes to a journal as it comes,
+so a run cut short goes on with --resume.
 
 It is a tool to run before a change lands, not a CI step: a module takes minutes to hours.
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import datetime
 import gc
+import hashlib
 import json
 import os
 import re
@@ -105,10 +108,17 @@ class _Lines:
 
 
 class _Only:
-    """A pytest plugin: keep the named tests, in the given order."""
+    """A pytest plugin: keep the named tests, in the given order; write the id of the first that fails."""
 
-    def __init__(self, ids: list[str]) -> None:
+    def __init__(self, ids: list[str], killer: str) -> None:
         self.order = {t: i for i, t in enumerate(ids)}
+        self.killer = killer
+        self.named = False
+
+    def pytest_runtest_logreport(self, report):  # type: ignore[no-untyped-def]
+        if report.failed and not self.named:
+            self.named = True
+            Path(self.killer).write_text(report.nodeid)
 
     def pytest_collection_modifyitems(self, session, config, items):  # type: ignore[no-untyped-def]
         kept = [i for i in items if i.nodeid in self.order]
@@ -144,7 +154,8 @@ def _child(request: dict, log: str) -> int:
             json.dump({"hits": {k: sorted(v) for k, v in tracer.hits.items()}, "seconds": tracer.seconds,
                        "modules": theirs}, f)
         return int(code)
-    return int(pytest.main(_pytest_args(request["files"], stop_first=True), plugins=[_Only(request["tests"])]))
+    only = _Only(request["tests"], request["killer"])
+    return int(pytest.main(_pytest_args(request["files"], stop_first=True), plugins=[only]))
 
 
 def serve() -> None:
@@ -159,6 +170,8 @@ def serve() -> None:
         original = path.read_text() if request.get("source") is not None else None
         if original is not None:
             stamp = _write(path, request["source"], stamp)
+        killer = Path(request.get("killer", ".mutation-killer"))
+        killer.unlink(missing_ok=True)
         began = time.perf_counter()
         pid = os.fork()
         if pid == 0:
@@ -175,7 +188,9 @@ def serve() -> None:
         tail = ""
         if outcome not in (0, 1, "timeout"):
             tail = Path(log).read_text(errors="replace")[-2000:]
-        print(json.dumps({"outcome": outcome, "seconds": time.perf_counter() - began, "tail": tail}), flush=True)
+        named = killer.read_text() if killer.exists() else ""
+        print(json.dumps({"outcome": outcome, "seconds": time.perf_counter() - began, "tail": tail,
+                          "killer": named}), flush=True)
 
 
 def _write(path: Path, text: str, stamp: float) -> float:
@@ -308,34 +323,105 @@ def prior_survivors(out: Path, target: Target) -> tuple[str, set[str]]:
     return commit, set(re.findall(r"key: `(.*)`", survived))
 
 
-def run_module(target: Target, workers: list[Worker], progress: bool,
-               only: tuple[str, set[str]] | None = None) -> list[Outcome]:
-    """Every slip of ``target`` (``only``: (commit, keys): just those, the rest caught at that commit)."""
+def _test_files(tests: list[str], home: Path) -> list[Path]:
+    """The test files under the map's entries (a folder stands for its ``test_*.py``), largest first."""
+    files: list[Path] = []
+    for t in tests:
+        path = home / t
+        found = sorted(path.rglob("test_*.py")) if path.is_dir() else [path]
+        files += [f for f in found if f not in files]
+    return sorted(files, key=lambda f: -f.stat().st_size)
+
+
+def trace(targets: list[Target], workers: list[Worker]) -> dict:
+    """Run the targets' tests once, traced, split by file across the workers: which tests execute
+    each line of each target, and how long each test takes. The targets share their tests."""
+    files = _test_files(targets[0].tests, workers[0].home)
+    shares: list[list[Path]] = [[] for _ in workers[:len(files)]]
+    for i, f in enumerate(files):  # largest files dealt first, round and round
+        shares[i % len(shares)].append(f)
+    for w, share in zip(workers, shares, strict=False):
+        w.send({"kind": "lines", "files": [str(w.home / f.relative_to(workers[0].home)) for f in share],
+                "targets": [str(w.home / t.module) for t in targets], "out": str(w.home / ".mutation-lines.json"),
+                "timeout": 3600}, None)
+    merged: dict = {"hits": defaultdict(set), "seconds": {}}
+    for w in workers[:len(shares)]:
+        answer = w.answer()
+        if answer["outcome"] != 0:
+            raise SystemExit(f"{', '.join(t.module for t in targets)}: its tests do not pass unmutated (pytest exit "
+                             f"{answer['outcome']}); fix them first:\n{answer['tail']}")
+        data = json.loads((w.home / ".mutation-lines.json").read_text())
+        for where, tests in data["hits"].items():
+            # the workers' trees differ only in their root: key a line by its path in the tree
+            merged["hits"][where.removeprefix(f"{w.home.resolve()}/")].update(tests)
+        merged["seconds"].update(data["seconds"])
+    return merged
+
+
+class Journal:
+    """Each slip's outcome as it comes, one JSON line, under the module's text: a run cut short goes
+    on from there with ``--resume`` instead of planting its slips again."""
+
+    def __init__(self, path: Path, source: str, commit: str) -> None:
+        self.path = path
+        self.head = {"sha256": hashlib.sha256(source.encode()).hexdigest(), "commit": commit}
+
+    def load(self) -> tuple[str | None, dict[str, dict]]:
+        """The commit of the run it holds and its outcomes by slip key; refused for another text."""
+        if not self.path.exists():
+            return None, {}
+        lines = self.path.read_text().splitlines()
+        head = json.loads(lines[0])
+        if head["sha256"] != self.head["sha256"]:
+            raise SystemExit(f"--resume: {self.path} was written for another text of its module; delete it or "
+                             "run without --resume")
+        done = {}
+        for line in lines[1:]:
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError:  # the last line of a run killed mid-write
+                continue
+            done[row["key"]] = row
+        return head["commit"], done
+
+    def start(self, keep: dict[str, dict], commit: str) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("w") as f:
+            f.write(json.dumps(dict(self.head, commit=commit)) + "\n")
+            for row in keep.values():
+                f.write(json.dumps(row) + "\n")
+
+    def add(self, o: Outcome) -> None:
+        with self.path.open("a") as f:
+            f.write(json.dumps({"key": o.mutant.key, "result": o.result, "seconds": round(o.seconds, 2),
+                                "tests": o.tests, "detail": o.detail}) + "\n")
+
+
+def run_module(target: Target, workers: list[Worker], progress: bool, data: dict, journal: Journal,
+               only: tuple[str, set[str]] | None = None, resume: bool = False) -> tuple[list[Outcome], str | None]:
+    """Every slip of ``target`` (``only``: (commit, keys): just those, the rest caught at that commit).
+    Returns the outcomes and, when some came from a journal, the commit they were run at."""
     source = (ROOT / target.module).read_text()
     planted = list(mutants(target.module, source))
-    w0 = workers[0]
-    out = w0.home / ".mutation-lines.json"
-    base_files = [str(w0.home / t) for t in target.tests]
-    w0.send({"kind": "lines", "files": base_files, "targets": [str(w0.home / target.module)], "out": str(out),
-             "timeout": 3600}, None)
-    answer = w0.answer()
-    if answer["outcome"] != 0:
-        raise SystemExit(f"{target.module}: its tests do not pass unmutated (pytest exit {answer['outcome']}); "
-                         f"fix them first:\n{answer['tail']}")
-    data = json.loads(out.read_text())
     seconds: dict[str, float] = data["seconds"]
     hits: dict[int, set[str]] = defaultdict(set)
     everywhere: set[int] = set()
     for where, tests in data["hits"].items():
-        line = int(where.rsplit(":", 1)[1])
+        path, line = where.rsplit(":", 1)
+        if path != target.module:
+            continue
         real = {t for t in tests if t in seconds}
-        hits[line] |= real
+        hits[int(line)] |= real
         if len(real) < len(tests):
-            everywhere.add(line)  # run at import: every test depends on it
+            everywhere.add(int(line))  # run at import: every test depends on it
     all_tests = sorted(seconds, key=seconds.__getitem__)
     total = sum(seconds.values())
     print(f"{target.module}: {len(planted)} mutants; its tests: {len(all_tests)} in {total:.1f} s", flush=True)
 
+    then, done_before = journal.load() if resume else (None, {})
+    if resume and then is None:
+        print(f"  --resume: no journal of {target.module}; planting every slip", flush=True)
+    journal.start(done_before, then or journal.head["commit"])
     queue: list[tuple[Mutant, list[str]]] = []
     outcomes: list[Outcome] = []
     for m in planted:
@@ -345,6 +431,10 @@ def run_module(target: Target, workers: list[Worker], progress: bool,
         if only is not None and m.key not in only[1]:
             outcomes.append(Outcome(m, "caught", 0.0, 0, f"caught at {only[0]}"))
             continue
+        if m.key in done_before:
+            row = done_before[m.key]
+            outcomes.append(Outcome(m, row["result"], row["seconds"], row["tests"], row["detail"]))
+            continue
         lines = range(m.line, m.line + m.before.count("\n") + 1)
         reached = set().union(*(hits.get(n, set()) for n in lines))
         if any(n in everywhere for n in lines) or not reached:
@@ -352,6 +442,15 @@ def run_module(target: Target, workers: list[Worker], progress: bool,
         else:
             chosen = sorted(reached, key=seconds.__getitem__)
         queue.append((m, chosen))
+    if done_before:
+        print(f"  {len(outcomes)} taken from the journal of the run at {then}; {len(queue)} to plant", flush=True)
+
+    # A test that caught slips before is the likeliest to catch the next: try tests by catches per
+    # second (a new test counts one), so a caught slip costs its catching test, not all before it.
+    kills: dict[str, int] = defaultdict(int)
+
+    def order(chosen: list[str]) -> list[str]:
+        return sorted(chosen, key=lambda t: -(kills[t] + 1) / (seconds[t] + 0.05))
 
     pending = list(queue)
     done = 0
@@ -363,7 +462,8 @@ def run_module(target: Target, workers: list[Worker], progress: bool,
                 files = sorted({str(w.home / t.split("::")[0]) for t in chosen})
                 budget = 30.0 + 3.0 * sum(seconds[t] for t in chosen)
                 w.send({"kind": "mutant", "path": str(w.home / m.module), "source": m.source, "files": files,
-                        "tests": chosen, "timeout": budget}, (m, len(chosen)))
+                        "tests": order(chosen), "timeout": budget, "killer": str(w.home / ".mutation-killer")},
+                       (m, len(chosen)))
         busy = [w for w in workers if w.busy]
         ready, _, _ = select.select([w.proc.stdout for w in busy], [], [])
         for w in busy:
@@ -374,13 +474,16 @@ def run_module(target: Target, workers: list[Worker], progress: bool,
                 m, count = tag
                 a = w.answer()
                 result = _result(a["outcome"])
+                if a.get("killer"):
+                    kills[a["killer"]] += 1
                 outcomes.append(Outcome(m, result, a["seconds"], count, a["tail"][-600:]))
+                journal.add(outcomes[-1])
                 done += 1
                 if progress:
                     rate = (time.monotonic() - began) / done
                     print(f"  [{done}/{len(queue)}] {result:8s} {m.describe()}  "
                           f"(~{rate * (len(queue) - done) / 60:.1f} min left)", flush=True)
-    return outcomes
+    return outcomes, then
 
 
 def _result(outcome: int | str) -> str:
@@ -401,7 +504,8 @@ def score(outcomes: list[Outcome]) -> tuple[int, int]:
     return len(caught), len(counted)
 
 
-def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: str, prior: str | None) -> str:
+def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: str, prior: str | None,
+                 resumed: str | None = None) -> str:
     caught, counted = score(outcomes)
     by = defaultdict(int)
     for o in outcomes:
@@ -411,6 +515,9 @@ def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: st
             + ", ".join(f"{k} {v}" for k, v in sorted(by.items())))
     rerun = [] if prior is None else [f"Only the survivors of the run at {prior} were planted again; the "
                                       "rest were caught there (the module is the same).", ""]
+    if resumed is not None and resumed != commit:
+        rerun += [f"Resumed: the slips planted before a run at {resumed} was cut short kept their outcomes "
+                  "there (the module is the same); the rest were planted at the commit above.", ""]
     lines = [f"# {target.module} at {commit}, {datetime.date.today()}", "", line, "", *rerun,
              f"tests: {', '.join(target.tests)}", ""]
     for kind in ("survived", "error"):
@@ -443,6 +550,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--survivors", action="store_true",
                         help="plant only the slips that survived in each module's last report in --out (after "
                              "adding tests; refused where the module changed since)")
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the outcomes in each module's journal in --out (a run cut short, same module "
+                             "text) and plant only the rest")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
@@ -469,11 +579,18 @@ def main(argv: list[str] | None = None) -> int:
     scratch = Path(tempfile.mkdtemp(prefix="mstar-mutation-"))
     workers = [Worker(scratch / f"w{i}") for i in range(max(1, args.workers))]
     summary = []
+    traced: dict[tuple[str, ...], dict] = {}
     try:
         for t in chosen:
+            key = tuple(t.tests)
+            if key not in traced:  # once for every chosen module that shares these tests
+                traced[key] = trace([c for c in chosen if tuple(c.tests) == key], workers)
             only = prior_survivors(out, t) if args.survivors else None
-            outcomes = run_module(t, workers, progress=not args.quiet, only=only)
-            summary.append(write_report(out / f"{slug(t)}.md", t, outcomes, commit, only and only[0]))
+            journal = Journal(out / f"{slug(t)}.journal.jsonl", (ROOT / t.module).read_text(), commit)
+            outcomes, resumed = run_module(t, workers, progress=not args.quiet, data=traced[key], journal=journal,
+                                           only=only, resume=args.resume)
+            summary.append(write_report(out / f"{slug(t)}.md", t, outcomes, commit, only and only[0], resumed))
+            journal.path.unlink()  # the report holds it all now
             print(summary[-1], flush=True)
     finally:
         for w in workers:

@@ -116,3 +116,45 @@ def test_the_map_names_modules_and_tests_that_exist_and_equivalents_that_are_pla
         for eq in entry["equivalent"]:
             assert eq["why"].strip(), f"{module}: {eq['key']} says not why it is equivalent"
             assert eq["key"] in keys, f"{module}: equivalent {eq['key']!r} is no longer planted"
+
+
+mutation = _load("mutation")
+
+
+def _outcome(key: str, result: str):
+    slip = next(m for m in mutants.mutants("pages.py", SOURCE) if m.key == key)
+    return mutation.Outcome(slip, result, 1.5, 3, "")
+
+
+def test_a_journal_keeps_each_outcome_and_resumes_only_on_the_same_text(tmp_path: Path) -> None:
+    keys = [m.key for m in mutants.mutants("pages.py", SOURCE)][:3]
+    journal = mutation.Journal(tmp_path / "pages.journal.jsonl", SOURCE, "abc1234")
+    assert journal.load() == (None, {})
+    journal.start({}, "abc1234")
+    journal.add(_outcome(keys[0], "caught"))
+    journal.add(_outcome(keys[1], "survived"))
+    with journal.path.open("a") as f:
+        f.write('{"key": "half-writ')  # a run killed mid-line
+    again = mutation.Journal(journal.path, SOURCE, "def5678")
+    commit, done = again.load()
+    assert commit == "abc1234"
+    assert {k: r["result"] for k, r in done.items()} == {keys[0]: "caught", keys[1]: "survived"}
+    again.start(done, commit)  # rewritten whole: the half line is gone, the outcomes stay
+    assert again.load() == (commit, done)
+    other = mutation.Journal(journal.path, SOURCE + "\n# changed\n", "def5678")
+    try:
+        other.load()
+    except SystemExit as e:
+        assert "another text" in str(e)
+    else:
+        raise AssertionError("a journal of another module text was resumed")
+
+
+def test_the_traced_run_is_dealt_by_file_largest_first(tmp_path: Path) -> None:
+    (tmp_path / "tests" / "a").mkdir(parents=True)
+    (tmp_path / "tests" / "a" / "test_big.py").write_text("x = 1\n" * 50)
+    (tmp_path / "tests" / "a" / "test_small.py").write_text("x = 1\n")
+    (tmp_path / "tests" / "a" / "helpers.py").write_text("x = 1\n" * 99)
+    (tmp_path / "tests" / "test_mid.py").write_text("x = 1\n" * 9)
+    files = mutation._test_files(["tests/a", "tests/test_mid.py", "tests/a/test_big.py"], tmp_path)
+    assert [f.name for f in files] == ["test_big.py", "test_mid.py", "test_small.py"]
