@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from mstar_core import KVConfig, KVManager, StepContext
-from mstar_core.errors import InputIndexError, StateError, UnknownName
+from mstar_core.errors import InputError, InputIndexError, StateError, UnknownName
 
 from ..helpers import run_step, small_kv, step
 
@@ -253,3 +253,12 @@ def test_a_rollback_refuses_a_stream_whose_step_pages_moved_since_the_admit():
     st.pages = [st.pages[0], st.pages[2], st.pages[1]]  # the step's two pages, reordered
     with pytest.raises(StateError, match=r"stream \('a', 't'\): pages changed between admit and rollback"):
         kv.rollback_admit(s, ctx)
+
+
+def test_a_layer_of_the_buffer_past_the_cache_is_not_one_of_its_layers():
+    kv = small_kv(layers=2)
+    base = torch.zeros((3, *kv.storage.shape[1:]), dtype=kv.storage.dtype)
+    kv.storage = base[:2]  # the cache's layers are the first two of a larger buffer
+    kv.check_layer_view(base[1], 1, "run")
+    with pytest.raises(InputError, match=r"is not a layer of this KV cache; pass layer_view\(1\) with layer_idx=1"):
+        kv.check_layer_view(base[2], 1, "run")
