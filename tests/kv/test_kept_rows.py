@@ -211,3 +211,66 @@ def test_kept_rows_plan_what_reading_the_streams_plans(monkeypatch, seed):
         a, b = drive(kept, op, arg, True), drive(plain, op, arg, False)
         assert a == b and _snapshot(kept) == _snapshot(plain), (op, arg)
     kept.post_warmup_validate()
+
+
+def test_a_new_step_object_over_the_same_streams_plans_from_the_kept_rows():
+    kv, rids = setup()
+    step(kv, decode(*rids))
+    kept = kv._batch
+    for _ in range(3):
+        step(kv, decode(*rids))  # equal keys, another tuple: the rows are kept all the same
+    assert kv._batch is kept
+
+
+def test_a_refused_decode_step_keeps_the_rows_for_a_smaller_one():
+    kv, rids = setup(lengths=(3, 3), max_pages=4)
+    st = decode(*rids)
+    step(kv, st)  # both rows full: 2 pages free
+    kept = kv._batch
+    assert not kv.admit(decode(*rids, n=5), StepContext())  # 2 pages a row: refused
+    lay = step(kv, st)
+    assert kv._batch is kept and [s.length for s in lay.spans] == [5, 5]
+
+
+def test_a_kept_row_that_gets_its_first_page_plans_from_its_new_table_row():
+    kv, rids = setup(lengths=(0, 0))  # streams without a page, and without a table row
+    st = decode(*rids)
+    for _ in range(5):
+        lay = step(kv, st)
+    assert [s.length for s in lay.spans] == [5, 5]
+
+
+def test_a_subset_admit_between_kept_steps_is_seen_by_the_next_admit():
+    kv, rids = setup()
+    st = decode(*rids)
+    step(kv, st)
+    ctx = StepContext()
+    one = decode(rids[0])
+    assert kv.admit(one, ctx)  # the first row is in flight now
+    with pytest.raises(RuntimeError, match="neither committed nor rolled back"):
+        kv.admit(st, StepContext())
+    kv.rollback_admit(one, ctx)
+    step(kv, st)
+
+
+def test_an_invalidated_stream_is_seen_after_any_later_change():
+    kv, rids = setup()
+    kv.ingest_request("other")
+    st = decode(*rids)
+    for _ in range(2):
+        step(kv, st)
+    kv.invalidate_stream(rids[1], "t")
+    kv.reset_request("other")
+    step(kv, st)  # checks each span's generation against its stream's
+
+
+def test_a_plan_of_some_of_the_kept_streams_lays_out_those():
+    kv, rids = setup()
+    st = decode(*rids)
+    step(kv, st)
+    ctx = StepContext()
+    assert kv.admit(st, ctx)
+    lay = kv.plan(decode(rids[1]), ctx).layout("t")
+    check(lay)
+    assert [s.request_id for s in lay.spans] == [rids[1]]
+    kv.rollback_admit(st, ctx)
