@@ -163,10 +163,11 @@ def left_out(spec: BackendSpec, classes: Mapping[str, Any], dtypes: Sequence[tor
             missing = [d for d in declared.values if d not in dims]
             if missing:
                 out[f"{cap} head dims"] = f"{', '.join(map(str, missing))} declared, not checked: {why}"
-        elif dims and not (declared.maximum is not None and all(
+        elif not (declared.maximum is not None and all(
                 d in dims for d in range(declared.multiple_of, declared.maximum + 1, declared.multiple_of))):
-            out[f"{cap} head dims"] = (f"declares {declared}; checked {', '.join(map(str, dims))} only" +
-                                       (f" ({why})" if why else " (64, 128, 256 and the largest declared)"))
+            usual = "64, 128, 256 and the largest declared" if dims else "the suite checks none it allows"
+            checked = f"{', '.join(map(str, dims))} only" if dims else "none"
+            out[f"{cap} head dims"] = f"declares {declared}; checked {checked} ({why or usual})"
         skipped = [d for d in spec.dtypes_for(cap) if d not in cap_dtypes]
         if skipped:
             reasons = ["not asked (--dtype)" if d in C.TOLERANCE else "the suite has no tolerance for it"
