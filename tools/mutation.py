@@ -431,7 +431,7 @@ def run_module(target: Target, workers: list[Worker], progress: bool, data: dict
         if only is not None and m.key not in only[1]:
             outcomes.append(Outcome(m, "caught", 0.0, 0, f"caught at {only[0]}"))
             continue
-        if m.key in done_before:
+        if m.key in done_before and done_before[m.key]["result"] != "survived":  # a survivor may meet new tests
             row = done_before[m.key]
             outcomes.append(Outcome(m, row["result"], row["seconds"], row["tests"], row["detail"]))
             continue
@@ -443,7 +443,8 @@ def run_module(target: Target, workers: list[Worker], progress: bool, data: dict
             chosen = sorted(reached, key=seconds.__getitem__)
         queue.append((m, chosen))
     if done_before:
-        print(f"  {len(outcomes)} taken from the journal of the run at {then}; {len(queue)} to plant", flush=True)
+        print(f"  {len(done_before)} in the journal of the run at {then}; its survivors and the rest, "
+              f"{len(queue)}, to plant", flush=True)
 
     # A test that caught slips before is the likeliest to catch the next: try tests by catches per
     # second (a new test counts one), so a caught slip costs its catching test, not all before it.
@@ -516,8 +517,8 @@ def write_report(path: Path, target: Target, outcomes: list[Outcome], commit: st
     rerun = [] if prior is None else [f"Only the survivors of the run at {prior} were planted again; the "
                                       "rest were caught there (the module is the same).", ""]
     if resumed is not None and resumed != commit:
-        rerun += [f"Resumed: the slips planted before a run at {resumed} was cut short kept their outcomes "
-                  "there (the module is the same); the rest were planted at the commit above.", ""]
+        rerun += [f"Resumed: the slips caught before a run at {resumed} was cut short were caught there (the "
+                  "module is the same); its survivors and the rest were planted at the commit above.", ""]
     lines = [f"# {target.module} at {commit}, {datetime.date.today()}", "", line, "", *rerun,
              f"tests: {', '.join(target.tests)}", ""]
     for kind in ("survived", "error"):
@@ -552,7 +553,7 @@ def main(argv: list[str] | None = None) -> int:
                              "adding tests; refused where the module changed since)")
     parser.add_argument("--resume", action="store_true",
                         help="keep the outcomes in each module's journal in --out (a run cut short, same module "
-                             "text) and plant only the rest")
+                             "text) and plant the rest, its survivors again")
     parser.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.serve:
