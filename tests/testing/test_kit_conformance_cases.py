@@ -155,3 +155,29 @@ def test_an_fp8_case_stores_k_over_one_half_and_v_over_two(kv_dtype):
     for i, scale in ((0, 0.5), (1, 2.0)):  # stored * scale is what a kernel reads
         assert torch.allclose(fp8.layer[pages, i].float() * scale, plain[pages, i], rtol=0.15, atol=0.02 * scale)
     assert torch.equal(fp8.keys[1][1], fp8.layer[pages[1:3], 1].double().reshape(-1, 2, 64)[:28] * 2.0)
+
+
+@pytest.mark.parametrize("row", [0, 1, 2])
+def test_a_poisoned_row_s_pages_and_queries_alone_hold_inf_keys_nan_values_and_nan_queries(row):
+    case = C.PagedCase(4, 16, 2, (2, 3, 1), (5, 2, 6), poison_row=row)
+    data = C.make_paged(case, "cpu", torch.float32)
+    indptr, pages, qo = data.kv_indptr.tolist(), data.kv_indices.long(), data.qo_indptr.tolist()
+    for r in range(3):
+        own = pages[indptr[r]:indptr[r + 1]]
+        poisoned = r == row
+        assert bool(data.layer[own, 0].isinf().all()) is poisoned
+        assert bool(data.layer[own, 1].isnan().all()) is poisoned
+        assert bool(data.q[qo[r]:qo[r + 1]].isnan().all()) is poisoned
+        assert not data.keys[r][0].isinf().any() and not data.keys[r][1].isnan().any()  # the oracle's stay clean
+    assert not data.q[[i for i in range(qo[-1]) if not qo[row] <= i < qo[row + 1]]].isnan().any()
+
+
+@pytest.mark.parametrize(("q_lens", "prefix_lens", "causal", "blind"), [
+    ((3, 2), (0, 4), False, [False] * 5),
+    ((3, 2), (-3, 4), False, [True] * 3 + [False] * 2),  # a full row with no key at all: every query blind
+    ((3, 2), (-2, -2), False, [False] * 3 + [True] * 2),  # one key left in the first row, none in the second
+    ((3, 2), (-2, 0), True, [True] * 2 + [False] * 3),  # causal: the first -p queries see no key
+])
+def test_the_queries_that_see_no_key_are_named_per_row(q_lens, prefix_lens, causal, blind):
+    case = C.RaggedCase(64, 4, q_lens, prefix_lens, causal=causal)
+    assert C.no_key_queries(case).tolist() == blind
