@@ -1,0 +1,31 @@
+"""What the kit's reuse checks build: the head dim their step sequences default to, and the size a
+ragged wrapper is built with (no pages: page size 0, as WrapperSize documents)."""
+
+from __future__ import annotations
+
+import pytest
+
+from mstar_core.attention.plans import WrapperSize
+from mstar_core.backends.reference.dense import ReferencePrefixedPrefillWrapper
+from mstar_core.testing import reuse
+from mstar_core.testing.conformance import WrapperSet
+
+
+@pytest.mark.parametrize("kind", sorted(reuse.STEPS))
+def test_the_step_sequences_default_to_head_dim_128(kind):
+    assert {c.head_dim for c in reuse.steps(kind)} == {128}
+    if kind != "ragged":
+        assert {c.head_dim for c in reuse.paged_steps(kind)} == {128}
+
+
+def test_a_ragged_wrapper_is_built_with_no_pages():
+    built: list[WrapperSize] = []
+
+    class Spy(ReferencePrefixedPrefillWrapper):
+        @classmethod
+        def from_size(cls, size: WrapperSize) -> ReferencePrefixedPrefillWrapper:
+            built.append(size)
+            return super().from_size(size)
+
+    reuse.check_replan(WrapperSet("spy", ragged=Spy), "ragged", head_dim=64)
+    assert [s.page_size for s in built] == [0]
