@@ -181,3 +181,11 @@ def test_a_poisoned_row_s_pages_and_queries_alone_hold_inf_keys_nan_values_and_n
 def test_the_queries_that_see_no_key_are_named_per_row(q_lens, prefix_lens, causal, blind):
     case = C.RaggedCase(64, 4, q_lens, prefix_lens, causal=causal)
     assert C.no_key_queries(case).tolist() == blind
+
+
+def test_an_output_on_the_current_gpu_is_on_the_device_named_cuda(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    assert C._same_device(torch.device("cuda", 1), torch.device("cuda"))
+    assert not C._same_device(torch.device("cuda", 0), torch.device("cuda"))
+    assert not C._same_device(torch.device("cuda", 1), torch.device("cuda", 0))
+    assert C._same_device(torch.device("cpu"), torch.device("cpu"))
