@@ -29,3 +29,19 @@ def test_a_ragged_wrapper_is_built_with_no_pages():
 
     reuse.check_replan(WrapperSet("spy", ragged=Spy), "ragged", head_dim=64)
     assert [s.page_size for s in built] == [0]
+
+
+@pytest.mark.parametrize(("kind", "tokens"), [("prefill", reuse.TOKENS), ("decode", None)])
+def test_a_graph_mode_wrapper_is_sized_for_every_step_and_prefill_for_its_tokens(kind, tokens):
+    built: list[WrapperSize] = []
+
+    class Spy:
+        @classmethod
+        def from_size(cls, size: WrapperSize) -> Spy:
+            built.append(size)
+            return cls()
+
+    reuse._wrapper(WrapperSet("spy", **{kind: Spy}), kind, 64, graph=True)
+    (size,) = built
+    assert (size.batch_size, size.max_num_pages, size.accelerator_graph) == (reuse.BATCH, reuse.PAGES, True)
+    assert size.max_total_tokens == tokens
