@@ -148,6 +148,8 @@ def test_a_decode_plan_is_causal_with_the_rows_query_count():
     assert (prefill.causal, prefill.query_tokens) == (False, 1)
     one = C.PagedCase(4, 64, 1, (3,), (2,))
     assert C.make_plan(C.WrapperSet("x"), "decode", one, C.make_paged(one, "cpu", torch.float32)).query_tokens == 3
+    empty = C.PagedCase(4, 64, 1, (), ())  # a step with no rows: one query a row, as for any decode
+    assert C.make_plan(C.WrapperSet("x"), "decode", empty, C.make_paged(empty, "cpu", torch.float32)).query_tokens == 1
 
 
 def test_a_paged_plan_is_built_from_the_arrays_given():
@@ -451,3 +453,33 @@ def test_shaped_scores_aim_a_high_rows_queries_at_its_keys():
     data = C.make_ragged(case, "cpu", torch.float32)
     scores = data.q[2:, 0].double() @ data.k[8:, 0].double().T / 4.0
     assert scores.min() > 100
+
+
+class _DecodeClearsSinks(RP.ReferenceDecodeWrapper):
+    def run(self, q, kv_cache_layer, *, sinks=None, **kwargs):
+        out = super().run(q, kv_cache_layer, sinks=sinks, **kwargs)
+        sinks.zero_()
+        return out
+
+
+class _RaggedClearsSinks(RD.ReferencePrefixedPrefillWrapper):
+    def run(self, q, k, v, *, sinks=None):
+        out = super().run(q, k, v, sinks=sinks)
+        sinks.zero_()
+        return out
+
+
+def test_a_run_that_writes_the_sink_logits_fails_inputs_unchanged():
+    with pytest.raises(C.RuleError) as e:
+        C.check_decode(C.WrapperSet("x", decode=_DecodeClearsSinks), C.PagedCase(4, 64, 2, (1, 1), (3, 6), sinks=True))
+    assert e.value.rule == "inputs-unchanged"
+    with pytest.raises(C.RuleError) as e:
+        C.check_ragged(C.WrapperSet("x", ragged=_RaggedClearsSinks), C.RaggedCase(64, 2, (2, 1), (3, 6), sinks=True))
+    assert e.value.rule == "inputs-unchanged"
+
+
+def test_a_ragged_run_plans_a_wrapper_given_rather_than_building_one():
+    spy = _spy(RD.ReferencePrefixedPrefillWrapper)
+    case = C.RaggedCase(8, 2, (2, 3), (4, 1))
+    C.run_ragged(C.WrapperSet("x", ragged=spy), case, wrapper=spy(4, 2, 8))
+    assert spy.sizes == [] and len(spy.plans) == 1
