@@ -1,0 +1,221 @@
+"""What the kit's reuse checks plan and run, seen through spy wrappers (reference wrappers that
+record each plan and run): which steps one wrapper is re-planned for and with which window and
+scale, the per-layer wrappers planned before any runs and run in layer order, the plan a wrapper
+must refuse; and which rule each check names when a wrapper breaks it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from mstar_core.backends import reference as R
+from mstar_core.testing import reuse
+from mstar_core.testing.conformance import WrapperSet, make_paged
+from mstar_core.testing.rules import RuleError
+
+from . import rule_breakers as B
+
+KINDS = {"prefill": R.ReferencePrefillWrapper, "decode": R.ReferenceDecodeWrapper,
+         "mixed": R.ReferenceMixedWrapper, "ragged": R.ReferencePrefixedPrefillWrapper}
+
+
+def spy(kind: str, log: list) -> WrapperSet:
+    """``kind``'s reference wrapper, logging ("plan", wrapper, plan kind, window, scale, key lengths)
+    and ("run", wrapper, the layer it was given)."""
+
+    class Spy(KINDS[kind]):  # type: ignore[misc, valid-type]
+        def plan(self, p, *args, **kwargs):
+            lens = p.kv_lens if hasattr(p, "kv_lens") else p.cu_k[1:] - p.cu_k[:-1]
+            log.append(("plan", self, getattr(p, "kind", "ragged"), p.window_left, p.sm_scale, lens.tolist()))
+            return super().plan(p, *args, **kwargs)
+
+        def run(self, q, layer, *args, **kwargs):
+            log.append(("run", self, layer.clone()))
+            return super().run(q, layer, *args, **kwargs)
+
+    return WrapperSet("spy", **{kind: Spy})
+
+
+def key_lens(kind: str, i: int) -> list[int]:
+    q, p = reuse.STEPS[kind][i]
+    return [a + b for a, b in zip(q, p, strict=True)]
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_replan_plans_one_wrapper_for_each_step_with_a_window_then_a_scale_then_the_first_again(kind):
+    log: list = []
+    reuse.check_replan(spy(kind, log), kind, head_dim=64)
+    n = len(reuse.STEPS[kind])
+    plans = [(w, s, lens) for _, _, _, w, s, lens in log[::2]]
+    assert plans == [(-1, None, key_lens(kind, 0)), (6, None, key_lens(kind, 1)), (-1, 0.1, key_lens(kind, 2)),
+                     *((-1, None, key_lens(kind, i)) for i in range(3, n)), (-1, None, key_lens(kind, 0))]
+    assert [e[0] for e in log] == ["plan", "run"] * (n + 1)
+    assert len({id(e[1]) for e in log}) == 1
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_layers_plan_a_wrapper_per_window_and_scale_before_any_run_then_run_each_layer_in_order(kind):
+    log: list = []
+    reuse.check_layers(spy(kind, log), kind, head_dim=64)
+    plans, runs = log[:3], log[3:]
+    assert [(w, s) for _, _, _, w, s, _ in plans] == [(-1, None), (3, 0.1), (9, 0.3)]
+    assert len({str(lens) for *_, lens in plans}) == 1
+    wrappers = [e[1] for e in plans]
+    assert len({id(w) for w in wrappers}) == 3
+    assert [e[0] for e in runs] == ["run"] * 6
+    order = [next(i for i, w in enumerate(wrappers) if w is e[1]) for e in runs]
+    assert order == [0, 1, 2, 1, 0, 2]
+    if kind != "ragged":  # each layer on its own data: layer n of the sequence is case layer n + 1
+        for n, (i, (_, _, layer)) in enumerate(zip(order, runs, strict=True)):
+            case = dataclasses.replace(reuse._layer_case(kind, 64, *reuse.LAYER_PLANS[i], 1500 + i), layer=n + 1)
+            assert torch.equal(layer.nan_to_num(), make_paged(case, "cpu", torch.float32, True).layer.nan_to_num())
+
+
+@pytest.mark.parametrize(("kind", "refused"), [("decode", "mixed"), ("mixed", "paged_prefill"),
+                                               ("prefill", "mixed"), ("ragged", "paged_prefill")])
+def test_refused_plans_a_windowed_first_step_then_offers_another_capabilitys_plan(kind, refused):
+    log: list = []
+    reuse.check_refused(spy(kind, log), kind, head_dim=64)
+    (_, w, k0, w0, s0, lens0), run1, (_, w1, k1, w1_, s1, lens1), run2 = log
+    assert (k0 != refused, w0, s0, lens0) == (True, 4, 0.2, key_lens(kind, 0))
+    if kind == "ragged":
+        assert (k1, lens1) == (refused, [1])
+    else:
+        assert (k1, w1_, s1, lens1) == (refused, -1, 0.5, key_lens(kind, 2))
+    assert w is w1 is run1[1] is run2[1] and (run1[0], run2[0]) == ("run", "run")
+
+
+def test_refused_after_a_refused_plan_checks_the_next_plan_works():
+    log: list = []
+
+    class RefusesRunsAfterARefusal(R.ReferenceDecodeWrapper):
+        def plan(self, p, *args, **kwargs):
+            log.append(p.kv_lens.tolist())
+            self.refused = p.kind != self.kind
+            return super().plan(p, *args, **kwargs)
+
+        def run(self, *args, **kwargs):
+            if self.refused:
+                raise RuntimeError("planned for nothing")
+            return super().run(*args, **kwargs)
+
+    assert reuse.check_refused(WrapperSet("x", decode=RefusesRunsAfterARefusal), "decode", head_dim=64) < 1e-5
+    assert log == [key_lens("decode", 0), key_lens("decode", 2), key_lens("decode", 1)]
+
+
+def fails(check, backend: WrapperSet, kind: str = "decode") -> RuleError:
+    with pytest.raises(RuleError) as e:
+        check(backend, kind, head_dim=64)
+    return e.value
+
+
+def test_refused_names_a_plan_that_takes_another_capabilitys_plan():
+    class TakesAnyPlan(R.ReferenceDecodeWrapper):
+        def _plan(self, p):
+            super()._plan(dataclasses.replace(p, kind=self.kind))
+
+    e = fails(reuse.check_refused, WrapperSet("x", decode=TakesAnyPlan))
+    assert (e.rule, e.detail) == ("unknown-keyword", "plan accepted a mixed plan")
+
+
+def test_refused_names_a_plan_that_drops_an_unknown_keyword():
+    e = fails(reuse.check_refused, WrapperSet("x", decode=B.DecodeDropsUnknownKeywords, api_version="1.1"))
+    assert (e.rule, e.detail) == ("unknown-keyword", f"plan accepted the keyword {reuse.UNKNOWN_KEYWORD}=True")
+
+
+def test_refused_names_a_refused_plan_that_left_its_scale_behind():
+    e = fails(reuse.check_refused, WrapperSet("x", decode=B.DecodeScaleBeforeChecks, api_version="1.1"))
+    assert e.rule == "refused-plan" and e.detail.startswith("a run after a refused plan (of [")
+    assert f"with {reuse.UNKNOWN_KEYWORD}): " in e.detail
+
+
+def test_replan_names_the_step_that_kept_the_last_plans_scale():
+    e = fails(reuse.check_replan, WrapperSet("x", decode=B.DecodeKeepsScale))
+    assert e.rule == "replan" and e.detail.startswith("step 4 of 4 on one wrapper: ")
+    assert e.detail.endswith("; through a fresh wrapper it passes")
+
+
+def test_replan_names_a_shape_wrong_only_after_a_replan():
+    class LeadingDimAfterReplan(R.ReferenceDecodeWrapper):
+        plans = 0
+
+        def _plan(self, p):
+            self.plans += 1
+            super()._plan(p)
+
+        def run(self, *args, **kwargs):
+            out = super().run(*args, **kwargs)
+            return out[None] if self.plans > 1 else out
+
+    e = fails(reuse.check_replan, WrapperSet("x", decode=LeadingDimAfterReplan))
+    assert e.rule == "replan" and e.detail.startswith("step 2 of 4 on one wrapper: ")
+
+
+def test_replan_names_other_rules_as_they_are():
+    class WidensAfterReplan(R.ReferenceDecodeWrapper):
+        plans = 0
+
+        def _plan(self, p):
+            self.plans += 1
+            super()._plan(p)
+
+        def run(self, *args, **kwargs):
+            out = super().run(*args, **kwargs)
+            return out.double() if self.plans > 1 else out
+
+    assert fails(reuse.check_replan, WrapperSet("x", decode=WidensAfterReplan)).rule == "dtype"
+
+
+def test_replan_names_a_step_wrong_through_a_fresh_wrapper_too_as_wrong():
+    e = fails(reuse.check_replan, WrapperSet("x", decode=B.decode_off_by(2.0)))
+    assert e.rule == "oracle"
+
+    class WrongWithAWindow(R.ReferenceDecodeWrapper):
+        def _plan(self, p):
+            super()._plan(dataclasses.replace(p, window_left=p.window_left + 1) if p.window_left >= 0 else p)
+
+    assert fails(reuse.check_replan, WrapperSet("x", decode=WrongWithAWindow)).rule == "oracle"
+
+
+def test_replan_names_a_first_step_wrong_as_wrong_even_when_a_fresh_wrapper_passes():
+    class WrongOnTheClassFirstPlan(R.ReferenceDecodeWrapper):
+        planned = False
+
+        def _plan(self, p):
+            first = not type(self).planned
+            type(self).planned = True
+            super()._plan(dataclasses.replace(p, sm_scale=0.5) if first else p)
+
+    assert fails(reuse.check_replan, WrapperSet("x", decode=WrongOnTheClassFirstPlan)).rule == "oracle"
+
+
+def test_layers_name_the_layer_whose_wrapper_shares_its_scale():
+    e = fails(reuse.check_layers, WrapperSet("x", decode=B.DecodeScaleOnClass))
+    assert e.rule == "independent-wrappers"
+    assert e.detail.startswith("layer 0 (no window, the default scale) through its wrapper, one of 3 planned with "
+                               "other windows and scales before any ran: ")
+    assert e.detail.endswith("; through a fresh wrapper it passes")
+
+
+def test_layers_name_a_windowed_layer_with_its_window_and_scale():
+    class WindowFromTheLatestPlan(R.ReferenceDecodeWrapper):
+        latest = None
+
+        def _plan(self, p):
+            super()._plan(p)
+            type(self).latest = self
+
+        def run(self, *args, **kwargs):
+            if type(self).latest is not self and self._planned[3] >= 0:
+                self._planned = (*self._planned[:3], self._planned[3] + 1, *self._planned[4:])
+                self._pad = None
+            return super().run(*args, **kwargs)
+
+    e = fails(reuse.check_layers, WrapperSet("x", decode=WindowFromTheLatestPlan))
+    assert e.rule == "independent-wrappers" and e.detail.startswith("layer 1 (window 3, scale 0.1) through")
+
+
+def test_layers_name_other_rules_as_they_are():
+    assert fails(reuse.check_layers, WrapperSet("x", decode=B.DecodeWidensOutput)).rule == "dtype"
