@@ -219,3 +219,27 @@ def test_layers_name_a_windowed_layer_with_its_window_and_scale():
 
 def test_layers_name_other_rules_as_they_are():
     assert fails(reuse.check_layers, WrapperSet("x", decode=B.DecodeWidensOutput)).rule == "dtype"
+
+
+def test_replan_names_a_plan_that_kept_the_last_page_table():
+    # its rows read slots of the first step's pages: NaN there, not a wrong key
+    e = fails(reuse.check_replan, WrapperSet("x", decode=B.DecodeKeepsPageTable))
+    assert e.rule == "replan" and e.detail.startswith("step 2 of 4 on one wrapper: ")
+
+
+def test_replan_holds_every_output_to_the_end():
+    class NudgesTheLastOutputOnReplan(R.ReferenceDecodeWrapper):
+        out = None
+
+        def _plan(self, p):
+            if self.out is not None:
+                B.nudge(self.out)
+            super()._plan(p)
+
+        def run(self, *args, **kwargs):
+            self.out = super().run(*args, **kwargs)
+            return self.out
+
+    e = fails(reuse.check_replan, WrapperSet("x", decode=NudgesTheLastOutputOnReplan))
+    assert e.rule == "owned-output" and e.detail.startswith("the output of run 1 of 4, held while the later steps "
+                                                            "re-planned the wrapper and ran, changed: ")
