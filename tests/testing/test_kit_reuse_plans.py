@@ -133,8 +133,8 @@ def test_refused_names_a_refused_plan_that_left_its_scale_behind():
 
 def test_replan_names_the_step_that_kept_the_last_plans_scale():
     e = fails(reuse.check_replan, WrapperSet("x", decode=B.DecodeKeepsScale))
-    assert e.rule == "replan" and e.detail.startswith("step 4 of 4 on one wrapper: ")
-    assert e.detail.endswith("; through a fresh wrapper it passes")
+    assert e.detail == f"step 4 of 4 on one wrapper: {e.__cause__.detail}; through a fresh wrapper it passes"
+    assert e.rule == "replan"
 
 
 def test_replan_names_a_shape_wrong_only_after_a_replan():
@@ -243,3 +243,70 @@ def test_replan_holds_every_output_to_the_end():
     e = fails(reuse.check_replan, WrapperSet("x", decode=NudgesTheLastOutputOnReplan))
     assert e.rule == "owned-output" and e.detail.startswith("the output of run 1 of 4, held while the later steps "
                                                             "re-planned the wrapper and ran, changed: ")
+
+
+def test_replan_names_a_run_that_raises_after_a_replan_with_its_exception():
+    class RaisesAfterReplan(R.ReferenceDecodeWrapper):
+        plans = 0
+
+        def _plan(self, p):
+            self.plans += 1
+            super()._plan(p)
+
+        def run(self, *args, **kwargs):
+            if self.plans > 1:
+                raise RuntimeError("no second plan")
+            return super().run(*args, **kwargs)
+
+    e = fails(reuse.check_replan, WrapperSet("x", decode=RaisesAfterReplan))
+    assert (e.rule, e.error) == ("replan", None) and e.where.startswith("x decode [")
+    assert e.detail == "step 2 of 4 on one wrapper: RuntimeError: no second plan; through a fresh wrapper it passes"
+
+
+def test_replan_carries_the_error_of_the_step_it_names():
+    e = fails(reuse.check_replan, WrapperSet("x", decode=B.DecodeKeepsScale))
+    assert e.error is not None and e.error > B.STATED_TOLERANCE[torch.float32]
+
+
+def off_with_a_window(window: int) -> type:
+    """A decode wrapper 0.8 of the float32 tolerance off, only when planned with ``window``."""
+
+    class OffWithAWindow(R.ReferenceDecodeWrapper):
+        def run(self, *args, **kwargs):
+            out = super().run(*args, **kwargs)
+            return out * (1.0 + 0.8 * B.STATED_TOLERANCE[torch.float32]) if self._planned[3] == window else out
+
+    return OffWithAWindow
+
+
+@pytest.mark.parametrize(("check", "window"), [(reuse.check_replan, 6), (reuse.check_layers, 9)])
+def test_replan_and_layers_return_the_largest_error(check, window):
+    error = check(WrapperSet("x", decode=off_with_a_window(window)), "decode", head_dim=64)
+    assert 0.7 < error / B.STATED_TOLERANCE[torch.float32] < 0.9
+
+
+def test_layers_name_a_layer_wrong_through_a_fresh_wrapper_too_as_wrong():
+    class WrongWithAWindow(R.ReferenceDecodeWrapper):
+        def _plan(self, p):
+            super()._plan(dataclasses.replace(p, window_left=p.window_left + 1) if p.window_left >= 0 else p)
+
+    assert fails(reuse.check_layers, WrapperSet("x", decode=WrongWithAWindow)).rule == "oracle"
+
+
+def test_layers_carry_where_and_the_error_of_the_layer_they_name():
+    e = fails(reuse.check_layers, WrapperSet("x", decode=B.DecodeScaleOnClass))
+    assert (e.where, e.error) == (e.__cause__.where, e.__cause__.error) and e.error is not None
+
+
+def test_layers_hold_every_output_to_the_end():
+    class NudgesTheLastOutputOfAnyWrapper(R.ReferenceDecodeWrapper):
+        out = None
+
+        def run(self, *args, **kwargs):
+            if type(self).out is not None:
+                B.nudge(type(self).out)
+            type(self).out = super().run(*args, **kwargs)
+            return type(self).out
+
+    e = fails(reuse.check_layers, WrapperSet("x", decode=NudgesTheLastOutputOfAnyWrapper))
+    assert e.rule == "owned-output" and "held while the other layers ran, changed: " in e.detail
