@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from mstar_core.backends import reference as R
+from mstar_core.errors import InputError
 from mstar_core.testing import reuse
 from mstar_core.testing.conformance import WrapperSet, make_paged
 from mstar_core.testing.rules import RuleError
@@ -382,3 +383,19 @@ def test_refused_returns_the_largest_error():
 
     error = reuse.check_refused(WrapperSet("x", decode=Off), "decode", head_dim=64)
     assert 0.7 < error / B.STATED_TOLERANCE[torch.float32] < 0.9
+
+
+@pytest.mark.parametrize("kind", sorted(KINDS))
+def test_every_layer_row_sees_more_keys_than_the_widest_window(kind):
+    # a window that cut no keys would pass a wrapper that ignores it
+    widest = max(w for w, _ in reuse.LAYER_PLANS)
+    for window, scale in reuse.LAYER_PLANS:
+        case = reuse._layer_case(kind, 64, window, scale, 0)
+        assert (case.window_left, case.sm_scale) == (window, scale)
+        assert len(case.q_lens) > 2 and min(case.prefix_lens) > widest + 1
+        assert kind == "decode" or max(case.q_lens) > 1
+
+
+def test_replay_refuses_a_device_other_than_cuda():
+    with pytest.raises(InputError, match=r"^check_replay needs a CUDA device, got 'cpu'$"):
+        reuse.check_replay(spy("decode", []), "decode", head_dim=64)
