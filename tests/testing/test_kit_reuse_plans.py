@@ -398,3 +398,10 @@ def test_every_layer_row_sees_more_keys_than_the_widest_window(kind):
 def test_replay_refuses_a_device_other_than_cuda():
     with pytest.raises(InputError, match=r"^check_replay needs a CUDA device, got 'cpu'$"):
         reuse.check_replay(spy("decode", []), "decode", head_dim=64)
+
+
+def test_the_ragged_wrappers_foreign_plan_is_one_paged_row_of_one_key():
+    case = reuse.steps("ragged", 64)[2]
+    p = reuse.foreign_plan(WrapperSet("x"), "ragged", case, None)
+    got = [t.tolist() for t in (p.qo_indptr, p.kv_indptr, p.kv_indices, p.kv_last_page_len, p.kv_lens)]
+    assert (p.kind, p.page_size, got) == ("paged_prefill", 1, [[0, 1], [0, 1], [0], [1], [1]])
