@@ -119,8 +119,7 @@ def check_replan(backend: WrapperSet, kind: str, head_dim: int = 128) -> float:
             held.append(RUNS[kind](backend, case, wrapper=w))
         except Exception as e:
             # NaN from slots the step's rows do not own, too: a plan that kept the last one's page table reads them
-            if i == 0 or isinstance(e, C.Refused) or (isinstance(e, RuleError) and
-                                                      e.rule not in ("oracle", "shape", "stale-slots")):
+            if i == 0 or (isinstance(e, RuleError) and e.rule not in ("oracle", "shape", "stale-slots")):
                 raise
             RUNS[kind](backend, case)  # alone, through a fresh wrapper: it may just be wrong
             what = e.detail if isinstance(e, RuleError) else f"{type(e).__name__}: {e}"
@@ -138,8 +137,9 @@ LAYER_ORDER = (0, 1, 2, 1, 0, 2)
 
 def _layer_case(kind: str, head_dim: int, window_left: int, sm_scale: float | None, seed: int
                 ) -> PagedCase | RaggedCase:
-    q, p = {"prefill": ((5, 12, 1), (20, 11, 40)), "decode": ((1,) * 5, (20, 11, 40, 16, 33)),
-            "mixed": ((1, 12, 1, 6), (20, 11, 40, 16)), "ragged": ((5, 12, 1), (20, 11, 40))}[kind]
+    # Case sizes, left out of mutation runs: a test pins that every row's keys reach past each window.
+    q, p = {"prefill": ((5, 12, 1), (20, 11, 40)), "decode": ((1,) * 5, (20, 11, 40, 16, 33)),  # pragma: no mutate
+            "mixed": ((1, 12, 1, 6), (20, 11, 40, 16)), "ragged": ((5, 12, 1), (20, 11, 40))}[kind]  # pragma: no mutate
     if kind == "ragged":
         return RaggedCase(head_dim, GQA, q, p, num_kv_heads=KV_HEADS, window_left=window_left, sm_scale=sm_scale,
                           seed=seed)
