@@ -189,4 +189,6 @@ def test_an_output_on_the_current_gpu_is_on_the_device_named_cuda(monkeypatch):
     assert not C._same_device(torch.device("cuda", 0), torch.device("cuda"))
     assert not C._same_device(torch.device("cuda", 1), torch.device("cuda", 0))
     assert not C._same_device(torch.device("cpu"), torch.device("cuda"))
+    assert C._same_device(torch.device("cuda"), torch.device("cuda"))  # no index on either: the current one
     assert C._same_device(torch.device("cpu"), torch.device("cpu"))
+    assert C._same_device(torch.device("cpu", 0), torch.device("cpu"))
