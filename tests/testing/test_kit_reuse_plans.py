@@ -140,8 +140,10 @@ def test_replan_names_the_step_that_kept_the_last_plans_scale():
     assert e.rule == "replan"
 
 
-def test_replan_names_a_shape_wrong_only_after_a_replan():
-    class LeadingDimAfterReplan(R.ReferenceDecodeWrapper):
+def _after_replan(change):
+    """A decode wrapper whose outputs pass through ``change`` once it has been planned again."""
+
+    class ChangesAfterReplan(R.ReferenceDecodeWrapper):
         plans = 0
 
         def _plan(self, p):
@@ -150,25 +152,18 @@ def test_replan_names_a_shape_wrong_only_after_a_replan():
 
         def run(self, *args, **kwargs):
             out = super().run(*args, **kwargs)
-            return out[None] if self.plans > 1 else out
+            return change(out) if self.plans > 1 else out
 
-    e = fails(reuse.check_replan, WrapperSet("x", decode=LeadingDimAfterReplan))
+    return ChangesAfterReplan
+
+
+def test_replan_names_a_shape_wrong_only_after_a_replan():
+    e = fails(reuse.check_replan, WrapperSet("x", decode=_after_replan(lambda out: out[None])))
     assert e.rule == "replan" and e.detail.startswith("step 2 of 4 on one wrapper: ")
 
 
 def test_replan_names_other_rules_as_they_are():
-    class WidensAfterReplan(R.ReferenceDecodeWrapper):
-        plans = 0
-
-        def _plan(self, p):
-            self.plans += 1
-            super()._plan(p)
-
-        def run(self, *args, **kwargs):
-            out = super().run(*args, **kwargs)
-            return out.double() if self.plans > 1 else out
-
-    assert fails(reuse.check_replan, WrapperSet("x", decode=WidensAfterReplan)).rule == "dtype"
+    assert fails(reuse.check_replan, WrapperSet("x", decode=_after_replan(lambda out: out.double()))).rule == "dtype"
 
 
 def test_replan_names_a_step_wrong_through_a_fresh_wrapper_too_as_wrong():
@@ -249,19 +244,10 @@ def test_replan_holds_every_output_to_the_end():
 
 
 def test_replan_names_a_run_that_raises_after_a_replan_with_its_exception():
-    class RaisesAfterReplan(R.ReferenceDecodeWrapper):
-        plans = 0
+    def refuse(out):
+        raise RuntimeError("no second plan")
 
-        def _plan(self, p):
-            self.plans += 1
-            super()._plan(p)
-
-        def run(self, *args, **kwargs):
-            if self.plans > 1:
-                raise RuntimeError("no second plan")
-            return super().run(*args, **kwargs)
-
-    e = fails(reuse.check_replan, WrapperSet("x", decode=RaisesAfterReplan))
+    e = fails(reuse.check_replan, WrapperSet("x", decode=_after_replan(refuse)))
     assert (e.rule, e.error) == ("replan", None) and e.where.startswith("x decode [")
     assert e.detail == "step 2 of 4 on one wrapper: RuntimeError: no second plan; through a fresh wrapper it passes"
 
