@@ -96,9 +96,13 @@ def bounded_step_through(mgr: BoundedKVManager, rid: str, n: int, commit: bool =
 # -- small managers ------------------------------------------------------------------------------
 
 
-def small_kv(max_pages=8, page_size=4, layers=2, hkv=2, hq=4, d=8, dtype=torch.float64) -> KVManager:
+def small_kv(max_pages=8, page_size=4, layers=2, hkv=2, hq=4, d=8, dtype=torch.float64, requests=()) -> KVManager:
+    """A small CPU paged KV manager, with ``requests`` ingested."""
     cfg = KVConfig(layers, hkv, d, page_size, max_pages, hq)
-    return KVManager(cfg, "cpu", dtype)
+    kv = KVManager(cfg, "cpu", dtype)
+    for r in requests:
+        kv.ingest_request(r)
+    return kv
 
 
 def tiny_graph_node(graphs=True, slots=2, buckets=(2, 4), max_pages=64, layers=2, hidden=64, head_dim=16, seed=3):

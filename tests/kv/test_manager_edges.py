@@ -35,8 +35,7 @@ def test_the_manager_keeps_its_name_and_is_found_by_its_op_handle():
 
 
 def test_a_removed_stream_gives_its_table_row_back():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     run_step(kv, step(("a", "t", 5)))
     old = kv.stream("a", "t")
     assert old.table_row >= 0
@@ -46,8 +45,7 @@ def test_a_removed_stream_gives_its_table_row_back():
 
 
 def test_fork_into_a_request_never_ingested_names_it():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     run_step(kv, step(("a", "t", 5)))
     with pytest.raises(UnknownName, match=r"fork into request 'ghost', which was never ingested; ingested: \['a'\]"):
         kv.fork("a", "ghost", "t")
@@ -55,9 +53,7 @@ def test_fork_into_a_request_never_ingested_names_it():
 
 
 def test_one_admitted_step_per_context():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     ctx = StepContext()
     assert kv.admit(step(("a", "t", 1)), ctx)
     with pytest.raises(StateError, match=r"already holds an admitted step; one step per context"):
@@ -65,31 +61,27 @@ def test_one_admitted_step_per_context():
 
 
 def test_a_stream_with_a_step_in_flight_refuses_another_admit():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     assert kv.admit(step(("a", "t", 2)), StepContext())
     with pytest.raises(StateError, match=r"already have an admitted step"):
         kv.admit(step(("a", "t", 1)), StepContext())
 
 
 def test_a_step_naming_one_request_never_ingested_among_known_ones_is_refused():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     with pytest.raises(UnknownName, match=r"'ghost'.*never ingested"):
         kv.admit(step(("a", "t", 3), ("ghost", "t", 3)), StepContext())
     assert ("ghost", "t") not in kv.streams
 
 
 def test_commit_without_an_admit_is_refused():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     with pytest.raises(StateError, match=r"no live admit"):
         kv.commit(step(("a", "t", 1)), StepContext())
 
 
 def test_rollback_of_a_new_stream_forgets_it_and_frees_its_table_row():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     s, ctx = step(("a", "t", 5)), StepContext()
     assert kv.admit(s, ctx)
     st = kv.stream("a", "t")
@@ -100,8 +92,7 @@ def test_rollback_of_a_new_stream_forgets_it_and_frees_its_table_row():
 
 
 def test_a_rolled_back_step_leaves_its_stream_free_for_the_next():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     run_step(kv, step(("a", "t", 3)))
     s, ctx = step(("a", "t", 2)), StepContext()
     assert kv.admit(s, ctx)
@@ -112,8 +103,7 @@ def test_a_rolled_back_step_leaves_its_stream_free_for_the_next():
 
 
 def test_a_stream_reset_with_a_step_in_flight_is_done_with_it_when_the_step_lands():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     s, ctx = step(("a", "t", 5)), StepContext()
     assert kv.admit(s, ctx)
     old = kv.stream("a", "t")
@@ -135,9 +125,7 @@ def test_rows_of_uneven_counts_over_the_streams_of_a_decode_loop_are_admitted():
 
 
 def test_committing_one_step_keeps_another_live_plan_current():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     sa, ca, sb, cb = step(("a", "t", 1)), StepContext(), step(("b", "t", 1)), StepContext()
     assert kv.admit(sa, ca)
     kv.plan(sa, ca)
@@ -165,9 +153,7 @@ def fail_on_append(kv: KVManager, monkeypatch, nth: int) -> None:
 
 
 def test_an_admit_interrupted_midway_gives_every_page_back(monkeypatch):
-    kv = small_kv()
-    for r in "abc":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b", "c"])
     run_step(kv, step(("a", "t", 3)))
     fail_on_append(kv, monkeypatch, 2)  # c's pages are taken but not yet handed to it
     with pytest.raises(Interrupt):
@@ -199,8 +185,7 @@ def test_an_admit_of_kept_rows_interrupted_midway_gives_every_page_back(monkeypa
 
 
 def test_invalidate_stream_gives_a_new_generation():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     run_step(kv, step(("a", "t", 3)))
     before = kv.stream("a", "t").generation
     got = kv.invalidate_stream("a", "t")

@@ -16,9 +16,7 @@ def prefix_kv(max_pages=8, ps=4) -> KVManager:
 
 
 def test_cleanup_forgets_every_stream_request_plan_and_page():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     run_step(kv, step(("a", "t", 5)))
     s, ctx = step(("b", "t", 3)), StepContext()
     assert kv.admit(s, ctx)
@@ -35,9 +33,7 @@ def test_cleanup_forgets_every_stream_request_plan_and_page():
 
 
 def test_after_cleanup_the_page_table_starts_from_its_first_row():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     run_step(kv, step(("a", "t", 5), ("b", "t", 1)))
     kv.cleanup()
     kv.ingest_request("c")
@@ -81,9 +77,7 @@ def test_after_cleanup_a_match_made_before_it_finds_nothing():
 
 
 def test_a_commit_of_streams_another_step_admitted_is_refused():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     ctx = StepContext()
     assert kv.admit(step(("a", "t", 1)), ctx)
     with pytest.raises(StateError, match=r"commit of streams \[\('b', 't'\)\] that this StepContext has no live admit"):
@@ -93,9 +87,7 @@ def test_a_commit_of_streams_another_step_admitted_is_refused():
 
 
 def test_a_plan_of_some_of_the_admitted_streams_lays_out_those():
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     run_step(kv, step(("a", "t", 2), ("b", "t", 3)))
     s, ctx = step(("a", "t", 1), ("b", "t", 1)), StepContext()
     assert kv.admit(s, ctx)
@@ -106,8 +98,7 @@ def test_a_plan_of_some_of_the_admitted_streams_lays_out_those():
 
 
 def test_a_plan_after_its_stream_was_reset_is_refused():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     s, ctx = step(("a", "t", 2)), StepContext()
     assert kv.admit(s, ctx)
     kv.reset_request("a")
@@ -126,8 +117,7 @@ def test_each_label_lays_out_only_its_own_spans():
 
 
 def test_a_commit_before_any_plan_is_refused():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     s, ctx = step(("a", "t", 2)), StepContext()
     assert kv.admit(s, ctx)
     with pytest.raises(StateError, match=r"admitted but never planned"):
@@ -135,8 +125,7 @@ def test_a_commit_before_any_plan_is_refused():
 
 
 def test_no_plan_is_current_before_the_first_or_after_its_commit():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     with pytest.raises(StateError, match=r"no step is planned"):
         kv.current  # noqa: B018
     s, ctx = step(("a", "t", 2)), StepContext()
@@ -173,8 +162,7 @@ def test_store_writes_the_cache_by_default():
 
 @pytest.mark.parametrize("label", ["u", None])
 def test_write_kv_passes_its_label_to_the_compiled_op(monkeypatch, label):
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     spans = [("a", "t", 2), ("a", "u", 3)] if label else [("a", "u", 3)]
     s, ctx = step(*spans), StepContext()
     assert kv.admit(s, ctx)
@@ -186,9 +174,7 @@ def test_write_kv_passes_its_label_to_the_compiled_op(monkeypatch, label):
 
 
 def two_streams() -> KVManager:
-    kv = small_kv()
-    for r in "ab":
-        kv.ingest_request(r)
+    kv = small_kv(requests=["a", "b"])
     run_step(kv, step(("a", "t", 5), ("b", "t", 1)))
     kv.post_warmup_validate()
     return kv
@@ -244,8 +230,7 @@ def test_steps_of_uneven_rows_over_the_same_streams_look_them_up_once(monkeypatc
 
 
 def test_a_rollback_refuses_a_stream_whose_step_pages_moved_since_the_admit():
-    kv = small_kv()
-    kv.ingest_request("a")
+    kv = small_kv(requests=["a"])
     run_step(kv, step(("a", "t", 3)))
     s, ctx = step(("a", "t", 6)), StepContext()
     assert kv.admit(s, ctx)
