@@ -264,20 +264,31 @@ def failing_capture(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(GraphRunner, "warmup", host_sync)
 
 
+def _refused(model, opts, error, match):
+    """Building the engine raises ``error`` and leaves the model with no user."""
+    with pytest.raises(error, match=match):
+        Engine(model, "reference", opts)
+    assert users(model) == 0
+
+
+def _eager_warnings(model, opts, prompts, want, caplog) -> str:
+    """The engine runs without graphs and gives the reference's ids for two prompts; the warnings."""
+    with caplog.at_level("WARNING"), Engine(model, "reference", opts) as engine:
+        assert not engine.runner.enabled
+        assert run(engine, prompts[:2], NEW).ids == want[:2]
+    return caplog.text
+
+
 @pytest.mark.parametrize("asked", [{}, {"graphs": True}, {"compile": True}], ids=["default", "graphs", "compile"])
 def test_a_failed_capture_runs_eagerly_only_where_graphs_were_not_asked_for(monkeypatch, caplog, asked):
     failing_capture(monkeypatch)
     model, prompts, want = model_and_reference()
     opts = EngineOptions(max_pages=16, max_batch_size=4, **asked)
     if asked:
-        with pytest.raises(RuntimeError, match="stream is capturing"):
-            Engine(model, "reference", opts)
-        assert users(model) == 0
+        _refused(model, opts, RuntimeError, "stream is capturing")
         return
-    with caplog.at_level("WARNING"), Engine(model, "reference", opts) as engine:
-        assert not engine.runner.enabled
-        assert run(engine, prompts[:2], NEW).ids == want[:2]
-    assert "graphs off: capturing LlamaForCausalLM's decode step failed (RuntimeError: operation not" in caplog.text
+    warned = _eager_warnings(model, opts, prompts, want, caplog)
+    assert "graphs off: capturing LlamaForCausalLM's decode step failed (RuntimeError: operation not" in warned
 
 
 @pytest.mark.parametrize("compile", [True, None])
@@ -289,15 +300,11 @@ def test_compile_where_the_backend_cannot_capture_is_refused_or_runs_eagerly(mon
     model, prompts, want = model_and_reference()
     opts = EngineOptions(max_pages=16, max_batch_size=4, compile=compile, compile_backend="eager")
     if compile:
-        with pytest.raises(CompileError, match="compile=True: backend reference cannot capture paged decode here"):
-            Engine(model, "reference", opts)
-        assert users(model) == 0
+        _refused(model, opts, CompileError, "compile=True: backend reference cannot capture paged decode here")
         return
-    with caplog.at_level("WARNING"), Engine(model, "reference", opts) as engine:
-        assert not engine.runner.enabled
-        assert run(engine, prompts[:2], NEW).ids == want[:2]
+    warned = _eager_warnings(model, opts, prompts, want, caplog)
     assert "graphs requested but backend reference cannot capture paged decode here: steps run eagerly, uncompiled" \
-        in caplog.text
+        in warned
 
 
 def test_a_model_switched_away_under_an_open_engine_is_refused():
