@@ -219,6 +219,21 @@ def test_layers_name_other_rules_as_they_are():
     assert fails(reuse.check_layers, WrapperSet("x", decode=B.DecodeWidensOutput)).rule == "dtype"
 
 
+def test_layers_name_other_rules_as_they_are_even_where_a_fresh_wrapper_passes():
+    class WidensUnlessPlannedLast(R.ReferenceDecodeWrapper):
+        latest = None
+
+        def _plan(self, p):
+            super()._plan(p)
+            type(self).latest = self
+
+        def run(self, *args, **kwargs):
+            out = super().run(*args, **kwargs)
+            return out if type(self).latest is self else out.double()
+
+    assert fails(reuse.check_layers, WrapperSet("x", decode=WidensUnlessPlannedLast)).rule == "dtype"
+
+
 def test_replan_names_a_plan_that_kept_the_last_page_table():
     # its rows read slots of the first step's pages: NaN there, not a wrong key
     e = fails(reuse.check_replan, WrapperSet("x", decode=B.DecodeKeepsPageTable))
@@ -349,6 +364,15 @@ def test_refused_names_a_run_of_another_shape_after_a_refusal():
 
     e = fails(reuse.check_refused, WrapperSet("x", decode=LeadingDim))
     assert e.rule == "refused-plan"
+
+
+def test_refused_names_other_rules_of_a_run_after_a_refusal_as_they_are():
+    class Widens(RunsAfterARefusal):
+        def after(self, out):
+            return out.double()
+
+    e = fails(reuse.check_refused, WrapperSet("x", decode=Widens))
+    assert e.rule == "dtype"
 
 
 def test_refused_holds_the_first_output_to_the_end():

@@ -1,5 +1,5 @@
-"""What the kit's reuse checks build: the head dim their step sequences default to, and the size a
-ragged wrapper is built with (no pages: page size 0, as WrapperSize documents)."""
+"""What the kit's reuse checks build: the head dim their step sequences and checks default to, and
+the size a ragged wrapper is built with (no pages: page size 0, as WrapperSize documents)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 
 from mstar_core.attention.plans import WrapperSize
 from mstar_core.backends.reference.dense import ReferencePrefixedPrefillWrapper
+from mstar_core.backends.reference.paged import ReferenceDecodeWrapper
 from mstar_core.testing import reuse
 from mstar_core.testing.conformance import WrapperSet
 
@@ -16,6 +17,20 @@ def test_the_step_sequences_default_to_head_dim_128(kind):
     assert {c.head_dim for c in reuse.steps(kind)} == {128}
     if kind != "ragged":
         assert {c.head_dim for c in reuse.paged_steps(kind)} == {128}
+
+
+@pytest.mark.parametrize("check", [reuse.check_replan, reuse.check_layers, reuse.check_refused])
+def test_the_reuse_checks_default_to_head_dim_128(check):
+    built: list[int] = []
+
+    class Spy(ReferenceDecodeWrapper):
+        @classmethod
+        def from_size(cls, size: WrapperSize) -> ReferenceDecodeWrapper:
+            built.append(size.head_dim)
+            return super().from_size(size)
+
+    check(WrapperSet("spy", decode=Spy), "decode")
+    assert set(built) == {128}
 
 
 def test_a_ragged_wrapper_is_built_with_no_pages():
