@@ -229,6 +229,16 @@ class DecodeRaisesOnFullLastPage(R.ReferenceDecodeWrapper):
 # -- replay: a capturable decode wrapper, and one whose plan the captured graph never sees ---------
 
 
+def paged_rows(indptr, indices, last_page_len, page_size):
+    """Each row's pages and key count, from a paged plan's arrays."""
+    ends, ids, last = indptr.tolist(), indices.tolist(), last_page_len.tolist()
+    rows = []
+    for r, tail in enumerate(last):
+        n = ends[r + 1] - ends[r]
+        rows.append((ids[ends[r]:ends[r + 1]], (n - 1) * page_size + tail if n else 0))
+    return rows
+
+
 class StaticDecode:
     """A capturable decode wrapper (plugin API 1.0) in plain PyTorch: ``run`` is one fixed-shape
     computation over each row's page table and length, which ``plan`` copies into buffers sized
@@ -250,17 +260,18 @@ class StaticDecode:
     def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=torch.bfloat16, kv_lens=None,
              window_left=-1, sm_scale=None, **kwargs):
         if kwargs:
-            raise TypeError(f"StaticDecode.plan got unexpected keyword arguments {sorted(kwargs)}")
-        ends, indices = paged_kv_indptr.tolist(), paged_kv_indices.tolist()
-        last = paged_kv_last_page_len.tolist()
-        rows = len(last)
-        width = self._pages.shape[1] if self._graph else max([ends[r + 1] - ends[r] for r in range(rows)] + [1])
-        pages = torch.zeros((self._pages.shape[0] if self._graph else rows, width), dtype=torch.long)
+            raise TypeError(f"{type(self).__name__}.plan got unexpected keyword arguments {sorted(kwargs)}")
+        rows = paged_rows(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, self.page_size)
+        self._plan_rows(rows, window_left, sm_scale)
+
+    def _plan_rows(self, rows, window_left, sm_scale):
+        """Each row (its pages, how many keys it sees) into the page-table buffers."""
+        width = self._pages.shape[1] if self._graph else max([len(p) for p, _ in rows] + [1])
+        pages = torch.zeros((self._pages.shape[0] if self._graph else len(rows), width), dtype=torch.long)
         lens = torch.zeros(pages.shape[0], dtype=torch.long)
-        for r in range(rows):
-            n = ends[r + 1] - ends[r]
-            pages[r, :n] = torch.tensor(indices[ends[r]:ends[r + 1]], dtype=torch.long)
-            lens[r] = (n - 1) * self.page_size + last[r] if n else 0
+        for r, (row_pages, seen) in enumerate(rows):
+            pages[r, :len(row_pages)] = torch.tensor(row_pages, dtype=torch.long)
+            lens[r] = seen
         self._set(pages.to(self.device), lens.to(self.device))
         self._window = window_left
         self._scale = 1.0 / self.head_dim ** 0.5 if sm_scale is None else sm_scale
@@ -293,3 +304,85 @@ class StaticDecodeRebinds(StaticDecode):
 
     def _set(self, pages, lens):
         self._pages, self._lens = pages, lens
+
+
+class StaticPrefill(StaticDecode):
+    """A capturable paged prefill wrapper in the same form: each query token a row of its own over
+    its row's pages, seeing the keys up to its causal limit, in buffers sized for
+    ``max_total_tokens`` tokens in graph mode."""
+
+    def __init__(self, workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, batch_size=None,
+                 max_num_pages=None, device="cpu", accelerator_graph=False, enable_nvtx=False, backend="auto",
+                 max_total_tokens=None):
+        super().__init__(workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size, max_total_tokens,
+                         max_num_pages, device, accelerator_graph, enable_nvtx, backend)
+
+    def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal=True,
+             dtype=torch.bfloat16, kv_lens=None, window_left=-1, sm_scale=None, **kwargs):
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}.plan got unexpected keyword arguments {sorted(kwargs)}")
+        self._check_indices(paged_kv_indices)
+        qo = qo_indptr.tolist()
+        causal = self._causal(qo, causal)
+        tokens = []
+        for r, (pages, seen) in enumerate(paged_rows(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len,
+                                                      self.page_size)):
+            n = qo[r + 1] - qo[r]
+            tokens += [(pages, seen - n + 1 + i if causal else seen) for i in range(n)]
+        self._plan_rows(tokens, window_left, sm_scale)
+
+    def _check_indices(self, indices):
+        pass
+
+    def _causal(self, qo, causal):
+        return causal
+
+
+class StaticMixed(StaticPrefill):
+    """The same as a mixed wrapper (one plan for decode and prefill rows, always sized, so always
+    in graph mode), which, like the managers' mixed split, takes its page indices on the host."""
+
+    def __init__(self, float_workspace_buffer, int_workspace_buffer, num_qo_heads, num_kv_heads, head_dim,
+                 page_size, batch_size, max_total_tokens, max_num_pages, max_prefill_rows, device="cpu",
+                 backend="auto"):
+        super().__init__(float_workspace_buffer, num_qo_heads, num_kv_heads, head_dim, page_size,
+                         max_num_pages=max_num_pages, device=device, accelerator_graph=True,
+                         max_total_tokens=max_total_tokens)
+
+    def _check_indices(self, indices):
+        if indices.device.type != "cpu":
+            raise ValueError(f"StaticMixed.plan: paged_kv_indices must be on the host, got {indices.device}")
+
+
+class StaticPrefillMultiTokenNoCausal(StaticPrefill):
+    """Drops the causal mask for a step of uniform rows of a few queries (multi-token decode), as
+    a kernel picked for those steps might; every other step is right."""
+
+    def _causal(self, qo, causal):
+        lens = {b - a for a, b in zip(qo[:-1], qo[1:], strict=True)}
+        return causal and not (len(qo) > 2 and len(lens) == 1 and 1 < min(lens) <= 8)
+
+
+class StaticDecodeScaledStep(StaticDecode):
+    """Right in every step but the one of three rows, whose outputs are scaled by ``1 + 1e-5``
+    (in float32, inside the stated tolerance): the largest error of a replay sequence is that one."""
+
+    GAIN = 1e-5
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._gain = torch.ones((), device=self.device)
+
+    def _plan_rows(self, rows, window_left, sm_scale):
+        super()._plan_rows(rows, window_left, sm_scale)
+        self._gain.fill_(1.0 + self.GAIN if sum(1 for _, seen in rows if seen) == 3 else 1.0)
+
+    def run(self, q, kv_cache_layer, **kwargs):
+        return super().run(q, kv_cache_layer, **kwargs) * self._gain
+
+
+class StaticDecodeLeadingDim(StaticDecode):
+    """Returns its output with a leading dimension of one: the wrong shape, on every run."""
+
+    def run(self, q, kv_cache_layer, **kwargs):
+        return super().run(q, kv_cache_layer, **kwargs)[None]

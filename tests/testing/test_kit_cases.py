@@ -133,3 +133,11 @@ def test_the_reuse_steps_grow_and_shrink_and_fit_the_graph_sizes(kind):
         assert kind != "mixed" or sum(q > 1 for q in c.q_lens) <= reuse.PREFILL_ROWS
     if kind == "prefill":  # prompts over 64 tokens among short ones
         assert any(q > 64 for c in cases for q in c.q_lens) and any(max(c.q_lens) < 64 for c in cases)
+
+
+def test_the_replayed_multi_token_step_is_uniform_rows_of_a_few_queries_that_fit_the_graph_sizes():
+    q, p = reuse.MULTI_TOKEN_STEP
+    assert len(set(q)) == 1 and 1 < q[0] <= 8  # uniform rows of a few queries, as multi-token decode
+    assert 1 < len(q) <= reuse.BATCH and sum(q) <= reuse.TOKENS and len(p) == len(q)
+    assert 0 in p and any(n % reuse.PAGE_SIZE for n in p)  # an empty prefix and a page left part full
+    assert sum(-(-(a + b) // reuse.PAGE_SIZE) for a, b in zip(q, p, strict=True)) <= reuse.PAGES
