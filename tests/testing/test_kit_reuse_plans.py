@@ -197,14 +197,18 @@ def test_layers_name_the_layer_whose_wrapper_shares_its_scale():
     assert e.detail.endswith("; through a fresh wrapper it passes")
 
 
+class KnowsTheLatestPlanned(R.ReferenceDecodeWrapper):
+    """Records on its class which of its wrappers was planned last (each test's subclass its own)."""
+
+    latest = None
+
+    def _plan(self, p):
+        super()._plan(p)
+        type(self).latest = self
+
+
 def test_layers_name_a_windowed_layer_with_its_window_and_scale():
-    class WindowFromTheLatestPlan(R.ReferenceDecodeWrapper):
-        latest = None
-
-        def _plan(self, p):
-            super()._plan(p)
-            type(self).latest = self
-
+    class WindowFromTheLatestPlan(KnowsTheLatestPlanned):
         def run(self, *args, **kwargs):
             if type(self).latest is not self and self._planned[3] >= 0:
                 self._planned = (*self._planned[:3], self._planned[3] + 1, *self._planned[4:])
@@ -220,13 +224,7 @@ def test_layers_name_other_rules_as_they_are():
 
 
 def test_layers_name_other_rules_as_they_are_even_where_a_fresh_wrapper_passes():
-    class WidensUnlessPlannedLast(R.ReferenceDecodeWrapper):
-        latest = None
-
-        def _plan(self, p):
-            super()._plan(p)
-            type(self).latest = self
-
+    class WidensUnlessPlannedLast(KnowsTheLatestPlanned):
         def run(self, *args, **kwargs):
             out = super().run(*args, **kwargs)
             return out if type(self).latest is self else out.double()
