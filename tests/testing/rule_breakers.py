@@ -226,7 +226,7 @@ class DecodeRaisesOnFullLastPage(R.ReferenceDecodeWrapper):
         super().plan(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, *args, **kwargs)
 
 
-# -- replay: a capturable decode wrapper, and one whose plan the captured graph never sees ---------
+# -- replay: capturable wrappers of each paged kind, and ones that break the replay rules -------
 
 
 def paged_rows(indptr, indices, last_page_len, page_size):
@@ -259,10 +259,13 @@ class StaticDecode:
 
     def plan(self, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, dtype=torch.bfloat16, kv_lens=None,
              window_left=-1, sm_scale=None, **kwargs):
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}.plan got unexpected keyword arguments {sorted(kwargs)}")
+        self._refuse_unknown(kwargs)
         rows = paged_rows(paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, self.page_size)
         self._plan_rows(rows, window_left, sm_scale)
+
+    def _refuse_unknown(self, kwargs):
+        if kwargs:
+            raise TypeError(f"{type(self).__name__}.plan got unexpected keyword arguments {sorted(kwargs)}")
 
     def _plan_rows(self, rows, window_left, sm_scale):
         """Each row (its pages, how many keys it sees) into the page-table buffers."""
@@ -319,8 +322,7 @@ class StaticPrefill(StaticDecode):
 
     def plan(self, qo_indptr, paged_kv_indptr, paged_kv_indices, paged_kv_last_page_len, causal=True,
              dtype=torch.bfloat16, kv_lens=None, window_left=-1, sm_scale=None, **kwargs):
-        if kwargs:
-            raise TypeError(f"{type(self).__name__}.plan got unexpected keyword arguments {sorted(kwargs)}")
+        self._refuse_unknown(kwargs)
         self._check_indices(paged_kv_indices)
         qo = qo_indptr.tolist()
         causal = self._causal(qo, causal)
